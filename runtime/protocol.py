@@ -1,0 +1,223 @@
+"""The wire between the HTTP process and the runtime process.
+
+Only these message types cross the process boundary, encoded with msgpack (msgspec): token ids,
+parameters, text deltas, finish reasons, scores and statistics. Never tensors, block objects or
+config objects. The module imports nothing of ours and no torch, so the server may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int | None = None  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
+    strategy: str = "beam"
+    n: int = 8
+    beam_width: int = 4
+    max_steps: int = 40
+    step_delimiter: str = "\n\n"
+    max_step_tokens: int = 256
+    granularity: int = 1
+    lookahead: int = 0
+    verifier: str = "confidence"
+    aggregation: str = "last"
+    select: str = "best"
+    answer_pattern: str | None = None
+    include_events: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Server -> runtime
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    request_id: str
+    endpoint: str  # "chat" | "completion"
+    # Exactly one of these is set: chat messages (rendered with the chat template in the runtime),
+    # a prompt text, or prompt token ids.
+    messages: tuple[dict[str, str], ...] | None = None
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = SamplingParams()
+    search: SearchParams | None = None
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime -> server
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    model: str
+    max_model_len: int
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    verifiers: tuple[str, ...] = ()
+
+
+class LoadProgress(msgspec.Struct, frozen=True, tag=True):
+    message: str
+
+
+class LoadFailed(msgspec.Struct, frozen=True, tag=True):
+    message: str
+
+
+class Accepted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """The prompt was tokenized and admitted; usage figures for the prompt."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[TopLogprob, ...] = ()
+
+
+class StepScore(msgspec.Struct, frozen=True, kw_only=True):
+    score: float
+    step_scores: tuple[float, ...]
+    answer: str | None
+
+
+class Delta(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """New text of one choice. The last delta of a choice carries its finish reason."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+    search: StepScore | None = None  # on the finishing delta of a search choice
+
+
+class SearchEvent(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    request_id: str
+    step: int
+    live_paths: int
+    scores: tuple[float, ...]
+
+
+class SearchSummary(msgspec.Struct, frozen=True, kw_only=True):
+    strategy: str
+    steps: int
+    paths_explored: int
+    tokens_generated: int
+    tokens_returned: int
+    verifier_tokens_prefilled: int
+    verifier_calls: int
+    prefix_hit_tokens: int
+    seconds_generating: float
+    seconds_verifying: float
+
+
+class Finished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Every choice of the request has finished; usage for the whole request."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    search: SearchSummary | None = None
+
+
+class RequestError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    request_id: str
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class RuntimeStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Counters are cumulative since the runtime started; gauges are the value now."""
+
+    requests_running: int = 0
+    requests_waiting: int = 0
+    # {"tier/state": blocks}, state in used, cached, free
+    kv_blocks: dict[str, int] = {}
+    # {"src/dst": bytes}
+    kv_transfer_bytes: dict[str, int] = {}
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefetch_stall_seconds: float = 0.0
+    tokens_prompt: int = 0
+    tokens_cached: int = 0
+    tokens_generated: int = 0
+    search_requests: dict[str, int] = {}
+    search_paths: int = 0
+    search_steps: int = 0
+    speculative_tokens: dict[str, int] = {}
+    # Observations since the previous RuntimeStats message (histogram samples).
+    verifier_seconds: tuple[float, ...] = ()
+    beam_group_sizes: tuple[int, ...] = ()
+
+
+ToRuntime = Union[GenerateRequest, AbortRequest, Shutdown]
+FromRuntime = Union[
+    Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, Finished, RequestError, RuntimeStats
+]
+
+_to_runtime_decoder = msgspec.msgpack.Decoder(ToRuntime)
+_from_runtime_decoder = msgspec.msgpack.Decoder(FromRuntime)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: ToRuntime | FromRuntime) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_runtime(data: bytes) -> ToRuntime:
+    return _to_runtime_decoder.decode(data)
+
+
+def decode_from_runtime(data: bytes) -> FromRuntime:
+    return _from_runtime_decoder.decode(data)
