@@ -58,7 +58,7 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
 # Server -> runtime
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class GenerateRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     request_id: str
     endpoint: str  # "chat" | "completion"
     # Exactly one of these is set: chat messages (rendered with the chat template in the runtime),
@@ -70,11 +70,11 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     search: SearchParams | None = None
 
 
-class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+class AbortRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
     request_id: str
 
 
-class Shutdown(msgspec.Struct, frozen=True, tag=True):
+class Shutdown(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
     pass
 
 
@@ -82,7 +82,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
 # Runtime -> server
 
 
-class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     model: str
     max_model_len: int
     dtype: str
@@ -92,15 +92,15 @@ class Ready(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     verifiers: tuple[str, ...] = ()
 
 
-class LoadProgress(msgspec.Struct, frozen=True, tag=True):
+class LoadProgress(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
     message: str
 
 
-class LoadFailed(msgspec.Struct, frozen=True, tag=True):
+class LoadFailed(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
     message: str
 
 
-class Accepted(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Accepted(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     """The prompt was tokenized and admitted; usage figures for the prompt."""
 
     request_id: str
@@ -126,7 +126,7 @@ class StepScore(msgspec.Struct, frozen=True, kw_only=True):
     answer: str | None
 
 
-class Delta(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Delta(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     """New text of one choice. The last delta of a choice carries its finish reason."""
 
     request_id: str
@@ -138,7 +138,7 @@ class Delta(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     search: StepScore | None = None  # on the finishing delta of a search choice
 
 
-class SearchEvent(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class SearchEvent(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     request_id: str
     step: int
     live_paths: int
@@ -158,7 +158,7 @@ class SearchSummary(msgspec.Struct, frozen=True, kw_only=True):
     seconds_verifying: float
 
 
-class Finished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     """Every choice of the request has finished; usage for the whole request."""
 
     request_id: str
@@ -168,7 +168,7 @@ class Finished(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     search: SearchSummary | None = None
 
 
-class RequestError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class RequestError(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     request_id: str
     status: int
     message: str
@@ -177,7 +177,7 @@ class RequestError(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     code: str | None = None
 
 
-class RuntimeStats(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class RuntimeStats(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     """Counters are cumulative since the runtime started; gauges are the value now."""
 
     requests_running: int = 0
@@ -221,3 +221,29 @@ def decode_to_runtime(data: bytes) -> ToRuntime:
 
 def decode_from_runtime(data: bytes) -> FromRuntime:
     return _from_runtime_decoder.decode(data)
+
+
+class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What the runtime process is started with (the first frame it reads)."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    trust_remote_code: bool = False
+    block_size: int = 16
+    kv_memory_bytes: int = 2 << 30
+    num_blocks: int | None = None  # overrides kv_memory_bytes
+    enable_prefix_cache: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    stats_interval_s: float = 1.0
+    search_caps: dict[str, int] = {}
+
+
+_options_decoder = msgspec.msgpack.Decoder(RuntimeOptions)
+
+
+def decode_options(data: bytes) -> RuntimeOptions:
+    return _options_decoder.decode(data)

@@ -1,0 +1,35 @@
+"""Build an engine from the runtime's start options: resolve, load and size everything."""
+
+from __future__ import annotations
+
+import logging
+
+from runtime import attention
+from runtime.engine import Engine, EngineConfig, kv_shape_of
+from runtime.loader import ModelSource, load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
+from runtime.protocol import RuntimeOptions
+
+log = logging.getLogger("ponder.runtime")
+
+
+def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
+    source = resolve_model(options.model, options.served_model_name)
+    device = pick_device(options.device)
+    dtype = pick_dtype(options.dtype, device)
+    log.info("loading tokenizer from %s", source.directory)
+    tokenizer = load_tokenizer(source, options.trust_remote_code)
+    log.info("loading model %s (%s on %s)", source.name, str(dtype).removeprefix("torch."), device)
+    model = load_causal_lm(source, device, dtype, attention.register(), options.trust_remote_code)
+    text_config = model.config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None) or 2048
+    max_model_len = min(options.max_model_len or limit, limit)
+    shape = kv_shape_of(model.config, options.block_size)
+    num_blocks = options.num_blocks or max(1, options.kv_memory_bytes // shape.bytes_per_block(dtype))
+    config = EngineConfig(max_model_len=max_model_len, num_blocks=num_blocks, block_size=options.block_size,
+                          max_num_seqs=options.max_num_seqs,
+                          max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
+                          enable_prefix_cache=options.enable_prefix_cache)
+    model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
+             num_blocks * shape.bytes_per_block(dtype) / 2**20)
+    return Engine(model, tokenizer, config, model_key), source

@@ -1,0 +1,209 @@
+"""The HTTP process's handle on the runtime process: spawn, handshake, typed messages, restarts.
+
+Imports no torch: the runtime is a child process (`python -m runtime.process`) that talks over a
+socket pair. If it dies, every open request ends with an error at once and the runtime is started
+again with exponential backoff; `state` tells the health endpoint where things stand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+
+from runtime.framing import HEADER
+from runtime.protocol import (
+    AbortRequest, Accepted, Delta, Finished, FromRuntime, GenerateRequest, LoadFailed, LoadProgress, Ready,
+    RequestError, RuntimeOptions, RuntimeStats, SearchEvent, Shutdown, decode_from_runtime, encode,
+)
+
+log = logging.getLogger("ponder.client")
+
+LOADING, READY, DEAD, STOPPED = "loading", "ready", "dead", "stopped"
+
+
+class RuntimeUnavailable(RuntimeError):
+    pass
+
+
+class RequestHandle:
+    """Messages for one request, in order, ending with `Finished` or `RequestError`."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[FromRuntime] = asyncio.Queue()
+        self.done = False
+
+    async def messages(self) -> AsyncIterator[Accepted | Delta | SearchEvent | Finished | RequestError]:
+        while True:
+            message = await self.queue.get()
+            yield message
+            if isinstance(message, (Finished, RequestError)):
+                self.done = True
+                return
+
+
+class RuntimeClient:
+    def __init__(self, options: RuntimeOptions, on_stats: Callable[[RuntimeStats], None] | None = None,
+                 on_state: Callable[[str], None] | None = None, max_backoff_s: float = 30.0,
+                 load_timeout_s: float = 600.0) -> None:
+        self.options = options
+        self.on_stats = on_stats
+        self.on_state = on_state
+        self.max_backoff_s = max_backoff_s
+        self.load_timeout_s = load_timeout_s
+        self.state = STOPPED
+        self.info: Ready | None = None
+        self.load_error: str | None = None
+        self.num_restarts = 0
+        self._handles: dict[str, RequestHandle] = {}
+        self._proc: subprocess.Popen | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self, wait: bool = True) -> None:
+        self._supervisor = asyncio.create_task(self._supervise())
+        if wait:
+            await self.wait_ready()
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout or self.load_timeout_s)
+        if self.state != READY:
+            raise RuntimeUnavailable(self.load_error or "the runtime did not start")
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        self._set_state(STOPPED)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        if self.on_state is not None:
+            self.on_state(state)
+
+    async def _supervise(self) -> None:
+        backoff = 1.0
+        try:
+            while True:
+                loaded = await self._run_once()
+                if self.state == LOADING and not loaded:
+                    self._ready.set()  # the model cannot load: say so instead of retrying forever
+                    return
+                self.num_restarts += 1
+                log.warning("runtime exited; restarting in %.0f s", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.max_backoff_s)
+        finally:
+            await self._kill()
+
+    async def _run_once(self) -> bool:
+        """Run one runtime process until it exits. Returns whether it became ready."""
+        self._set_state(LOADING)
+        parent, child = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports `runtime` from wherever this process found it.
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.process", "--fd", str(child.fileno())],
+            pass_fds=[child.fileno()], env=env)
+        child.close()
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._send(self.options)
+        became_ready = False
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(HEADER.size)
+                    payload = await reader.readexactly(HEADER.unpack(header)[0])
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                message = decode_from_runtime(payload)
+                if isinstance(message, Ready):
+                    self.info = message
+                    became_ready = True
+                    self._set_state(READY)
+                    self._ready.set()
+                elif isinstance(message, LoadFailed):
+                    self.load_error = message.message
+                    log.error("the runtime could not load the model: %s", message.message)
+                elif isinstance(message, LoadProgress):
+                    log.info("%s", message.message)
+                elif isinstance(message, RuntimeStats):
+                    if self.on_stats is not None:
+                        self.on_stats(message)
+                else:
+                    self._dispatch(message)
+        finally:
+            self._writer = None
+            with contextlib.suppress(Exception):
+                parent.close()
+            await self._kill()
+            self._fail_all(became_ready)
+            self._set_state(DEAD)
+        return became_ready
+
+    async def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            for _ in range(50):
+                if proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                proc.kill()
+                proc.wait()
+
+    def _fail_all(self, was_ready: bool) -> None:
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.queue.put_nowait(RequestError(
+                request_id=handle.request_id, status=503, type="server_error", code="runtime_unavailable",
+                message="the inference runtime stopped while serving this request; it is being restarted"))
+
+    def _dispatch(self, message: FromRuntime) -> None:
+        handle = self._handles.get(message.request_id)
+        if handle is None:
+            return  # aborted earlier; late messages are dropped
+        if isinstance(message, (Finished, RequestError)):
+            del self._handles[message.request_id]
+        handle.queue.put_nowait(message)
+
+    def _send(self, message) -> None:
+        if self._writer is None:
+            raise RuntimeUnavailable("the inference runtime is not running")
+        payload = encode(message)
+        self._writer.write(HEADER.pack(len(payload)) + payload)
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest) -> RequestHandle:
+        if self.state != READY:
+            raise RuntimeUnavailable("the inference runtime is not ready")
+        handle = RequestHandle(request.request_id)
+        self._handles[request.request_id] = handle
+        self._send(request)
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        if self._handles.pop(request_id, None) is not None and self._writer is not None:
+            self._send(AbortRequest(request_id))
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._send(Shutdown())

@@ -1,0 +1,108 @@
+"""The runtime process: `python -m runtime.process --fd N`.
+
+Reads `RuntimeOptions` then requests from the socket inherited as fd N, loads the model, answers
+`Ready`, and runs the engine loop: drain incoming messages, run one step, send what it produced.
+Statistics go out every `stats_interval_s`. The process exits when the socket closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import socket
+import sys
+import time
+import traceback
+
+from runtime.framing import recv_frame, send_frame
+from runtime.protocol import (
+    AbortRequest, GenerateRequest, LoadFailed, Ready, RequestError, Shutdown, decode_options,
+    decode_to_runtime, encode,
+)
+
+log = logging.getLogger("ponder.runtime")
+
+
+class Channel:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, message) -> None:
+        send_frame(self.sock, encode(message))
+
+    def poll(self, timeout: float) -> bool:
+        readable, _, _ = select.select([self.sock], [], [], timeout)
+        return bool(readable)
+
+
+def serve(channel: Channel) -> None:
+    raw = recv_frame(channel.sock)
+    if raw is None:
+        return
+    options = decode_options(raw)
+    try:
+        from runtime.bootstrap import build_engine
+
+        engine, source = build_engine(options)
+    except Exception as exc:  # noqa: BLE001 - reported to the server, which shows it to the user
+        log.error("model load failed: %s", exc)
+        channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    channel.send(Ready(model=source.name, max_model_len=engine.config.max_model_len,
+                       dtype=str(engine.cache.dtype).removeprefix("torch."), device=str(engine.device),
+                       num_blocks=engine.config.num_blocks, block_size=engine.config.block_size))
+    log.info("runtime ready: %s", source.name)
+    last_stats = 0.0
+    while True:
+        timeout = 0.0 if engine.has_work else 0.05
+        while channel.poll(timeout):
+            raw = recv_frame(channel.sock)
+            if raw is None:
+                return
+            message = decode_to_runtime(raw)
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, AbortRequest):
+                engine.abort(message.request_id)
+            elif isinstance(message, GenerateRequest):
+                for out in engine.add_request(message):
+                    channel.send(out)
+            timeout = 0.0
+        if engine.has_work:
+            try:
+                outputs = engine.step()
+            except Exception:  # noqa: BLE001 - a bug: fail the running requests, keep serving
+                detail = traceback.format_exc()
+                log.error("engine step failed:\n%s", detail)
+                for request_id in list(engine.requests):
+                    engine.abort(request_id)
+                    channel.send(RequestError(request_id=request_id, status=500, type="server_error",
+                                              message="internal error in the runtime step"))
+                continue
+            for out in outputs:
+                channel.send(out)
+        now = time.monotonic()
+        if now - last_stats >= options.stats_interval_s:
+            channel.send(engine.runtime_stats())
+            last_stats = now
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m runtime.process")
+    parser.add_argument("--fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PONDER_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    try:
+        serve(Channel(sock))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Token sampling with per-sequence parameters and per-sequence random generators.
+
+Every sequence draws from its own seeded `torch.Generator`, one draw per sampled token, so the
+tokens a seed gives do not depend on which other sequences share the batch or on preemption.
+Log-probabilities are reported from the model's own distribution (before penalties/temperature).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from runtime.protocol import SamplingParams
+
+
+def derive_seed(seed: int | None, *path: int) -> int:
+    """A 63-bit seed for one sequence: the request seed (or fresh entropy) and its position in the request."""
+    material = os.urandom(8) if seed is None else seed.to_bytes(16, "little", signed=True)
+    h = hashlib.blake2b(material, digest_size=8)
+    for part in path:
+        h.update(part.to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+@dataclass
+class SampleOutput:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+class SamplingState:
+    """What sampling needs to remember about one sequence."""
+
+    def __init__(self, params: SamplingParams, seed: int, device: torch.device) -> None:
+        self.params = params
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def fork(self, seed: int) -> "SamplingState":
+        return SamplingState(self.params, seed, self.generator.device)
+
+
+def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        if len(seen):
+            values = logits[seen]
+            logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output_ids:
+        ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.shape[0]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, on temperature-scaled logits; removed entries become -inf."""
+    if p.top_k and p.top_k > 0 and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        remove = torch.cumsum(probs, dim=-1) - probs >= p.top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(remove, float("-inf")))
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: list[tuple[list[int], list[int]]]) -> list[SampleOutput]:
+    """Sample one token per row of `logits` `[S, vocab]` (float32).
+
+    `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties.
+    """
+    outputs: list[SampleOutput] = []
+    raw_logprobs = None
+    if any(s.params.logprobs for s in states):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    for row, state in enumerate(states):
+        p = state.params
+        x = logits[row]
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            x = _apply_penalties(x.clone(), p, *token_histories[row])
+        if p.is_greedy:
+            token = int(torch.argmax(x))
+        else:
+            x = _filter(x / p.temperature, p)
+            probs = torch.softmax(x, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=state.generator))
+        out = SampleOutput(token)
+        if p.logprobs and raw_logprobs is not None:
+            lp = raw_logprobs[row]
+            out.logprob = float(lp[token])
+            if p.top_logprobs > 0:
+                values, ids = torch.topk(lp, p.top_logprobs)
+                out.top = [(int(i), float(v)) for i, v in zip(ids, values)]
+        outputs.append(out)
+    return outputs

@@ -1,0 +1,141 @@
+"""Block bookkeeping for sequences: prefix-cache admission, slot allocation, forks, copy-on-write.
+
+The manager decides which block ids a sequence's tokens go to; it never touches tensors. Copies it
+asks for (copy-on-write of a shared, partially filled block) are returned to the caller to perform
+before the step writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.sequence import Sequence
+from storage.block_hash import hash_block, hash_blocks
+from storage.block_pool import BlockPool
+
+
+@dataclass
+class PrefixStats:
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+
+@dataclass
+class SlotAllocation:
+    """Blocks to copy (src, dst) before the step runs, for copy-on-write."""
+
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, extra_key: bytes = b"", enable_prefix_cache: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.extra_key = extra_key
+        self.enable_prefix_cache = enable_prefix_cache
+        self.prefix_stats = PrefixStats()
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission ----------------------------------------------------------------------------
+    def admit(self, seq: Sequence, max_new_tokens: int) -> bool:
+        """Attach the longest cached prefix of `seq` and blocks for its next `max_new_tokens`
+        uncomputed tokens. All or nothing: on False the pool is as it was."""
+        assert not seq.block_table, "admitting a sequence that already holds blocks"
+        matched: list[int] = []
+        hashes = []
+        if self.enable_prefix_cache:
+            # At least one token must be computed to produce logits, so the last token never hits.
+            cacheable = (len(seq.token_ids) - 1) // self.block_size
+            hashes = hash_blocks(seq.token_ids[:cacheable * self.block_size], self.block_size, self.extra_key)
+            matched = self.pool.match_prefix(hashes)
+        num_cached = len(matched) * self.block_size
+        num_new = min(max_new_tokens, len(seq.token_ids) - num_cached)
+        num_needed = self.num_blocks_for(num_cached + num_new) - len(matched)
+        # Matched blocks that are merely cached count against availability once taken.
+        num_reclaimable_matched = sum(1 for b in matched if self.pool.ref_counts[b] == 0)
+        if num_needed > self.pool.num_available - num_reclaimable_matched:
+            return False
+        self.pool.acquire(matched)
+        new_blocks = self.pool.allocate(num_needed)
+        assert new_blocks is not None
+        seq.block_table = matched + new_blocks
+        seq.block_hashes = hashes[:len(matched)]
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached
+            self.prefix_stats.query_tokens += len(seq.token_ids)
+            self.prefix_stats.hit_tokens += num_cached
+        return True
+
+    # -- growth -------------------------------------------------------------------------------
+    def num_blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks `append_slots` would take: new ones, plus one if the write lands in a shared block."""
+        end = seq.num_computed_tokens + num_new_tokens
+        needed = max(0, self.num_blocks_for(end) - len(seq.block_table))
+        if self._write_block_is_shared(seq):
+            needed += 1
+        return needed
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.pool.can_allocate(self.num_blocks_to_append(seq, num_new_tokens))
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> SlotAllocation | None:
+        """Make room to write `num_new_tokens` after the computed ones. None if the pool is short."""
+        if not self.can_append(seq, num_new_tokens):
+            return None
+        result = SlotAllocation()
+        if self._write_block_is_shared(seq):
+            index = seq.num_computed_tokens // self.block_size
+            old = seq.block_table[index]
+            (new,) = self.pool.allocate(1)  # type: ignore[misc]
+            self.pool.release([old])
+            seq.block_table[index] = new
+            result.copies.append((old, new))
+        end = seq.num_computed_tokens + num_new_tokens
+        missing = self.num_blocks_for(end) - len(seq.block_table)
+        if missing > 0:
+            blocks = self.pool.allocate(missing)
+            assert blocks is not None
+            seq.block_table.extend(blocks)
+        return result
+
+    def _write_block_is_shared(self, seq: Sequence) -> bool:
+        """True when the next token lands in an existing, partially filled block another holder shares."""
+        offset = seq.num_computed_tokens % self.block_size
+        index = seq.num_computed_tokens // self.block_size
+        if offset == 0 or index >= len(seq.block_table):
+            return False
+        return self.pool.ref_counts[seq.block_table[index]] > 1
+
+    # -- after the KV is written ----------------------------------------------------------------
+    def commit_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Record that KV up to `num_computed_tokens` is written and name the newly full blocks."""
+        seq.num_computed_tokens = num_computed_tokens
+        if not self.enable_prefix_cache:
+            return
+        num_full = num_computed_tokens // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for index in range(len(seq.block_hashes), num_full):
+            start = index * self.block_size
+            parent = hash_block(parent, seq.token_ids[start:start + self.block_size], self.extra_key)
+            seq.block_hashes.append(parent)
+            self.pool.register(seq.block_table[index], parent)
+
+    # -- forks and frees ------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let `child` share every block of `parent`; the partial last block is copied on first write."""
+        assert not child.block_table
+        self.pool.acquire(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, deepest first, so shared prefixes stay cached longest."""
+        self.pool.release(reversed(seq.block_table))
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,74 @@
+"""The compute-tier KV tensor.
+
+Layout `[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`: one block (all layers,
+keys and values) is one contiguous unit, so a block moves between tiers as a single copy, and the
+(layer, KV-head group) slice of a block is `kv[block, layer, :, h0:h1]` for head-wise transfers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def bytes_per_block(self, dtype: torch.dtype) -> int:
+        elements = 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim
+        return elements * torch.empty((), dtype=dtype).element_size()
+
+
+class KVCache:
+    def __init__(self, shape: KVShape, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = device
+        self.kv = torch.zeros((num_blocks, *shape.block_shape), dtype=dtype, device=device)
+
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.shape.bytes_per_block(self.dtype)
+
+    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
+              key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store one layer's keys/values `[num_tokens, num_kv_heads, head_dim]` at (block, offset)."""
+        self.kv[block_ids, layer, 0, :, offsets] = key
+        self.kv[block_ids, layer, 1, :, offsets] = value
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `block_table` `[num_seqs, max_blocks]` as `[num_seqs, heads, tokens, dim]`."""
+        blocks = self.kv[block_table, layer]  # [S, B, 2, H, bs, D]
+        s, b, _, h, bs, d = blocks.shape
+        key = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(s, h, b * bs, d)
+        value = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(s, h, b * bs, d)
+        return key, value
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst (copy-on-write of a shared, partially filled block)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        self.kv[dst] = self.kv[src]
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A view of one block's payload `[layers, 2, heads, block_size, dim]` (no copy)."""
+        return self.kv[block_id]
+
+    def write_block(self, block_id: int, payload: torch.Tensor) -> None:
+        self.kv[block_id].copy_(payload, non_blocking=True)
