@@ -1,0 +1,192 @@
+"""The HTTP process: OpenAI routes, health, metrics, auth, CORS and body limits."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtime.client import READY, RuntimeClient
+from runtime.protocol import GenerateRequest
+from server import errors
+from server.config import Settings
+from server.errors import APIError
+from server.generation import Generation
+from server.metrics import Metrics
+from server.schemas import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("ponder.server")
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    client: RuntimeClient
+    metrics: Metrics
+
+
+class BodyLimit:
+    """413 for bodies over the limit, whether announced by Content-Length or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = APIError(413, f"the request body is larger than {self.max_bytes} bytes").response()
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings, client: RuntimeClient | None = None, metrics: Metrics | None = None) -> FastAPI:
+    metrics = metrics or Metrics()
+    if client is None:
+        client = RuntimeClient(settings.runtime_options(), on_stats=metrics.apply_runtime_stats)
+    state = AppState(settings, client, metrics)
+
+    def on_state(new_state: str) -> None:
+        metrics.set_runtime_up(new_state == READY)
+        if new_state == READY and client.info is not None:
+            metrics.set_model_info(client.info.model, client.info.dtype, client.info.device)
+            if client.num_restarts:
+                metrics.runtime_restarted()
+
+    client.on_state = on_state
+    client.on_stats = metrics.apply_runtime_stats
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await client.start(wait=False)
+        try:
+            yield
+        finally:
+            await client.stop()
+
+    app = FastAPI(title="ponder", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server with verifier-guided tree search.")
+    app.state.ponder = state
+    errors.install(app)
+    if settings.server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+
+    api_key = settings.server.api_key.get_secret_value().encode() if settings.server.api_key else None
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # compare_digest runs in time independent of where the strings differ.
+        if not hmac.compare_digest(token.strip().encode(), api_key) or scheme.lower() != "bearer":
+            raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    def served_model() -> str:
+        if client.info is None:
+            raise APIError(503, "the model is still loading", code="model_loading")
+        return client.info.model
+
+    def check_model(name: str | None) -> str:
+        model = served_model()
+        if name is not None and name != model:
+            raise APIError(404, f"the model `{name}` does not exist; this server serves `{model}`",
+                           "model", "model_not_found")
+        return model
+
+    @app.get("/health", include_in_schema=False)
+    async def health():
+        if client.state == READY:
+            return {"status": "ok", "model": client.info.model if client.info else None}
+        message = client.load_error or f"the runtime is {client.state}"
+        return APIError(503, message, code="runtime_" + client.state).response()
+
+    @app.get("/metrics", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def metrics_endpoint():
+        payload, content_type = metrics.render()
+        return Response(payload, media_type=content_type)
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def list_models():
+        model = served_model()
+        info = client.info
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "ponder",
+                                            "max_model_len": info.max_model_len if info else None}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        model = check_model(body.model)
+        _check_limits(settings, body)
+        include_events = bool(body.stream_options and body.stream_options.include_search_events)
+        wire = GenerateRequest(request_id=uuid.uuid4().hex, endpoint="chat", messages=body.wire_messages(),
+                               sampling=body.to_sampling(),
+                               search=body.search.to_params(include_events) if body.search else None)
+        return await Generation(client, metrics, request, model, "chat", [wire], body.n, body.stream,
+                                bool(body.stream_options and body.stream_options.include_usage),
+                                include_events).run()
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        model = check_model(body.model)
+        _check_limits(settings, body)
+        include_events = bool(body.stream_options and body.stream_options.include_search_events)
+        sampling = body.to_sampling()
+        search = body.search.to_params(include_events) if body.search else None
+        wires = []
+        for prompt in body.prompts():
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
+            wires.append(GenerateRequest(request_id=uuid.uuid4().hex, endpoint="completion", prompt=text,
+                                         prompt_token_ids=ids, sampling=sampling, search=search))
+        return await Generation(client, metrics, request, model, "completion", wires, body.n, body.stream,
+                                bool(body.stream_options and body.stream_options.include_usage),
+                                include_events).run()
+
+    return app
+
+
+def _check_limits(settings: Settings, body) -> None:
+    limits = settings.limits
+    if body.n > limits.max_n:
+        raise APIError(400, f"n must be at most {limits.max_n}", "n")
+    stops = body.stop_list()
+    if len(stops) > limits.max_stop_strings:
+        raise APIError(400, f"at most {limits.max_stop_strings} stop strings are allowed", "stop")
+    if any(len(s) > limits.max_stop_string_length for s in stops):
+        raise APIError(400, f"stop strings may be at most {limits.max_stop_string_length} characters", "stop")
+

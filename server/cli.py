@@ -1,0 +1,82 @@
+"""`ponder serve` and `ponder bench ...`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import ipaddress
+import logging
+import sys
+
+from pydantic import ValidationError
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    p.add_argument("--model", help="a Hugging Face model directory (safetensors), a .gguf file, or a hub id "
+                                   "from the local cache; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--config", help="a TOML settings file (see config.example.toml)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, dest="max_model_len")
+    p.add_argument("--api-key", dest="api_key", help="require `Authorization: Bearer KEY` on every route but /health")
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark (prints JSON and a table)")
+    p.add_argument("name", choices=["decode", "search", "kv"])
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see --help of each)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+    from server.config import Settings
+
+    try:
+        settings = Settings.load(
+            args.config,
+            server={"host": args.host, "port": args.port, "api_key": args.api_key},
+            model={"path": args.model, "device": args.device, "dtype": args.dtype,
+                   "max_model_len": args.max_model_len})
+    except (ValidationError, FileNotFoundError, ValueError) as exc:
+        print(f"ponder: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("ponder")
+    host = settings.server.host
+    if settings.server.api_key is None and not _is_loopback(host):
+        log.warning("binding %s without an API key: anyone who can reach this address can use the server; "
+                    "set --api-key or PONDER_SERVER__API_KEY", host)
+    app = create_app(settings)
+    uvicorn.run(app, host=host, port=settings.server.port, log_level=settings.server.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ponder", description="OpenAI-compatible server with verifier-guided search")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _bench_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    module = importlib.import_module(f"bench.{args.name}")
+    return module.main(args.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

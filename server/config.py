@@ -1,0 +1,99 @@
+"""Settings: CLI flags, then `PONDER_*` environment variables, then the TOML file, then defaults.
+
+Read once at start-up and frozen; `config.example.toml` documents every key. Nested keys use `__`
+in the environment (`PONDER_SERVER__API_KEY`, `PONDER_CACHE__BLOCK_SIZE`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from runtime.protocol import RuntimeOptions
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: SecretStr | None = None
+    cors_origins: list[str] = []
+    max_body_bytes: int = Field(8 << 20, ge=1024)
+    log_level: str = "INFO"
+
+
+class ModelSettings(_Section):
+    path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    served_name: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, ge=16)
+    trust_remote_code: bool = False
+
+
+class CacheSettings(_Section):
+    block_size: int = Field(16, ge=1, le=1024)
+    compute_memory_gib: float = Field(2.0, gt=0)
+    num_blocks: int | None = Field(None, ge=1)
+    enable_prefix_cache: bool = True
+
+
+class SchedulerSettings(_Section):
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+
+
+class LimitSettings(_Section):
+    max_n: int = Field(16, ge=1)
+    max_stop_strings: int = Field(32, ge=0)
+    max_stop_string_length: int = Field(256, ge=1)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PONDER_", env_nested_delimiter="__", frozen=True,
+                                      extra="forbid", nested_model_default_partial_update=True)
+
+    server: ServerSettings = ServerSettings()
+    model: ModelSettings = ModelSettings()
+    cache: CacheSettings = CacheSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    limits: LimitSettings = LimitSettings()
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource):
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_file = settings_cls.model_config.get("toml_file")
+        if toml_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> "Settings":
+        """Settings from `config_file` (TOML) under the environment under `overrides`
+        (nested dicts, e.g. `server={"port": 9000}`; None values are ignored)."""
+        overrides = {k: {kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v
+                     for k, v in overrides.items() if v is not None}
+        target: type[Settings] = cls
+        if config_file is not None:
+            path = Path(config_file)
+            if not path.is_file():
+                raise FileNotFoundError(f"config file {path} does not exist")
+            target = type("Settings", (cls,), {"model_config": {**cls.model_config, "toml_file": path}})
+        return target(**overrides)
+
+    def runtime_options(self) -> RuntimeOptions:
+        return RuntimeOptions(
+            model=self.model.path, served_model_name=self.model.served_name, device=self.model.device,
+            dtype=self.model.dtype, max_model_len=self.model.max_model_len,
+            trust_remote_code=self.model.trust_remote_code, block_size=self.cache.block_size,
+            kv_memory_bytes=int(self.cache.compute_memory_gib * (1 << 30)), num_blocks=self.cache.num_blocks,
+            enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens)

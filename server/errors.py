@@ -1,0 +1,59 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _describe(error: dict) -> tuple[str, str | None]:
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if error.get("type") == "json_invalid":
+        return "the request body is not valid JSON: " + str(error.get("ctx", {}).get("error", error.get("msg"))), None
+    message = error.get("msg", "invalid value")
+    return (f"{param}: {message}" if param else message), param
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        message, param = _describe(errors[0]) if errors else ("invalid request", None)
+        return APIError(400, message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+        if exc.status_code == 405:
+            return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response()
+        return APIError(exc.status_code, str(exc.detail)).response()

@@ -1,0 +1,217 @@
+"""Running one OpenAI generation request against the runtime: submit, collect or stream, account."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from runtime.client import RequestHandle, RuntimeClient, RuntimeUnavailable
+from runtime.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, SearchEvent
+from server.errors import APIError
+from server.metrics import Metrics
+from server.responses import (
+    ChoiceText, ChunkWriter, chat_logprobs, completion_logprobs, search_field, summary_field, usage,
+)
+
+log = logging.getLogger("ponder.requests")
+
+
+class Generation:
+    """One HTTP request: one runtime request per prompt, choices numbered prompt-major."""
+
+    def __init__(self, client: RuntimeClient, metrics: Metrics, http: Request, model: str, endpoint: str,
+                 requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
+                 include_search_events: bool) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.http = http
+        self.model = model
+        self.endpoint = endpoint
+        self.is_chat = endpoint == "chat"
+        self.requests = requests
+        self.n = n
+        self.stream = stream
+        self.include_usage = include_usage
+        self.include_search_events = include_search_events
+        prefix = "chatcmpl-" if self.is_chat else "cmpl-"
+        self.response_id = prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.started = time.monotonic()
+        self.handles: list[RequestHandle] = []
+        self.finished: list[Finished] = []
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finish_reasons: list[str] = []
+        self.status = 200
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def run(self):
+        self.metrics.request_started(self.endpoint)
+        try:
+            await self._submit_all()
+        except APIError as err:
+            self._account(err.status)
+            raise
+        if self.stream:
+            return StreamingResponse(self._stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect()
+
+    async def _submit_all(self) -> None:
+        """Submit every prompt and wait until each is admitted, so input errors are plain 4xx responses."""
+        try:
+            for request in self.requests:
+                self.handles.append(self.client.submit(request))
+        except RuntimeUnavailable as exc:
+            self._abort_all()
+            raise APIError(503, str(exc), code="runtime_unavailable") from None
+        for handle in self.handles:
+            first = await self._next(handle)
+            if isinstance(first, RequestError):
+                self._abort_all()
+                raise APIError(first.status, first.message, first.param, first.code, first.type)
+
+    @staticmethod
+    async def _next(handle: RequestHandle):
+        return await handle.queue.get()
+
+    def _abort_all(self) -> None:
+        for handle in self.handles:
+            if not handle.done:
+                self.client.abort(handle.request_id)
+
+    def _account(self, status: int) -> None:
+        self.status = status
+        latency = time.monotonic() - self.started
+        self.metrics.request_finished(self.endpoint, status, latency)
+        log.info("request %s endpoint=%s status=%s prompt_tokens=%s completion_tokens=%s latency=%.3fs "
+                 "finish=%s strategy=%s", self.response_id, self.endpoint, status,
+                 sum(f.prompt_tokens for f in self.finished), sum(f.completion_tokens for f in self.finished),
+                 latency, ",".join(self.finish_reasons) or "-",
+                 self.requests[0].search.strategy if self.requests and self.requests[0].search else "-")
+
+    def _observe_tokens(self, delta: Delta) -> None:
+        now = time.monotonic()
+        count = len(delta.token_ids)
+        if count == 0:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.observe_ttft(now - self.started)
+        elif self.last_token_at is not None:
+            self.metrics.observe_inter_token((now - self.last_token_at) / count)
+        self.last_token_at = now
+
+    async def _messages(self, handle_index: int) -> AsyncIterator:
+        handle = self.handles[handle_index]
+        async for message in handle.messages():
+            if isinstance(message, Delta):
+                self._observe_tokens(message)
+                message = Delta(request_id=message.request_id, index=handle_index * self.n + message.index,
+                                text=message.text, token_ids=message.token_ids, logprobs=message.logprobs,
+                                finish_reason=message.finish_reason, search=message.search)
+                if message.finish_reason is not None:
+                    self.finish_reasons.append(message.finish_reason)
+            elif isinstance(message, Finished):
+                self.finished.append(message)
+            yield message
+
+    # -- non-streaming --------------------------------------------------------------------------
+    async def _collect(self) -> JSONResponse:
+        choices = [ChoiceText() for _ in range(len(self.handles) * self.n)]
+        watcher = asyncio.create_task(self._watch_disconnect())
+        try:
+            for index in range(len(self.handles)):
+                async for message in self._messages(index):
+                    if isinstance(message, Delta):
+                        choices[message.index].add(message)
+                    elif isinstance(message, RequestError):
+                        raise APIError(message.status, message.message, message.param, message.code, message.type)
+        except APIError as err:
+            self._abort_all()
+            self._account(err.status)
+            raise
+        except asyncio.CancelledError:
+            self._abort_all()
+            self._account(499)
+            raise
+        finally:
+            watcher.cancel()
+        self.metrics.add_returned_tokens(sum(c.num_tokens for c in choices))
+        self._account(200)
+        return JSONResponse(self._body(choices))
+
+    async def _watch_disconnect(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if await self.http.is_disconnected():
+                self._abort_all()
+                return
+
+    def _body(self, choices: list[ChoiceText]) -> dict:
+        out = []
+        for index, c in enumerate(choices):
+            if self.is_chat:
+                item = {"index": index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
+                        "finish_reason": c.finish_reason}
+            else:
+                item = {"index": index, "text": c.text,
+                        "logprobs": completion_logprobs(c.logprobs) if c.logprobs else None,
+                        "finish_reason": c.finish_reason}
+            if c.search is not None:
+                item["search"] = search_field(c.search)
+            out.append(item)
+        body = {"id": self.response_id, "object": "chat.completion" if self.is_chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": out, "usage": usage(self.finished)}
+        summaries = [f.search for f in self.finished if f.search is not None]
+        if summaries:
+            body["search"] = summary_field(summaries[0])
+        return body
+
+    # -- streaming ------------------------------------------------------------------------------
+    async def _stream(self) -> AsyncIterator[bytes]:
+        writer = ChunkWriter(self.response_id, self.created, self.model, self.is_chat, self.include_usage)
+        status = 200
+        returned = 0
+        text_offsets: dict[int, int] = {}
+        try:
+            if self.is_chat:
+                for index in range(len(self.handles) * self.n):
+                    yield writer.role_chunk(index)
+            for handle_index in range(len(self.handles)):
+                async for message in self._messages(handle_index):
+                    if isinstance(message, Delta):
+                        returned += len(message.token_ids)
+                        yield writer.delta_chunk(message, text_offsets.get(message.index, 0))
+                        text_offsets[message.index] = text_offsets.get(message.index, 0) + len(message.text)
+                    elif isinstance(message, SearchEvent) and self.include_search_events:
+                        yield writer.chunk([], search={"step": message.step, "live_paths": message.live_paths,
+                                                       "scores": list(message.scores)})
+                    elif isinstance(message, RequestError):
+                        status = message.status
+                        yield writer.error(message.status, message.message, message.type, message.code)
+                        self._abort_all()
+                        yield writer.DONE
+                        return
+            if self.include_usage:
+                yield writer.usage_chunk(self.finished)
+            summaries = [f.search for f in self.finished if f.search is not None]
+            if summaries:
+                yield writer.chunk([], search=summary_field(summaries[0]))
+            yield writer.DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499  # the client went away: free everything the request held
+            raise
+        finally:
+            self._abort_all()
+            self.metrics.add_returned_tokens(returned)
+            with contextlib.suppress(Exception):
+                self._account(status)

@@ -1,0 +1,102 @@
+from scheduler.kv_manager import KVManager
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import Sequence
+from storage.block_pool import BlockPool
+
+
+def make(num_blocks=8, block_size=4):
+    pool = BlockPool(num_blocks, block_size)
+    return pool, KVManager(pool)
+
+
+def compute_all(kv, seq):
+    kv.commit_computed(seq, len(seq.token_ids))
+
+
+def test_admission_allocates_blocks_for_the_prompt():
+    pool, kv = make()
+    seq = Sequence(list(range(10)))
+    assert kv.admit(seq, 100)
+    assert seq.block_table == [0, 1, 2] and seq.num_computed_tokens == 0
+    compute_all(kv, seq)
+    assert len(seq.block_hashes) == 2  # two full blocks named, the partial one not
+    pool.check_integrity([seq.block_table])
+
+
+def test_second_request_hits_the_prefix_cache_and_never_the_last_token():
+    pool, kv = make()
+    first = Sequence(list(range(10)))
+    kv.admit(first, 100)
+    compute_all(kv, first)
+    kv.free(first)
+    assert (pool.num_cached, pool.num_free) == (2, 6)
+    second = Sequence(list(range(8)) + [50, 51, 52])
+    assert kv.admit(second, 100)
+    assert second.block_table[:2] == [0, 1] and second.num_computed_tokens == 8
+    assert second.num_cached_tokens == 8
+    exact = Sequence(list(range(8)))  # whole prompt cached: the last block is recomputed
+    assert kv.admit(exact, 100)
+    assert exact.num_computed_tokens == 4 and exact.block_table[0] == 0 and exact.block_table[1] != 1
+    assert kv.prefix_stats.query_tokens == 10 + 11 + 8 and kv.prefix_stats.hit_tokens == 8 + 4
+    pool.check_integrity([second.block_table, exact.block_table])
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
+    pool, kv = make()
+    parent = Sequence(list(range(6)))
+    kv.admit(parent, 100)
+    compute_all(kv, parent)
+    child = Sequence(list(parent.token_ids), parent.num_prompt_tokens)
+    kv.fork(parent, child)
+    assert child.block_table == [0, 1] and pool.ref_counts[:2] == [2, 2]
+    parent.append_token(90)
+    child.append_token(91)
+    # The parent writes first: block 1 is shared, so the parent gets a copy (block 2).
+    alloc = kv.append_slots(parent, 1)
+    assert alloc.copies == [(1, 2)] and parent.block_table == [0, 2]
+    assert pool.ref_counts[:3] == [2, 1, 1]
+    # The child is now the only holder of block 1 and writes in place.
+    alloc = kv.append_slots(child, 1)
+    assert alloc.copies == [] and child.block_table == [0, 1]
+    pool.check_integrity([parent.block_table, child.block_table])
+    kv.free(parent)
+    kv.free(child)
+    assert pool.num_used == 0
+    pool.check_integrity([])
+
+
+def test_scheduler_preempts_the_newest_sequence_when_blocks_run_out():
+    pool, kv = make(num_blocks=4, block_size=2)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = Sequence([1, 2, 3]), Sequence([4, 5, 6])
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [a, b]
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    for entry in out.scheduled:
+        kv.commit_computed(entry.seq, len(entry.seq.token_ids))
+        entry.seq.append_token(9)
+    # Both need a third block; the pool is full, so b (newest) is preempted and a continues.
+    a.append_token(10)
+    kv.commit_computed(a, 4)
+    out = sched.schedule()
+    assert out.preempted == [b] and [s.seq for s in out.scheduled] == [a]
+    assert b.block_table == [] and b.num_computed_tokens == 0 and list(sched.waiting) == [b]
+    assert b.token_ids == [4, 5, 6, 9]  # kept: recomputed later, same result
+    pool.check_integrity([a.block_table])
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    pool, kv = make(num_blocks=16, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=5)
+    seq = Sequence(list(range(12)))
+    sched.add(seq)
+    out = sched.schedule()
+    assert out.scheduled[0].num_new_tokens == 5 and not out.scheduled[0].completes_prompt
+    kv.commit_computed(seq, 5)
+    out = sched.schedule()
+    assert out.scheduled[0].num_new_tokens == 5
+    kv.commit_computed(seq, 10)
+    out = sched.schedule()
+    assert out.scheduled[0].num_new_tokens == 2 and out.scheduled[0].completes_prompt
