@@ -26,6 +26,7 @@ class ServerSettings(_Section):
     cors_origins: list[str] = []
     max_body_bytes: int = Field(8 << 20, ge=1024)
     log_level: str = "INFO"
+    stats_interval_s: float = Field(1.0, gt=0)  # how often the runtime reports statistics
 
 
 class ModelSettings(_Section):
@@ -96,4 +97,5 @@ class Settings(BaseSettings):
             trust_remote_code=self.model.trust_remote_code, block_size=self.cache.block_size,
             kv_memory_bytes=int(self.cache.compute_memory_gib * (1 << 30)), num_blocks=self.cache.num_blocks,
             enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
-            max_num_batched_tokens=self.scheduler.max_num_batched_tokens)
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            stats_interval_s=self.server.stats_interval_s)

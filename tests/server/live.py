@@ -1,0 +1,62 @@
+"""Start `ponder serve` as a real subprocess on a free port and wait until it is healthy."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, timeout: float = 120.0):
+    port = free_port()
+    full_env = dict(os.environ, PONDER_SERVER__STATS_INTERVAL_S="0.2", **(env or {}))
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
+                            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+            try:
+                status = httpx.get(base + "/health", timeout=2).status_code
+                if status == 200 or (not wait_healthy and status == 503):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not become healthy")
+            time.sleep(0.2)
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def metric(base: str, name: str, headers: dict | None = None, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", headers=headers or {}).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(f"{name}{labels} not exported")

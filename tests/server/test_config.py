@@ -1,0 +1,49 @@
+import sys
+import subprocess
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from server.config import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_config_loads_and_equals_the_defaults():
+    assert Settings.load(ROOT / "config.example.toml").model_dump() == Settings.load().model_dump()
+
+
+def test_precedence_cli_over_env_over_file(tmp_path, monkeypatch):
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n[cache]\nblock_size = 32\n')
+    monkeypatch.setenv("PONDER_SERVER__PORT", "7100")
+    monkeypatch.setenv("PONDER_CACHE__NUM_BLOCKS", "99")
+    settings = Settings.load(config, server={"port": 7200, "host": None})
+    assert settings.server.port == 7200  # CLI
+    assert settings.server.host == "0.0.0.0"  # file (the CLI gave none)
+    assert settings.cache.num_blocks == 99 and settings.cache.block_size == 32
+    options = settings.runtime_options()
+    assert options.num_blocks == 99 and options.block_size == 32
+
+
+def test_settings_are_frozen_and_strict(tmp_path):
+    settings = Settings.load()
+    with pytest.raises(ValidationError):
+        settings.server.port = 1  # type: ignore[misc]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nprot = 1\n")
+    with pytest.raises(ValidationError):
+        Settings.load(bad)
+
+
+def test_the_http_process_does_not_import_torch():
+    code = "import sys, server.app, server.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_cli_help_lists_the_documented_flags():
+    out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    for flag in ["--model", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len", "--api-key"]:
+        assert flag in out
