@@ -5,18 +5,27 @@ A step reads as three calls: plan (scheduler), execute (runner), update (samplin
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import ModelRunner
-from runtime.protocol import Accepted, Delta, Finished, FromRuntime, GenerateRequest, RuntimeStats
-from runtime.requests import ChoiceState, InvalidRequest, RequestState, prompt_token_ids, token_logprob
+from runtime.protocol import Accepted, Delta, Finished, FromRuntime, GenerateRequest, RequestError, RuntimeStats
+from runtime.requests import (
+    ChoiceState, InvalidRequest, RequestState, prompt_token_ids, question_of, token_logprob,
+)
 from runtime.sampler import SamplingState, derive_seed, sample
+from runtime.search.controller import SearchController
+from runtime.search.scoring import ConfidenceScorer, JudgeScorer
+from runtime.search.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence
+from scheduler.sequence import Sequence, SequenceStatus
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache, KVShape
+
+
+log = logging.getLogger("ponder.runtime")
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,18 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache)
         self.requests: dict[str, RequestState] = {}
-        self.stats = {"tokens_prompt": 0, "tokens_cached": 0, "tokens_generated": 0}
+        self.searches: dict[str, SearchController] = {}
+        self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
+        self.scorers: dict[str, object] = {"confidence": ConfidenceScorer()}
+        try:
+            self.scorers["judge"] = JudgeScorer(self, JudgeVerifier(model, tokenizer))
+        except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
+            log.warning("the judge verifier is unavailable for this model: %s", exc)
+        self.touched: dict[str, RequestState] = {}
+        self.outbox: list[FromRuntime] = []
+        self.verifier_samples: list[float] = []
+        self.stats = {"tokens_prompt": 0, "tokens_cached": 0, "tokens_generated": 0, "search_requests": {},
+                      "search_paths": 0, "search_steps": 0}
 
     # -- requests -------------------------------------------------------------------------------
     @property
@@ -73,16 +93,22 @@ class Engine:
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
-            state = self._make_request(request)
+            ids, max_tokens = self._validate(request)
+            if request.search is not None:
+                controller = self._make_search(request, ids, max_tokens)
+                self.searches[request.request_id] = controller
+                self.scheduler.add(controller.root)
+            else:
+                state = self._make_request(request, ids, max_tokens)
+                self.requests[state.request_id] = state
+                self.scheduler.add(state.choices[0].seq)
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
-        self.requests[state.request_id] = state
-        self.scheduler.add(state.choices[0].seq)
-        self.stats["tokens_prompt"] += len(state.prompt_ids)
-        return [Accepted(request_id=state.request_id, prompt_tokens=len(state.prompt_ids))]
+        self.stats["tokens_prompt"] += len(ids)
+        return [Accepted(request_id=request.request_id, prompt_tokens=len(ids))]
 
-    def _make_request(self, request: GenerateRequest) -> RequestState:
-        if request.request_id in self.requests:
+    def _validate(self, request: GenerateRequest) -> tuple[list[int], int]:
+        if request.request_id in self.requests or request.request_id in self.searches:
             raise InvalidRequest(f"request id {request.request_id} is already running")
         ids = prompt_token_ids(request, self.tokenizer)
         params = request.sampling
@@ -110,6 +136,10 @@ class Engine:
             raise InvalidRequest(f"stop_token_ids must lie in [0, {self.vocab_size})", "stop_token_ids")
         if params.top_logprobs > 20:
             raise InvalidRequest("top_logprobs must be at most 20", "top_logprobs")
+        return ids, max_tokens
+
+    def _make_request(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> RequestState:
+        params = request.sampling
         state = RequestState(request.request_id, params, ids, max_tokens)
         for index in range(params.n):
             sampling = SamplingState(params, derive_seed(params.seed, index), self.device)
@@ -118,19 +148,81 @@ class Engine:
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])
         return state
 
+    def _make_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> SearchController:
+        search = request.search
+        scorer = self.scorers.get(search.verifier)
+        if scorer is None:
+            raise InvalidRequest(f"unknown verifier {search.verifier!r}; this server has "
+                                 f"{', '.join(sorted(self.scorers))}", "search.verifier")
+        if search.lookahead:
+            raise InvalidRequest("search.lookahead is not supported; use 0", "search.lookahead")
+        if search.strategy == "dvts" and search.n % search.beam_width:
+            raise InvalidRequest("dvts needs search.n to be a multiple of search.beam_width", "search.n")
+        if request.sampling.n > search.n:
+            raise InvalidRequest("n (choices returned) cannot exceed search.n (paths explored)", "n")
+        try:
+            controller = SearchController(self, request.request_id, request.sampling, search, ids,
+                                          question_of(request), max_tokens, scorer)
+        except ValueError as exc:  # a bad answer_pattern or strategy
+            raise InvalidRequest(str(exc), "search") from None
+        self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1
+        return controller
+
     def abort(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
-        if state is None:
-            return
-        for choice in state.choices:
-            if choice.seq is not None and not choice.seq.is_finished:
-                self.scheduler.finish(choice.seq)
+        if state is not None:
+            for choice in state.choices:
+                if choice.seq is not None and not choice.seq.is_finished:
+                    self.scheduler.finish(choice.seq)
+        controller = self.searches.pop(request_id, None)
+        if controller is not None:
+            controller.is_finished = True
+            for seq in controller.sequences() + self.scoring.pop(request_id, []):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+
+    # -- operations the search controller uses ------------------------------------------------
+    def fork_sequence(self, parent: Sequence) -> Sequence:
+        """A child sharing every block of `parent`, parked until resumed."""
+        child = Sequence(parent.token_ids, parent.num_prompt_tokens)
+        self.kv.fork(parent, child)
+        child.status = SequenceStatus.PARKED
+        return child
+
+    def release_sequence(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+
+    def park_sequence(self, seq: Sequence) -> None:
+        self.scheduler.park(seq)
+
+    def resume_sequence(self, seq: Sequence) -> None:
+        self.scheduler.add_running(seq)
+
+    def add_scoring_sequence(self, seq: Sequence, controller: SearchController) -> None:
+        self.scoring.setdefault(controller.request_id, []).append(seq)
+        self.scheduler.add(seq)
+
+    def emit(self, message: FromRuntime) -> None:
+        self.outbox.append(message)
+
+    def observe_verifier(self, seconds: float) -> None:
+        self.verifier_samples.append(seconds)
+
+    def search_finished(self, controller: SearchController) -> None:
+        self.searches.pop(controller.request_id, None)
+        self.scoring.pop(controller.request_id, None)
+        self.stats["search_paths"] += controller.stats["paths_explored"]
+        self.stats["search_steps"] += controller.step_index
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
-        plan = self.scheduler.schedule()
+        try:
+            plan = self.scheduler.schedule()
+        except MemoryError as exc:
+            return self._fail_blocked(str(exc))
         if plan.is_empty:
-            return []
+            return self._drain()
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
         logits = self.runner.execute(plan.scheduled, plan.copies, sampled)
         for entry in plan.scheduled:
@@ -139,37 +231,41 @@ class Engine:
         seqs: list[Sequence] = []
         for row, index in enumerate(sampled):
             seq = plan.scheduled[index].seq
-            request = seq.owner.request
-            if not request.is_forked:
-                request.is_forked = True
-                request.num_cached_tokens = seq.num_cached_tokens
-                self.stats["tokens_cached"] += seq.num_cached_tokens
-                for choice in request.choices[1:]:
-                    child = Sequence(seq.token_ids, seq.num_prompt_tokens, owner=choice)
-                    self.kv.fork(seq, child)
-                    self.scheduler.add_running(child)
-                    choice.seq = child
-                    rows.append(row)
-                    seqs.append(child)
-            rows.append(row)
-            seqs.append(seq)
-        if not seqs:
-            return []
-        samples = sample(logits[rows], [s.owner.sampling for s in seqs],
-                         [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs])
-        touched: dict[str, RequestState] = {}
-        for seq, out in zip(seqs, samples):
-            self._append(seq, out)
-            touched[seq.owner.request.request_id] = seq.owner.request
-        return self._emit(touched.values())
+            for target in seq.owner.on_logits(self, seq, logits[row]):
+                rows.append(row)
+                seqs.append(target)
+        if seqs:
+            samples = sample(logits[rows], [s.owner.sampling for s in seqs],
+                             [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs])
+            for seq, out in zip(seqs, samples):
+                seq.append_token(out.token_id)
+                self.stats["tokens_generated"] += 1
+                seq.owner.on_sampled(self, seq, out)
+        return self._drain()
 
-    def _append(self, seq: Sequence, out) -> None:
-        choice: ChoiceState = seq.owner
+    def _drain(self) -> list[FromRuntime]:
+        messages = self._emit_plain()
+        messages.extend(self.outbox)
+        self.outbox = []
+        return messages
+
+    def _fail_blocked(self, reason: str) -> list[FromRuntime]:
+        """Nothing can run and the next waiting sequence does not fit: fail its request, not the server."""
+        seq = self.scheduler.waiting[0]
+        owner = seq.owner
+        request_id = (owner.request.request_id if isinstance(owner, ChoiceState)
+                      else getattr(owner, "controller", None) and owner.controller.request_id
+                      or next(rid for rid, seqs in self.scoring.items() if seq in seqs))
+        self.abort(request_id)
+        self.outbox.append(RequestError(request_id=request_id, status=503, type="server_error",
+                                        code="kv_cache_exhausted", message=f"the KV cache is exhausted: {reason}"))
+        return self._drain()
+
+    def on_choice_sampled(self, choice: ChoiceState, out) -> None:
+        seq = choice.seq
         params = choice.request.params
-        seq.append_token(out.token_id)
-        self.stats["tokens_generated"] += 1
         choice.pending_token_ids.append(out.token_id)
-        if out.logprob is not None:
+        if params.logprobs and out.logprob is not None:
             choice.pending_logprobs.append(token_logprob(self.tokenizer, out.token_id, out.logprob, out.top))
         is_stop_token = out.token_id in params.stop_token_ids or (
             out.token_id in self.eos_ids and not params.ignore_eos)
@@ -181,10 +277,31 @@ class Engine:
             choice.finish_reason = "length"
         if choice.finish_reason is not None:
             self.scheduler.finish(seq)
+        self.touched[choice.request.request_id] = choice.request
 
-    def _emit(self, requests) -> list[FromRuntime]:
+    def on_choice_logits(self, choice: ChoiceState, seq: Sequence) -> list[Sequence]:
+        """The first logits of a request fork its other choices, which sample from the same row."""
+        request = choice.request
+        if request.is_forked:
+            return [seq]
+        request.is_forked = True
+        request.num_cached_tokens = seq.num_cached_tokens
+        self.stats["tokens_cached"] += seq.num_cached_tokens
+        targets = []
+        for other in request.choices[1:]:
+            child = Sequence(seq.token_ids, seq.num_prompt_tokens, owner=other)
+            self.kv.fork(seq, child)
+            self.scheduler.add_running(child)
+            other.seq = child
+            targets.append(child)
+        return targets + [seq]
+
+    def _emit_plain(self) -> list[FromRuntime]:
         messages: list[FromRuntime] = []
-        for request in requests:
+        touched, self.touched = self.touched, {}
+        for request in touched.values():
+            if request.request_id not in self.requests:
+                continue  # aborted during this step
             for choice in request.choices:
                 if not choice.pending_token_ids:
                     continue
@@ -210,7 +327,7 @@ class Engine:
         pool = self.pool
         tier = "gpu" if self.device.type == "cuda" else "cpu"
         return RuntimeStats(
-            requests_running=sum(1 for r in self.requests.values() if r.is_forked),
+            requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free},
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
@@ -218,10 +335,20 @@ class Engine:
             tokens_prompt=self.stats["tokens_prompt"],
             tokens_cached=self.stats["tokens_cached"],
             tokens_generated=self.stats["tokens_generated"],
+            search_requests=dict(self.stats["search_requests"]),
+            search_paths=self.stats["search_paths"],
+            search_steps=self.stats["search_steps"],
+            verifier_seconds=tuple(self._take_verifier_samples()),
         )
+
+    def _take_verifier_samples(self) -> list[float]:
+        samples, self.verifier_samples = self.verifier_samples, []
+        return samples
 
     def check_integrity(self) -> None:
         holders = [s.block_table for s in self.scheduler.running]
+        for controller in self.searches.values():
+            holders.extend(p.seq.block_table for p in controller.stepped if not p.is_done)
         self.pool.check_integrity(holders)
         for seq in self.scheduler.waiting:
             assert not seq.block_table, "a waiting sequence holds blocks"

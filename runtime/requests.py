@@ -37,6 +37,12 @@ class ChoiceState:
     def num_output_tokens(self) -> int:
         return self.seq.num_output_tokens if self.seq is not None else 0
 
+    def on_logits(self, engine, seq: Sequence, row) -> list[Sequence]:
+        return engine.on_choice_logits(self, seq)
+
+    def on_sampled(self, engine, seq: Sequence, out) -> None:
+        engine.on_choice_sampled(self, out)
+
 
 @dataclass
 class RequestState:
@@ -68,6 +74,14 @@ def prompt_token_ids(request: GenerateRequest, tokenizer) -> list[int]:
     if request.prompt_token_ids is not None:
         return list(request.prompt_token_ids)
     raise InvalidRequest("a request needs messages or a prompt", "prompt")
+
+
+def question_of(request: GenerateRequest) -> str:
+    """The problem a verifier is shown: the last user message, or the prompt text."""
+    if request.messages is not None:
+        users = [m.get("content", "") for m in request.messages if m.get("role") == "user"]
+        return users[-1] if users else ""
+    return request.prompt or ""
 
 
 def token_logprob(tokenizer, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> TokenLogprob:

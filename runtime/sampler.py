@@ -35,13 +35,12 @@ class SampleOutput:
 class SamplingState:
     """What sampling needs to remember about one sequence."""
 
-    def __init__(self, params: SamplingParams, seed: int, device: torch.device) -> None:
+    def __init__(self, params: SamplingParams, seed: int, device: torch.device, track_logprobs: bool = False) -> None:
         self.params = params
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-
-    def fork(self, seed: int) -> "SamplingState":
-        return SamplingState(self.params, seed, self.generator.device)
+        # Report the sampled token's log-probability even when the client did not ask (search scoring).
+        self.wants_logprob = params.logprobs or track_logprobs
 
 
 def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
@@ -81,7 +80,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     """
     outputs: list[SampleOutput] = []
     raw_logprobs = None
-    if any(s.params.logprobs for s in states):
+    if any(s.wants_logprob for s in states):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     for row, state in enumerate(states):
         p = state.params
@@ -95,7 +94,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
             probs = torch.softmax(x, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=state.generator))
         out = SampleOutput(token)
-        if p.logprobs and raw_logprobs is not None:
+        if state.wants_logprob and raw_logprobs is not None:
             lp = raw_logprobs[row]
             out.logprob = float(lp[token])
             if p.top_logprobs > 0:

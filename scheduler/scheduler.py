@@ -58,14 +58,21 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one already holds blocks: it runs from the next step."""
+        """A sequence that already holds blocks (a fork, or a parked one resuming) runs from the next step."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def park(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence but keep its blocks (a search path between steps)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
 
     def finish(self, seq: Sequence) -> None:
         """Remove the sequence from its queue and release its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.PARKED:
+            pass
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)

@@ -17,6 +17,7 @@ _ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"  # holds its blocks but is not scheduled
     FINISHED = "finished"
 
 

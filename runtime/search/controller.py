@@ -1,0 +1,287 @@
+"""The shared step loop of every search strategy, run on the engine's sequences.
+
+Paths are engine sequences. Each generates one step (until the step delimiter, `max_step_tokens`,
+EOS or the length limit) and is then parked with its blocks. When no path of the request is still
+generating, the controller verifies (every `granularity`-th step, and whenever a path finished),
+lets the strategy settle and expand, and forks the survivors: children share every block of their
+parent, so the search never re-prefills a path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from runtime.protocol import Delta, Finished, SamplingParams, SearchEvent, SearchParams, SearchSummary, StepScore
+from runtime.sampler import SamplingState, derive_seed
+from runtime.search.aggregate import aggregate, normalize_step
+from runtime.search.answers import Candidate, compile_answer_pattern, extract_answer, select
+from runtime.search.strategies import Strategy, make_strategy
+from scheduler.sequence import Sequence
+
+
+@dataclass(eq=False)
+class SearchPath:
+    controller: "SearchController"
+    uid: int
+    subtree: int
+    seq: Sequence
+    sampling: SamplingState
+    aggregation: str
+    step_start: int = 0  # token index where the current step began
+    chunk_start: int = 0  # token index where the current (not yet verified) unit began
+    chunks: list[str] = field(default_factory=list)  # verified units of text
+    step_scores: list[float] = field(default_factory=list)
+    chunk_logprobs: list[float] = field(default_factory=list)
+    is_done: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+
+    @property
+    def score(self) -> float:
+        return aggregate(self.step_scores, self.aggregation) if self.step_scores else float("-inf")
+
+    def on_logits(self, engine, seq, row):
+        return [seq]
+
+    def on_sampled(self, engine, seq, out) -> None:
+        self.controller.on_token(self, out)
+
+
+@dataclass(eq=False)
+class SearchRoot:
+    """The prompt's sequence: prefilled once, then forked into the initial paths."""
+
+    controller: "SearchController"
+
+    def on_logits(self, engine, seq, row):
+        return self.controller.spawn(seq)
+
+
+class SearchController:
+    def __init__(self, engine, request_id: str, params: SamplingParams, search: SearchParams,
+                 prompt_ids: list[int], question: str, max_tokens: int, verifier) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.params = params
+        self.search = search
+        self.prompt_ids = prompt_ids
+        self.question = question
+        self.max_tokens = max_tokens
+        self.verifier = verifier
+        self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
+        self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
+        self.root = Sequence(prompt_ids, owner=SearchRoot(self))
+        self.generating: set[SearchPath] = set()
+        self.stepped: list[SearchPath] = []
+        self.final: list[SearchPath] = []
+        self.step_index = 0
+        self.next_uid = 0
+        self.pending_scores = 0
+        self.to_verify: list[SearchPath] = []
+        self.committed = ""
+        self.is_finished = False
+        self.num_cached_tokens = 0
+        self.stats = dict(paths_explored=0, tokens_generated=0, verifier_tokens_prefilled=0, verifier_calls=0,
+                          prefix_hit_tokens=0, seconds_generating=0.0, seconds_verifying=0.0)
+        self._phase_started = time.perf_counter()
+
+    # -- paths ----------------------------------------------------------------------------------
+    def _new_path(self, seq: Sequence, subtree: int) -> SearchPath:
+        uid = self.next_uid
+        self.next_uid += 1
+        self.stats["paths_explored"] += 1
+        sampling = SamplingState(self.params, derive_seed(self.params.seed, uid), self.engine.device,
+                                 track_logprobs=True)
+        path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation,
+                          step_start=len(seq.token_ids), chunk_start=len(seq.token_ids))
+        seq.owner = path
+        return path
+
+    def spawn(self, root: Sequence) -> list[Sequence]:
+        """The prompt is computed: fork it into the initial paths, which all sample from its logits."""
+        self.num_cached_tokens = root.num_cached_tokens
+        self.stats["prefix_hit_tokens"] += root.num_cached_tokens
+        seqs = []
+        for subtree in self.strategy.initial_paths():
+            child = self.engine.fork_sequence(root)
+            path = self._new_path(child, subtree)
+            self.generating.add(path)
+            self.engine.resume_sequence(child)
+            seqs.append(child)
+        self.engine.release_sequence(root)
+        return seqs
+
+    def on_token(self, path: SearchPath, out) -> None:
+        seq = path.seq
+        self.stats["tokens_generated"] += 1
+        if out.logprob is not None:
+            path.chunk_logprobs.append(out.logprob)
+        params = self.params
+        token = out.token_id
+        num_output = len(seq.token_ids) - len(self.prompt_ids)
+        step_ids = seq.token_ids[path.step_start:]
+        step_text = self.engine.tokenizer.decode(step_ids, skip_special_tokens=True)
+        is_last_step = self.step_index >= self.search.max_steps - 1
+        ends_step = False
+        if token in params.stop_token_ids or (token in self.engine.eos_ids and not params.ignore_eos):
+            path.is_done, path.finish_reason = True, "stop"
+        elif num_output >= self.max_tokens or len(seq.token_ids) >= self.engine.config.max_model_len:
+            path.is_done, path.finish_reason = True, "length"
+        elif self.strategy.stops_on_boxed and "\\boxed{" in step_text and "}" in step_text.split("\\boxed{")[-1]:
+            path.is_done, path.finish_reason = True, "stop"
+        elif not is_last_step and self.search.step_delimiter in step_text:
+            ends_step = True
+        elif len(step_ids) >= self.search.max_step_tokens and not is_last_step:
+            ends_step = True
+        if ends_step and not normalize_step(step_text, self.search.step_delimiter).strip():
+            path.is_done, path.finish_reason = True, "stop"  # an empty step ends the path
+        if not (ends_step or path.is_done):
+            return
+        path.text = self.engine.tokenizer.decode(seq.token_ids[len(self.prompt_ids):], skip_special_tokens=True)
+        self.generating.discard(path)
+        if path.is_done:
+            self.engine.release_sequence(seq)
+        else:
+            self.engine.park_sequence(seq)
+        self.stepped.append(path)
+        if not self.generating:
+            self._verify()
+
+    # -- verification ---------------------------------------------------------------------------
+    def _verify(self) -> None:
+        now = time.perf_counter()
+        self.stats["seconds_generating"] += now - self._phase_started
+        self._phase_started = now
+        self.step_index += 1
+        self.verify_now = (self.step_index % self.search.granularity == 0
+                           or self.step_index >= self.search.max_steps)
+        to_score = [p for p in self.stepped if self.verify_now or p.is_done]
+        for path in to_score:
+            unit_ids = path.seq.token_ids[path.chunk_start:]
+            unit = self.engine.tokenizer.decode(unit_ids, skip_special_tokens=True)
+            path.chunks.append(normalize_step(unit, self.search.step_delimiter))
+        self.to_verify = to_score
+        if not to_score:
+            self._settle()
+            return
+        self.stats["verifier_calls"] += 1
+        self.verifier.submit(self, to_score)
+        if self.pending_scores == 0:
+            self._settle()
+
+    def on_score(self, path: SearchPath, score: float, prefilled: int = 0, cached: int = 0) -> None:
+        path.step_scores.append(float(score))
+        path.chunk_logprobs = []
+        path.chunk_start = len(path.seq.token_ids)
+        self.stats["verifier_tokens_prefilled"] += prefilled
+        self.stats["prefix_hit_tokens"] += cached
+
+    def score_done(self) -> None:
+        """Called once a batch of asynchronous scores (judge sequences) has all arrived."""
+        self.pending_scores -= 1
+        if self.pending_scores == 0:
+            self._settle()
+
+    def _settle(self) -> None:
+        now = time.perf_counter()
+        self.stats["seconds_verifying"] += now - self._phase_started
+        self._phase_started = now
+        stepped, self.stepped = self.stepped, []
+        if self.verify_now:
+            final, live = self.strategy.settle(stepped)
+        else:
+            final, live = [p for p in stepped if p.is_done], [p for p in stepped if not p.is_done]
+        for path in final:
+            if not path.is_done:  # a candidate cut short when its subtree stopped
+                path.finish_reason = "length"
+                self.engine.release_sequence(path.seq)
+        self.final.extend(final)
+        for path in set(stepped) - set(final) - set(live):
+            self.engine.release_sequence(path.seq)  # pruned by settling (DVTS keeps only its best)
+        if self.step_index >= self.search.max_steps or not live:
+            for path in live:
+                path.finish_reason = "length"
+                self.engine.release_sequence(path.seq)
+            self.final.extend(live)
+            self._finish()
+            return
+        if self.verify_now:
+            live = self._expand(live)
+        for path in live:
+            path.step_start = len(path.seq.token_ids)
+            self.generating.add(path)
+            self.engine.resume_sequence(path.seq)
+        self._emit_progress()
+
+    def _expand(self, live: list[SearchPath]) -> list[SearchPath]:
+        expansion = self.strategy.expand(live)
+        by_uid = {p.uid: p for p in live}
+        continuing: list[SearchPath] = []
+        for uid, count in zip(expansion.parents, expansion.children):
+            parent = by_uid.pop(uid)
+            for _ in range(count - 1):
+                child = self._new_path(self.engine.fork_sequence(parent.seq), parent.subtree)
+                child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
+                child.text, child.chunk_start = parent.text, parent.chunk_start
+                continuing.append(child)
+            continuing.append(parent)
+        for pruned in by_uid.values():
+            self.engine.release_sequence(pruned.seq)
+        return sorted(continuing, key=lambda p: p.uid)
+
+    # -- output ---------------------------------------------------------------------------------
+    def _emit_progress(self) -> None:
+        texts = [p.text for p in self.generating] + [p.text for p in self.final]
+        prefix = _common_prefix(texts)
+        if len(prefix) > len(self.committed):
+            self.engine.emit(Delta(request_id=self.request_id, index=0, text=prefix[len(self.committed):]))
+            self.committed = prefix
+        if self.search.include_events:
+            live = sorted(self.generating, key=lambda p: p.uid)
+            self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
+                                         scores=tuple(p.score for p in live)))
+
+    def _finish(self) -> None:
+        self.is_finished = True
+        candidates = [Candidate(extract_answer(p.text, self.pattern), p.score) for p in self.final]
+        order = select(candidates, self.search.select, compare_as_text=self.pattern is not None)
+        chosen = [self.final[i] for i in order[:self.params.n]]
+        returned = 0
+        for index, path in enumerate(chosen):
+            output_ids = path.seq.token_ids[len(self.prompt_ids):]
+            if path.finish_reason == "stop" and output_ids and output_ids[-1] in self.engine.eos_ids:
+                output_ids = output_ids[:-1]
+            returned += len(output_ids)
+            text = path.text[len(self.committed):] if index == 0 else path.text
+            self.engine.emit(Delta(
+                request_id=self.request_id, index=index, text=text, token_ids=tuple(output_ids),
+                finish_reason=path.finish_reason or "stop",
+                search=StepScore(score=path.score, step_scores=tuple(path.step_scores),
+                                 answer=candidates[self.final.index(path)].answer)))
+        if self.search.include_events:
+            self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
+                                         scores=tuple(p.score for p in chosen)))
+        self.engine.emit(Finished(
+            request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
+            completion_tokens=returned,
+            search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
+                                 **self.stats)))
+        self.engine.search_finished(self)
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence the search still holds (for aborts)."""
+        seqs = [p.seq for p in self.generating] + [p.seq for p in self.stepped if not p.is_done]
+        if self.root.block_table or not self.root.is_finished:
+            seqs.append(self.root)
+        return seqs
+
+
+def _common_prefix(texts: list[str]) -> str:
+    if not texts:
+        return ""
+    low, high = min(texts), max(texts)
+    i = 0
+    while i < len(low) and low[i] == high[i]:
+        i += 1
+    return low[:i]

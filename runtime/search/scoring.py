@@ -1,0 +1,88 @@
+"""How the search engine scores steps with each kind of verifier.
+
+- `confidence`: the generator's own mean token log-probability of the unit, kept while sampling.
+- `judge`: the generator (or another causal LM served by the same engine) asked whether the latest
+  step is correct. Each question is a prefill-only sequence in the engine's paged store, so its KV
+  shares the prefix cache: the problem and earlier steps are found cached, and sibling paths share
+  their common prefix. The score is P(Yes) / (P(Yes) + P(No)) at the last position.
+- a process or outcome reward model loaded from the config: scored with its adapter's batched
+  forward pass over the path's verified units.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.search.verifiers.confidence import confidence_from_logprobs
+from runtime.search.verifiers.judge import JudgeVerifier
+from scheduler.sequence import Sequence
+
+
+class ConfidenceScorer:
+    name = "confidence"
+
+    def submit(self, controller, paths) -> None:
+        for path in paths:
+            controller.on_score(path, confidence_from_logprobs(path.chunk_logprobs))
+
+
+@dataclass(eq=False)
+class _ScoreBatch:
+    controller: object
+    remaining: int
+    started: float
+
+
+@dataclass(eq=False)
+class _ScoreJob:
+    scorer: "JudgeScorer"
+    batch: _ScoreBatch
+    path: object
+
+    def on_logits(self, engine, seq: Sequence, row: torch.Tensor):
+        yes = torch.logsumexp(row[list(self.scorer.judge.yes_token_ids)], dim=-1)
+        no = torch.logsumexp(row[list(self.scorer.judge.no_token_ids)], dim=-1)
+        score = float(torch.sigmoid(yes - no))
+        cached = seq.num_cached_tokens
+        self.batch.controller.on_score(self.path, score, prefilled=len(seq.token_ids) - cached, cached=cached)
+        engine.release_sequence(seq)
+        self.batch.remaining -= 1
+        if self.batch.remaining == 0:
+            engine.observe_verifier(time.perf_counter() - self.batch.started)
+            self.batch.controller.score_done()
+        return []
+
+
+class JudgeScorer:
+    name = "judge"
+
+    def __init__(self, engine, judge: JudgeVerifier) -> None:
+        self.engine = engine
+        self.judge = judge
+
+    def submit(self, controller, paths) -> None:
+        controller.pending_scores += 1
+        batch = _ScoreBatch(controller, len(paths), time.perf_counter())
+        for path in paths:
+            (inputs,) = self.judge.build_inputs(controller.question, path.chunks)[-1:]
+            seq = Sequence(list(inputs.token_ids), owner=_ScoreJob(self, batch, path))
+            self.engine.add_scoring_sequence(seq, controller)
+
+
+class ModelScorer:
+    """A reward model with its own weights: its adapter scores all verified units of each path."""
+
+    def __init__(self, name: str, verifier) -> None:
+        self.name = name
+        self.verifier = verifier
+
+    def submit(self, controller, paths) -> None:
+        started = time.perf_counter()
+        scores = self.verifier.score(controller.question, [list(p.chunks) for p in paths])
+        for path, path_scores in zip(paths, scores):
+            controller.on_score(path, path_scores[-1] if path_scores else 0.0,
+                                prefilled=0, cached=0)
+        controller.engine.observe_verifier(time.perf_counter() - started)

@@ -1,0 +1,155 @@
+"""Search strategies: after each verified step, which paths go on and with how many children.
+
+A strategy is a small object over the shared step loop in `SearchController`; it never touches
+sequences or KV, only the paths' scores and states, and returns an `Expansion`: for every parent
+path that continues, how many children it gets (a parent with one child simply continues).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from runtime.search.aggregate import allocate_children, refill
+
+
+class PathView(Protocol):
+    uid: int
+    subtree: int
+    is_done: bool
+    text: str
+
+    @property
+    def score(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """`children[i]` children for `parents[i]`; parents not listed are pruned (or done)."""
+
+    parents: tuple[int, ...]  # path uids
+    children: tuple[int, ...]
+
+
+def rank(paths: Sequence[PathView]) -> list[PathView]:
+    """Best aggregated score first; ties by path uid, so the order is a function of the scores alone."""
+    return sorted(paths, key=lambda p: (-p.score, p.uid))
+
+
+def drop_duplicates(paths: Sequence[PathView]) -> list[PathView]:
+    seen: set[str] = set()
+    kept = []
+    for path in sorted(paths, key=lambda p: p.uid):
+        if path.text not in seen:
+            seen.add(path.text)
+            kept.append(path)
+    return kept
+
+
+def _counts(parents: Sequence[PathView], total: int) -> Expansion:
+    """Cyclic refill of `parents` (best first) to `total` paths, as children counts per parent."""
+    counts: dict[int, int] = {}
+    for parent in refill(list(parents), total):
+        counts[parent.uid] = counts.get(parent.uid, 0) + 1
+    order = [p.uid for p in parents if p.uid in counts]
+    return Expansion(tuple(order), tuple(counts[u] for u in order))
+
+
+class Strategy:
+    name = ""
+    #: a subtree stops when its path emits this text (DVTS)
+    stops_on_boxed = False
+
+    def __init__(self, n: int, beam_width: int) -> None:
+        self.n = n
+        self.beam_width = beam_width
+
+    def initial_paths(self) -> list[int]:
+        """The subtree of each initial path (all start from the prompt)."""
+        return [0] * self.n
+
+    def settle(self, stepped: Sequence[PathView]) -> tuple[list[PathView], list[PathView]]:
+        """Split the paths that just took a verified step into (final candidates, still live)."""
+        return [p for p in stepped if p.is_done], [p for p in stepped if not p.is_done]
+
+    def expand(self, live: Sequence[PathView]) -> Expansion:
+        raise NotImplementedError
+
+
+class BestOfN(Strategy):
+    """n independent samples, each verified at every step; nothing is pruned."""
+
+    name = "best_of_n"
+
+    def expand(self, live: Sequence[PathView]) -> Expansion:
+        ordered = sorted(live, key=lambda p: p.uid)
+        return Expansion(tuple(p.uid for p in ordered), tuple(1 for _ in ordered))
+
+
+class BeamSearch(Strategy):
+    """Keep the best n // beam_width live paths and refill to n by cyclic duplication."""
+
+    name = "beam"
+
+    def expand(self, live: Sequence[PathView]) -> Expansion:
+        keep = max(1, self.n // self.beam_width)
+        survivors = rank(drop_duplicates(live))[:keep]
+        return _counts(survivors, self.n) if survivors else Expansion((), ())
+
+
+class DynamicBranching(Strategy):
+    """Beam search whose children per survivor are proportional to its score."""
+
+    name = "dynamic_branching"
+
+    def expand(self, live: Sequence[PathView]) -> Expansion:
+        keep = max(1, self.n // self.beam_width)
+        survivors = rank(drop_duplicates(live))[:keep]
+        if not survivors:
+            return Expansion((), ())
+        counts = allocate_children([p.score for p in survivors], self.n)
+        pairs = [(p.uid, c) for p, c in zip(survivors, counts) if c > 0]
+        return Expansion(tuple(u for u, _ in pairs), tuple(c for _, c in pairs))
+
+
+class DVTS(Strategy):
+    """n // beam_width independent subtrees; each keeps its own best path and re-expands it."""
+
+    name = "dvts"
+    stops_on_boxed = True
+
+    def initial_paths(self) -> list[int]:
+        return [i // self.beam_width for i in range(self.n)]
+
+    def expand(self, live: Sequence[PathView]) -> Expansion:
+        parents, children = [], []
+        for subtree in sorted({p.subtree for p in live}):
+            best = rank([p for p in live if p.subtree == subtree])[0]
+            parents.append(best.uid)
+            children.append(self.beam_width)
+        return Expansion(tuple(parents), tuple(children))
+
+    def settle(self, stepped: Sequence[PathView]) -> tuple[list[PathView], list[PathView]]:
+        """A subtree whose best candidate is done (EOS, empty step or a boxed answer) stops, and all
+        its candidates become final; otherwise only its best candidate lives on."""
+        final, live = [], []
+        for subtree in sorted({p.subtree for p in stepped}):
+            candidates = [p for p in stepped if p.subtree == subtree]
+            best = rank(candidates)[0]
+            if best.is_done:
+                final.extend(candidates)
+            else:
+                live.append(best)
+        return final, live
+
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BestOfN, BeamSearch, DynamicBranching, DVTS)}
+
+
+def make_strategy(name: str, n: int, beam_width: int) -> Strategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown search strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+    if name == "dvts" and n % beam_width:
+        raise ValueError("dvts needs n to be a multiple of beam_width")
+    return STRATEGIES[name](n, beam_width)
