@@ -8,6 +8,8 @@ from runtime import attention
 from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.loader import ModelSource, load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions
+from runtime.search.scoring import ModelScorer
+from runtime.search.verifiers.registry import load_verifier
 
 log = logging.getLogger("ponder.runtime")
 
@@ -32,4 +34,12 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
-    return Engine(model, tokenizer, config, model_key), source
+    engine = Engine(model, tokenizer, config, model_key)
+    for name, spec in options.verifiers.items():
+        if name in engine.scorers:
+            raise ValueError(f"verifier name {name!r} is built in; choose another name")
+        log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
+        verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
+                                 trust_remote_code=spec.get("trust_remote_code") == "true")
+        engine.scorers[name] = ModelScorer(name, verifier)
+    return engine, source

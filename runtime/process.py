@@ -52,7 +52,8 @@ def serve(channel: Channel) -> None:
         return
     channel.send(Ready(model=source.name, max_model_len=engine.config.max_model_len,
                        dtype=str(engine.cache.dtype).removeprefix("torch."), device=str(engine.device),
-                       num_blocks=engine.config.num_blocks, block_size=engine.config.block_size))
+                       num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
+                       verifiers=tuple(sorted(engine.scorers))))
     log.info("runtime ready: %s", source.name)
     last_stats = 0.0
     while True:

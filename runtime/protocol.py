@@ -239,7 +239,8 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     stats_interval_s: float = 1.0
-    search_caps: dict[str, int] = {}
+    # name -> {"kind", "path", "trust_remote_code"}: reward models to load next to the generator
+    verifiers: dict[str, dict[str, str]] = {}
 
 
 _options_decoder = msgspec.msgpack.Decoder(RuntimeOptions)

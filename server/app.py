@@ -152,7 +152,8 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = check_model(body.model)
-        _check_limits(settings, body)
+        _check_limits(settings, body, client.info.max_model_len if client.info else None)
+        _check_verifier(body, client.info.verifiers if client.info else ())
         include_events = bool(body.stream_options and body.stream_options.include_search_events)
         wire = GenerateRequest(request_id=uuid.uuid4().hex, endpoint="chat", messages=body.wire_messages(),
                                sampling=body.to_sampling(),
@@ -164,7 +165,8 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(body: CompletionRequest, request: Request):
         model = check_model(body.model)
-        _check_limits(settings, body)
+        _check_limits(settings, body, client.info.max_model_len if client.info else None)
+        _check_verifier(body, client.info.verifiers if client.info else ())
         include_events = bool(body.stream_options and body.stream_options.include_search_events)
         sampling = body.to_sampling()
         search = body.search.to_params(include_events) if body.search else None
@@ -180,7 +182,13 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     return app
 
 
-def _check_limits(settings: Settings, body) -> None:
+def _check_verifier(body, verifiers: tuple[str, ...]) -> None:
+    if body.search is not None and body.search.verifier not in verifiers:
+        raise APIError(400, f"unknown verifier {body.search.verifier!r}; this server has {', '.join(verifiers)}",
+                       "search.verifier")
+
+
+def _check_limits(settings: Settings, body, max_model_len: int | None) -> None:
     limits = settings.limits
     if body.n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}", "n")
@@ -189,4 +197,18 @@ def _check_limits(settings: Settings, body) -> None:
         raise APIError(400, f"at most {limits.max_stop_strings} stop strings are allowed", "stop")
     if any(len(s) > limits.max_stop_string_length for s in stops):
         raise APIError(400, f"stop strings may be at most {limits.max_stop_string_length} characters", "stop")
+    search = body.search
+    if search is None:
+        return
+    caps = settings.search
+    for field, value, cap in [("n", search.n, caps.max_paths), ("beam_width", search.beam_width, caps.max_beam_width),
+                              ("max_steps", search.max_steps, caps.max_steps)]:
+        if value > cap:
+            raise APIError(400, f"search.{field} is {value}, over this server's cap of {cap}", f"search.{field}")
+    per_path = body.max_tokens if isinstance(body, CompletionRequest) else (
+        body.max_completion_tokens or body.max_tokens)
+    total = search.n * (per_path or max_model_len or 0)
+    if total > caps.max_total_tokens:
+        raise APIError(400, f"search.n x max_tokens is {total} tokens, over this server's cap of "
+                            f"{caps.max_total_tokens}; lower search.n or max_tokens", "search.n")
 

@@ -56,6 +56,23 @@ class LimitSettings(_Section):
     max_stop_string_length: int = Field(256, ge=1)
 
 
+class SearchSettings(_Section):
+    """Caps on what one search request may ask for; over a cap is a 400."""
+
+    max_paths: int = Field(64, ge=1)
+    max_beam_width: int = Field(16, ge=1)
+    max_steps: int = Field(100, ge=1)
+    max_total_tokens: int = Field(262_144, ge=1)  # search.n x max_tokens
+
+
+class VerifierSettings(_Section):
+    """A reward model loaded at start-up and usable as `search.verifier = "<name>"`."""
+
+    kind: Literal["math-shepherd", "rlhflow", "qwen-prm", "skywork", "orm", "judge"]
+    path: str  # a local directory with safetensors weights
+    trust_remote_code: bool = False
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PONDER_", env_nested_delimiter="__", frozen=True,
                                       extra="forbid", nested_model_default_partial_update=True)
@@ -65,6 +82,8 @@ class Settings(BaseSettings):
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     limits: LimitSettings = LimitSettings()
+    search: SearchSettings = SearchSettings()
+    verifiers: dict[str, VerifierSettings] = {}
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
@@ -98,4 +117,6 @@ class Settings(BaseSettings):
             kv_memory_bytes=int(self.cache.compute_memory_gib * (1 << 30)), num_blocks=self.cache.num_blocks,
             enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            stats_interval_s=self.server.stats_interval_s)
+            stats_interval_s=self.server.stats_interval_s,
+            verifiers={name: {"kind": v.kind, "path": v.path, "trust_remote_code": str(v.trust_remote_code).lower()}
+                       for name, v in self.verifiers.items()})
