@@ -51,7 +51,8 @@ def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, 
             proc.kill()
 
 
-def metric(base: str, name: str, headers: dict | None = None, **labels: str) -> float:
+def metric(base: str, name: str, headers: dict | None = None, default: float | None = None, **labels: str) -> float:
+    """A sample's value; `default` for a labelled series that has not been created yet."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base + "/metrics", headers=headers or {}).text
@@ -59,4 +60,6 @@ def metric(base: str, name: str, headers: dict | None = None, **labels: str) -> 
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
+    if default is not None:
+        return default
     raise KeyError(f"{name}{labels} not exported")
