@@ -137,7 +137,9 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         message = client.load_error or f"the runtime is {client.state}"
         return APIError(503, message, code="runtime_" + client.state).response()
 
-    @app.get("/metrics", dependencies=[Depends(require_key)], include_in_schema=False)
+    metrics_guard = [] if settings.server.public_metrics else [Depends(require_key)]
+
+    @app.get("/metrics", dependencies=metrics_guard, include_in_schema=False)
     async def metrics_endpoint():
         payload, content_type = metrics.render()
         return Response(payload, media_type=content_type)

@@ -27,6 +27,7 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(8 << 20, ge=1024)
     log_level: str = "INFO"
     stats_interval_s: float = Field(1.0, gt=0)  # how often the runtime reports statistics
+    public_metrics: bool = False  # serve /metrics without the API key (for a Prometheus on a private network)
 
 
 class ModelSettings(_Section):
