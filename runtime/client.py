@@ -98,10 +98,13 @@ class RuntimeClient:
         backoff = 1.0
         try:
             while True:
+                self.load_error = None
                 loaded = await self._run_once()
-                if self.state == LOADING and not loaded:
+                if not loaded and self.load_error is not None:
                     self._ready.set()  # the model cannot load: say so instead of retrying forever
                     return
+                if loaded:
+                    backoff = 1.0  # it ran: start the backoff over
                 self.num_restarts += 1
                 log.warning("runtime exited; restarting in %.0f s", backoff)
                 await asyncio.sleep(backoff)
