@@ -56,15 +56,17 @@ def _hf_tokens_per_s(model, prompt_ids: list[int], n: int, tokens: int, temperat
     return {"tokens": produced, "seconds": decode, "tokens_per_s": produced / decode}
 
 
-def run(model: str | None, tokens: int, parallel: int) -> dict:
+def run(model: str | None, tokens: int, parallel: int, dtype: str = "auto") -> dict:
     torch.manual_seed(0)
-    engine, source = build_engine(RuntimeOptions(model=model, device="cpu", max_num_seqs=max(64, parallel)))
+    engine, source = build_engine(RuntimeOptions(model=model, device="cpu", dtype=dtype,
+                                                 max_num_seqs=max(64, parallel)))
     tokenizer = engine.tokenizer
     text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     # Warm-up (allocator, first-call overheads) on both sides.
     _engine_tokens_per_s(engine, prompt_ids, 1, 8, 0.0)
-    results = {"model": source.name, "threads": torch.get_num_threads(), "prompt_tokens": len(prompt_ids),
+    results = {"model": source.name, "dtype": str(engine.cache.dtype).removeprefix("torch."),
+               "threads": torch.get_num_threads(), "prompt_tokens": len(prompt_ids),
                "new_tokens": tokens, "cases": []}
     hf_model = engine.model
     hf_model.set_attn_implementation("sdpa")
@@ -84,7 +86,7 @@ def run(model: str | None, tokens: int, parallel: int) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = [f"decode benchmark: {results['model']}, {results['threads']} threads, prompt {results['prompt_tokens']} "
+    rows = [f"decode benchmark: {results['model']} ({results['dtype']}), {results['threads']} threads, prompt {results['prompt_tokens']} "
             f"tokens, {results['new_tokens']} new tokens per sequence",
             f"{'case':<26} {'ponder tok/s':>13} {'transformers tok/s':>19} {'speedup':>8}"]
     for c in results["cases"]:
@@ -99,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--parallel", type=int, default=16)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="weights and KV dtype for both sides (auto: float32 on CPU)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    results = run(args.model, args.tokens, args.parallel)
+    results = run(args.model, args.tokens, args.parallel, args.dtype)
     print(json.dumps(results))
     print(table(results))
     if args.json_path:
