@@ -82,6 +82,7 @@ def test_search_over_the_caps_or_malformed_is_a_400(client, extra, param):
 
 def test_cancelled_search_frees_every_block(server):
     used = lambda: metric(server, "ponder_kv_blocks", tier="cpu", state="used")  # noqa: E731
+    time.sleep(0.6)  # let statistics of earlier searches arrive (they are sent every 0.2 s)
     steps_before = metric(server, "ponder_search_steps_total")
     body = {"messages": MESSAGES, "max_tokens": 120, "stream": True, "ignore_eos": True,
             "search": search(n=8, max_steps=30, max_step_tokens=4)}
