@@ -8,7 +8,7 @@ from runtime import attention
 from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.loader import ModelSource, load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions
-from runtime.search.scoring import ModelScorer
+from runtime.search.verifier_store import VerifierStore
 from runtime.search.verifiers.registry import load_verifier
 
 log = logging.getLogger("ponder.runtime")
@@ -41,5 +41,9 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
         verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
                                  trust_remote_code=spec.get("trust_remote_code") == "true")
-        engine.scorers[name] = ModelScorer(name, verifier)
+        verifier.model.set_attn_implementation(attention.ATTENTION_NAME)
+        vshape = kv_shape_of(verifier.model.config, options.block_size)
+        num_verifier_blocks = max(1, options.verifier_kv_memory_bytes // vshape.bytes_per_block(dtype))
+        engine.add_verifier_store(VerifierStore(name, verifier, vshape, num_verifier_blocks,
+                                                config.max_num_batched_tokens, engine))
     return engine, source

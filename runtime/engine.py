@@ -80,6 +80,7 @@ class Engine:
             self.scorers["judge"] = JudgeScorer(self, JudgeVerifier(model, tokenizer))
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
             log.warning("the judge verifier is unavailable for this model: %s", exc)
+        self.verifier_stores: list = []
         self.touched: dict[str, RequestState] = {}
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
@@ -89,7 +90,11 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores)
+
+    def add_verifier_store(self, store) -> None:
+        self.scorers[store.name] = store
+        self.verifier_stores.append(store)
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
@@ -177,6 +182,8 @@ class Engine:
         controller = self.searches.pop(request_id, None)
         if controller is not None:
             controller.is_finished = True
+            for store in self.verifier_stores:
+                store.abort(controller)
             for seq in controller.sequences() + self.scoring.pop(request_id, []):
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
@@ -217,6 +224,9 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
+        for store in self.verifier_stores:
+            if store.has_work:
+                store.step()
         try:
             plan = self.scheduler.schedule()
         except MemoryError as exc:
@@ -249,6 +259,12 @@ class Engine:
         self.outbox = []
         return messages
 
+    def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:
+        """End a request that cannot go on (resources, not a bug): free it and tell the client."""
+        self.abort(request_id)
+        self.outbox.append(RequestError(request_id=request_id, status=status, type="server_error", code=code,
+                                        message=message))
+
     def _fail_blocked(self, reason: str) -> list[FromRuntime]:
         """Nothing can run and the next waiting sequence does not fit: fail its request, not the server."""
         seq = self.scheduler.waiting[0]
@@ -256,9 +272,7 @@ class Engine:
         request_id = (owner.request.request_id if isinstance(owner, ChoiceState)
                       else getattr(owner, "controller", None) and owner.controller.request_id
                       or next(rid for rid, seqs in self.scoring.items() if seq in seqs))
-        self.abort(request_id)
-        self.outbox.append(RequestError(request_id=request_id, status=503, type="server_error",
-                                        code="kv_cache_exhausted", message=f"the KV cache is exhausted: {reason}"))
+        self.fail_request(request_id, f"the KV cache is exhausted: {reason}")
         return self._drain()
 
     def on_choice_sampled(self, choice: ChoiceState, out) -> None:

@@ -7,12 +7,26 @@ copies it asks for, runs the model once and returns the logits the plan needs.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from runtime.attention import AttentionMetadata, PrefillSlice
 from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    meta: AttentionMetadata
+    last_token_index: list[int]  # row of each entry's last new token
+    entry_start: list[int]  # row of each entry's first new token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
 
 
 class ModelRunner:
@@ -27,6 +41,31 @@ class ModelRunner:
                 logits_for: Seq[int]) -> torch.Tensor:
         """Compute the scheduled tokens; return float32 logits `[len(logits_for), vocab]` at the last
         new token of each scheduled entry whose index is in `logits_for`."""
+        step = self._prepare(scheduled, copies)
+        keep = torch.tensor([step.last_token_index[i] for i in logits_for] or [step.num_tokens - 1],
+                            device=self.device, dtype=torch.long)
+        out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                         logits_to_keep=keep, ponder_attention=step.meta)
+        logits = out.logits[0]
+        return logits.float() if logits_for else logits[:0].float()
+
+    @torch.inference_mode()
+    def hidden_states(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
+                      reads: Seq[tuple[int, int]]) -> torch.Tensor:
+        """Compute the scheduled tokens with the base model (no head); return the final hidden states
+        `[len(reads), hidden]` at (entry index, absolute token position) pairs, which must be new tokens."""
+        step = self._prepare(scheduled, copies)
+        rows = []
+        for index, position in reads:
+            entry = scheduled[index]
+            offset = position - entry.seq.num_computed_tokens
+            assert 0 <= offset < entry.num_new_tokens, "a read position must be computed in this step"
+            rows.append(step.entry_start[index] + offset)
+        out = self.model.base_model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                                    ponder_attention=step.meta)
+        return out.last_hidden_state[0, torch.tensor(rows, device=self.device, dtype=torch.long)]
+
+    def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> "StepInputs":
         self.cache.copy_blocks(list(copies))
         input_ids: list[int] = []
         positions: list[int] = []
@@ -37,12 +76,14 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSlice] = []
         last_token_index: list[int] = []
+        entry_start: list[int] = []
 
         bs = self.block_size
         for entry in scheduled:
             seq = entry.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + entry.num_new_tokens
             q_start = len(input_ids)
+            entry_start.append(q_start)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -72,21 +113,8 @@ class ModelRunner:
             meta.decode_index = torch.tensor(decode_index, device=self.device)
             meta.decode_tables = tables
             meta.decode_mask = mask[:, None, None, :]
-
-        keep = torch.tensor([last_token_index[i] for i in logits_for], device=self.device, dtype=torch.long)
-        if len(keep) == 0:
-            keep = torch.tensor([len(input_ids) - 1], device=self.device)
-        out = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            use_cache=False,
-            logits_to_keep=keep,
-            ponder_attention=meta,
-        )
-        logits = out.logits[0]
-        if not logits_for:
-            return logits[:0].float()
-        return logits.float()
+        return StepInputs(torch.tensor([input_ids], device=self.device), torch.tensor([positions], device=self.device),
+                          meta, last_token_index, entry_start)
 
     def _prefill_slice(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillSlice:
         q_len = end - start

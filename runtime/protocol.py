@@ -241,6 +241,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     stats_interval_s: float = 1.0
     # name -> {"kind", "path", "trust_remote_code"}: reward models to load next to the generator
     verifiers: dict[str, dict[str, str]] = {}
+    verifier_kv_memory_bytes: int = 512 << 20  # each reward model's own KV store
 
 
 _options_decoder = msgspec.msgpack.Decoder(RuntimeOptions)

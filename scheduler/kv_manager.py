@@ -39,15 +39,18 @@ class KVManager:
         return -(-num_tokens // self.block_size)
 
     # -- admission ----------------------------------------------------------------------------
-    def admit(self, seq: Sequence, max_new_tokens: int) -> bool:
-        """Attach the longest cached prefix of `seq` and blocks for its next `max_new_tokens`
-        uncomputed tokens. All or nothing: on False the pool is as it was."""
+    def admit(self, seq: Sequence, max_new_tokens: int, max_cached_tokens: int | None = None) -> bool:
+        """Attach the longest cached prefix of `seq` (at most `max_cached_tokens` tokens, so positions
+        after it are computed) and blocks for its next `max_new_tokens` uncomputed tokens.
+        All or nothing: on False the pool is as it was."""
         assert not seq.block_table, "admitting a sequence that already holds blocks"
         matched: list[int] = []
         hashes = []
         if self.enable_prefix_cache:
             # At least one token must be computed to produce logits, so the last token never hits.
-            cacheable = (len(seq.token_ids) - 1) // self.block_size
+            limit = len(seq.token_ids) - 1 if max_cached_tokens is None else min(len(seq.token_ids) - 1,
+                                                                                 max_cached_tokens)
+            cacheable = limit // self.block_size
             hashes = hash_blocks(seq.token_ids[:cacheable * self.block_size], self.block_size, self.extra_key)
             matched = self.pool.match_prefix(hashes)
         num_cached = len(matched) * self.block_size

@@ -42,6 +42,7 @@ class ModelSettings(_Section):
 class CacheSettings(_Section):
     block_size: int = Field(16, ge=1, le=1024)
     compute_memory_gib: float = Field(2.0, gt=0)
+    verifier_memory_gib: float = Field(0.5, gt=0)  # each reward model's own KV store
     num_blocks: int | None = Field(None, ge=1)
     enable_prefix_cache: bool = True
 
@@ -116,6 +117,7 @@ class Settings(BaseSettings):
             dtype=self.model.dtype, max_model_len=self.model.max_model_len,
             trust_remote_code=self.model.trust_remote_code, block_size=self.cache.block_size,
             kv_memory_bytes=int(self.cache.compute_memory_gib * (1 << 30)), num_blocks=self.cache.num_blocks,
+            verifier_kv_memory_bytes=int(self.cache.verifier_memory_gib * (1 << 30)),
             enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             stats_interval_s=self.server.stats_interval_s,

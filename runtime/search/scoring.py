@@ -5,8 +5,8 @@
   step is correct. Each question is a prefill-only sequence in the engine's paged store, so its KV
   shares the prefix cache: the problem and earlier steps are found cached, and sibling paths share
   their common prefix. The score is P(Yes) / (P(Yes) + P(No)) at the last position.
-- a process or outcome reward model loaded from the config: scored with its adapter's batched
-  forward pass over the path's verified units.
+- a process or outcome reward model loaded from the config: scored from its own paged store with
+  its own prefix cache (`runtime.search.verifier_store.VerifierStore`).
 """
 
 from __future__ import annotations
@@ -70,19 +70,3 @@ class JudgeScorer:
             (inputs,) = self.judge.build_inputs(controller.question, path.chunks)[-1:]
             seq = Sequence(list(inputs.token_ids), owner=_ScoreJob(self, batch, path))
             self.engine.add_scoring_sequence(seq, controller)
-
-
-class ModelScorer:
-    """A reward model with its own weights: its adapter scores all verified units of each path."""
-
-    def __init__(self, name: str, verifier) -> None:
-        self.name = name
-        self.verifier = verifier
-
-    def submit(self, controller, paths) -> None:
-        started = time.perf_counter()
-        scores = self.verifier.score(controller.question, [list(p.chunks) for p in paths])
-        for path, path_scores in zip(paths, scores):
-            controller.on_score(path, path_scores[-1] if path_scores else 0.0,
-                                prefilled=0, cached=0)
-        controller.engine.observe_verifier(time.perf_counter() - started)

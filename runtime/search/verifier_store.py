@@ -1,0 +1,121 @@
+"""A reward model scoring from its own paged KV store with its own prefix cache.
+
+A path's verifier input for step k extends its input for step k-1 (the problem and earlier steps come
+first), so each scoring sequence is admitted against the prefix cache and only the new step's
+tokens (from the last shared block on) are prefilled. Sibling paths share their common prefix the
+same way. Sequences are prefill-only: the family's head reads the final hidden states at the new
+step's read position, and the sequence's blocks go back to the cache at once.
+
+Jobs from every search are batched into one forward pass per engine step, within a token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from runtime.model_runner import ModelRunner
+from scheduler.kv_manager import KVManager
+from scheduler.scheduler import ScheduledSequence
+from scheduler.sequence import Sequence
+from storage.block_pool import BlockPool
+from storage.kv_cache import KVCache, KVShape
+
+
+@dataclass(eq=False)
+class ScoreJob:
+    controller: object
+    path: object
+    seq: Sequence
+    read_position: int  # absolute position whose hidden state scores the newest unit
+    batch: "_Batch"
+
+
+@dataclass(eq=False)
+class _Batch:
+    controller: object
+    remaining: int
+    started: float
+
+
+class VerifierStore:
+    def __init__(self, name: str, verifier, shape: KVShape, num_blocks: int, max_batched_tokens: int,
+                 engine) -> None:
+        self.name = name
+        self.verifier = verifier
+        self.engine = engine
+        model = verifier.model
+        self.device = next(model.parameters()).device
+        self.pool = BlockPool(num_blocks, shape.block_size)
+        self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode())
+        self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device)
+        self.runner = ModelRunner(model, self.cache)
+        self.max_batched_tokens = max_batched_tokens
+        self.queue: deque[ScoreJob] = deque()
+        self.tokens_prefilled = 0
+        self.tokens_cached = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def submit(self, controller, paths) -> None:
+        """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
+        controller.pending_scores += 1
+        batch = _Batch(controller, len(paths), time.perf_counter())
+        for path in paths:
+            inputs = self.verifier.build_inputs(controller.question, list(path.chunks))
+            last = inputs[-1]
+            if len(last.token_ids) > self.pool.num_blocks * self.pool.block_size:
+                self.engine.fail_request(controller.request_id, f"the verifier input of {len(last.token_ids)} "
+                                         f"tokens exceeds the {self.name} verifier's KV store")
+                return
+            seq = Sequence(list(last.token_ids))
+            self.queue.append(ScoreJob(controller, path, seq, last.read_positions[-1], batch))
+
+    def step(self) -> None:
+        """Prefill as many queued jobs as fit, read their scores, release their blocks to the cache."""
+        jobs: list[ScoreJob] = []
+        budget = self.max_batched_tokens
+        while self.queue:
+            job = self.queue[0]
+            if getattr(job.controller, "is_finished", False):
+                self.queue.popleft()  # its search was aborted
+                continue
+            if jobs and len(job.seq.token_ids) > budget:
+                break
+            if not self.kv.admit(job.seq, len(job.seq.token_ids), max_cached_tokens=job.read_position):
+                if jobs:
+                    break
+                self.engine.fail_request(job.controller.request_id, "the verifier's KV store cannot hold "
+                                         "one scoring sequence")
+                continue
+            self.queue.popleft()
+            jobs.append(job)
+            budget -= job.seq.num_uncomputed_tokens
+        if not jobs:
+            return
+        scheduled = [ScheduledSequence(job.seq, job.seq.num_uncomputed_tokens) for job in jobs]
+        hidden = self.runner.hidden_states(scheduled, [], [(i, job.read_position) for i, job in enumerate(jobs)])
+        with torch.inference_mode():
+            scores = self.verifier.read_scores(hidden).float().tolist()
+        for job, score in zip(jobs, scores):
+            cached = job.seq.num_computed_tokens
+            computed = len(job.seq.token_ids) - cached
+            self.kv.commit_computed(job.seq, len(job.seq.token_ids))
+            self.kv.free(job.seq)
+            self.tokens_prefilled += computed
+            self.tokens_cached += cached
+            if getattr(job.controller, "is_finished", False):
+                continue
+            job.controller.on_score(job.path, score, prefilled=computed, cached=cached)
+            job.batch.remaining -= 1
+            if job.batch.remaining == 0:
+                self.engine.observe_verifier(time.perf_counter() - job.batch.started)
+                job.controller.score_done()
+
+    def abort(self, controller) -> None:
+        self.queue = deque(job for job in self.queue if job.controller is not controller)

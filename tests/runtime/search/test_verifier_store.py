@@ -1,0 +1,46 @@
+"""Reward models scored from their own paged store match the plain transformers adapters."""
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from runtime.bootstrap import build_engine
+from runtime.protocol import RuntimeOptions
+from runtime.search.verifiers.registry import load_verifier
+from tests.runtime.search.reference import ReferenceSearch
+from tests.runtime.search.test_search_engine import QUESTION, engine_choices, run_search, search_request
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, causal_lm_dir, qwen_prm_dir, skywork_dir):
+    verifiers = {"shepherd": {"kind": "math-shepherd", "path": str(causal_lm_dir)},
+                 "qwen": {"kind": "qwen-prm", "path": str(qwen_prm_dir)},
+                 "sky": {"kind": "skywork", "path": str(skywork_dir)}}
+    engine, _ = build_engine(RuntimeOptions(model=str(tiny_llama), device="cpu", num_blocks=1024, block_size=4,
+                                            verifiers=verifiers, verifier_kv_memory_bytes=4 << 20))
+    return engine
+
+
+@pytest.mark.parametrize("name, kind, directory", [
+    ("shepherd", "math-shepherd", "causal_lm_dir"), ("qwen", "qwen-prm", "qwen_prm_dir"),
+    ("sky", "skywork", "skywork_dir")])
+def test_paged_reward_model_search_matches_the_reference(engine, tiny_llama, request, name, kind, directory):
+    search = search_request(f"prm-{name}", verifier=name, n=4, beam_width=2, max_steps=4)
+    messages = run_search(engine, search)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    plain = load_verifier(kind, request.getfixturevalue(directory))
+    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        list(search.messages), add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    reference = ReferenceSearch(hf, engine.tokenizer, prompt_ids, QUESTION, search.search, 1.0, 11, 30,
+                                engine.eos_ids, plain).run(3)
+    ours = engine_choices(messages)
+    assert [t for t, _, _ in ours] == [t for t, _, _ in reference]
+    for (_, score, steps), (_, ref_score, ref_steps) in zip(ours, reference):
+        assert score == pytest.approx(ref_score, rel=1e-4, abs=1e-5)
+        assert steps == pytest.approx(ref_steps, rel=1e-4, abs=1e-5)
+    summary = messages[-1].search
+    # Step k's input extends step k-1's: later calls find the problem and earlier steps cached.
+    assert summary.prefix_hit_tokens > 0 and summary.verifier_tokens_prefilled > 0
+    store = engine.scorers[name]
+    assert store.pool.num_used == 0
+    store.pool.check_integrity([])
+    engine.pool.check_integrity([])
