@@ -159,8 +159,6 @@ class Engine:
         if scorer is None:
             raise InvalidRequest(f"unknown verifier {search.verifier!r}; this server has "
                                  f"{', '.join(sorted(self.scorers))}", "search.verifier")
-        if search.lookahead:
-            raise InvalidRequest("search.lookahead is not supported; use 0", "search.lookahead")
         if search.strategy == "dvts" and search.n % search.beam_width:
             raise InvalidRequest("dvts needs search.n to be a multiple of search.beam_width", "search.n")
         if request.sampling.n > search.n:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from runtime.protocol import Delta, Finished, SamplingParams, SearchEvent, SearchParams, SearchSummary, StepScore
 from runtime.sampler import SamplingState, derive_seed
 from runtime.search.aggregate import aggregate, normalize_step
@@ -36,6 +38,12 @@ class SearchPath:
     is_done: bool = False
     finish_reason: str | None = None
     text: str = ""
+    # A greedy look-ahead past the step, scored with it and then thrown away.
+    lookahead_units: list[str] = field(default_factory=list)
+    lookahead_logprobs: list[float] = field(default_factory=list)
+
+    def scoring_units(self) -> list[str]:
+        return self.chunks + self.lookahead_units
 
     @property
     def score(self) -> float:
@@ -46,6 +54,24 @@ class SearchPath:
 
     def on_sampled(self, engine, seq, out) -> None:
         self.controller.on_token(self, out)
+
+
+@dataclass(eq=False)
+class Lookahead:
+    """A throwaway fork of a path that decodes `lookahead` more steps greedily before scoring."""
+
+    path: SearchPath
+    seq: Sequence
+    sampling: SamplingState
+    start: int  # token index where the look-ahead began
+    steps_left: int
+    step_start: int
+
+    def on_logits(self, engine, seq, row):
+        return [seq]
+
+    def on_sampled(self, engine, seq, out) -> None:
+        self.path.controller.on_lookahead_token(self, out)
 
 
 @dataclass(eq=False)
@@ -79,6 +105,7 @@ class SearchController:
         self.next_uid = 0
         self.pending_scores = 0
         self.to_verify: list[SearchPath] = []
+        self.lookaheads: set[Lookahead] = set()
         self.committed = ""
         self.is_finished = False
         self.num_cached_tokens = 0
@@ -165,14 +192,59 @@ class SearchController:
         if not to_score:
             self._settle()
             return
+        rollouts = [p for p in to_score if not p.is_done] if self.search.lookahead else []
+        if rollouts and self.step_index < self.search.max_steps:
+            self.lookaheads = set()
+            for path in rollouts:
+                self._start_lookahead(path)
+            return
+        self._submit_scores()
+
+    def _submit_scores(self) -> None:
         self.stats["verifier_calls"] += 1
-        self.verifier.submit(self, to_score)
-        if self.pending_scores == 0:
+        self.verifier.submit(self, self.to_verify)
+        if self.pending_scores == 0 and not self.is_finished:
             self._settle()
+
+    # -- look-ahead -----------------------------------------------------------------------------
+    def _start_lookahead(self, path: SearchPath) -> None:
+        seq = self.engine.fork_sequence(path.seq)
+        greedy = msgspec.structs.replace(self.params, temperature=0.0)
+        run = Lookahead(path, seq, SamplingState(greedy, 0, self.engine.device, track_logprobs=True),
+                        len(seq.token_ids), self.search.lookahead, len(seq.token_ids))
+        seq.owner = run
+        self.lookaheads.add(run)
+        self.engine.resume_sequence(seq)
+
+    def on_lookahead_token(self, run: Lookahead, out) -> None:
+        seq, path = run.seq, run.path
+        self.stats["tokens_generated"] += 1
+        if out.logprob is not None:
+            path.lookahead_logprobs.append(out.logprob)
+        token = out.token_id
+        step_ids = seq.token_ids[run.step_start:]
+        step_text = self.engine.tokenizer.decode(step_ids, skip_special_tokens=True)
+        num_output = len(seq.token_ids) - len(self.prompt_ids)
+        ends = (token in self.params.stop_token_ids or token in self.engine.eos_ids
+                or num_output >= self.max_tokens or len(seq.token_ids) >= self.engine.config.max_model_len)
+        if not ends and (self.search.step_delimiter in step_text or len(step_ids) >= self.search.max_step_tokens):
+            run.steps_left -= 1
+            run.step_start = len(seq.token_ids)
+            ends = run.steps_left == 0
+        if not ends:
+            return
+        text = self.engine.tokenizer.decode(seq.token_ids[run.start:], skip_special_tokens=True)
+        units = [normalize_step(u, self.search.step_delimiter) for u in text.split(self.search.step_delimiter)]
+        path.lookahead_units = [u for u in units if u.strip()]
+        self.engine.release_sequence(seq)
+        self.lookaheads.discard(run)
+        if not self.lookaheads:
+            self._submit_scores()
 
     def on_score(self, path: SearchPath, score: float, prefilled: int = 0, cached: int = 0) -> None:
         path.step_scores.append(float(score))
         path.chunk_logprobs = []
+        path.lookahead_units, path.lookahead_logprobs = [], []
         path.chunk_start = len(path.seq.token_ids)
         self.stats["verifier_tokens_prefilled"] += prefilled
         self.stats["prefix_hit_tokens"] += cached
@@ -272,6 +344,7 @@ class SearchController:
     def sequences(self) -> list[Sequence]:
         """Every sequence the search still holds (for aborts)."""
         seqs = [p.seq for p in self.generating] + [p.seq for p in self.stepped if not p.is_done]
+        seqs += [run.seq for run in self.lookaheads]
         if self.root.block_table or not self.root.is_finished:
             seqs.append(self.root)
         return seqs

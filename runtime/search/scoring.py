@@ -26,7 +26,7 @@ class ConfidenceScorer:
 
     def submit(self, controller, paths) -> None:
         for path in paths:
-            controller.on_score(path, confidence_from_logprobs(path.chunk_logprobs))
+            controller.on_score(path, confidence_from_logprobs(path.chunk_logprobs + path.lookahead_logprobs))
 
 
 @dataclass(eq=False)
@@ -67,6 +67,6 @@ class JudgeScorer:
         controller.pending_scores += 1
         batch = _ScoreBatch(controller, len(paths), time.perf_counter())
         for path in paths:
-            (inputs,) = self.judge.build_inputs(controller.question, path.chunks)[-1:]
+            (inputs,) = self.judge.build_inputs(controller.question, path.scoring_units())[-1:]
             seq = Sequence(list(inputs.token_ids), owner=_ScoreJob(self, batch, path))
             self.engine.add_scoring_sequence(seq, controller)

@@ -67,7 +67,7 @@ class VerifierStore:
         controller.pending_scores += 1
         batch = _Batch(controller, len(paths), time.perf_counter())
         for path in paths:
-            inputs = self.verifier.build_inputs(controller.question, list(path.chunks))
+            inputs = self.verifier.build_inputs(controller.question, path.scoring_units())
             last = inputs[-1]
             if len(last.token_ids) > self.pool.num_blocks * self.pool.block_size:
                 self.engine.fail_request(controller.request_id, f"the verifier input of {len(last.token_ids)} "

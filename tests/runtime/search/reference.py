@@ -93,14 +93,41 @@ class ReferenceSearch:
                 return
 
     @torch.no_grad()
+    def lookahead(self, path):
+        """Greedy roll-out of `lookahead` more steps past the path: (extra units, their log-probs)."""
+        tokens, start, step_start, left, logps = list(path.tokens), len(path.tokens), len(path.tokens), \
+            self.s.lookahead, []
+        while True:
+            logits = self.model(torch.tensor([tokens])).logits[0, -1].float()
+            token = int(torch.argmax(logits))
+            logps.append(float(torch.log_softmax(logits, -1)[token]))
+            tokens.append(token)
+            step_ids = tokens[step_start:]
+            step_text = self.tok.decode(step_ids, skip_special_tokens=True)
+            ends = token in self.eos or len(tokens) - len(self.prompt) >= self.max_tokens
+            if not ends and (self.s.step_delimiter in step_text or len(step_ids) >= self.s.max_step_tokens):
+                left -= 1
+                step_start = len(tokens)
+                ends = left == 0
+            if ends:
+                break
+        text = self.tok.decode(tokens[start:], skip_special_tokens=True)
+        units = [normalize_step(u, self.s.step_delimiter) for u in text.split(self.s.step_delimiter)]
+        return [u for u in units if u.strip()], logps
+
+    @torch.no_grad()
     def verify(self, paths):
+        extra = {}
         for p in paths:
             unit = self.tok.decode(p.tokens[p.chunk_start:], skip_special_tokens=True)
             p.chunks.append(normalize_step(unit, self.s.step_delimiter))
+            if self.s.lookahead and not p.done and self.step_index < self.s.max_steps:
+                extra[p.uid] = self.lookahead(p)
+        units = {p.uid: p.chunks + extra.get(p.uid, ([], []))[0] for p in paths}
         if self.s.verifier == "confidence":
-            scores = [confidence_from_logprobs(p.chunk_logprobs) for p in paths]
-        else:  # judge: the full re-scored path through plain transformers, last step's score
-            scores = [self.judge.score(self.question, [p.chunks])[0][-1] for p in paths]
+            scores = [confidence_from_logprobs(p.chunk_logprobs + extra.get(p.uid, ([], []))[1]) for p in paths]
+        else:  # a verifier re-scoring the full path through plain transformers: the last unit's score
+            scores = [self.judge.score(self.question, [units[p.uid]])[0][-1] for p in paths]
         for p, sc in zip(paths, scores):
             p.scores.append(float(sc))
             p.chunk_logprobs = []

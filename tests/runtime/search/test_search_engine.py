@@ -51,17 +51,20 @@ def hf(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
 
 
-@pytest.mark.parametrize("strategy, verifier, granularity, select", [
-    ("beam", "confidence", 1, "best"),
-    ("beam", "judge", 1, "best"),
-    ("best_of_n", "confidence", 1, "weighted_majority"),
-    ("dvts", "confidence", 1, "best"),
-    ("dynamic_branching", "judge", 1, "majority"),
-    ("beam", "confidence", 2, "best"),
+@pytest.mark.parametrize("strategy, verifier, granularity, select, lookahead", [
+    ("beam", "confidence", 1, "best", 0),
+    ("beam", "judge", 1, "best", 0),
+    ("best_of_n", "confidence", 1, "weighted_majority", 0),
+    ("dvts", "confidence", 1, "best", 0),
+    ("dynamic_branching", "judge", 1, "majority", 0),
+    ("beam", "confidence", 2, "best", 0),
+    ("beam", "judge", 1, "best", 1),
+    ("dvts", "confidence", 1, "best", 2),
 ])
-def test_engine_search_selects_what_the_reference_selects(engine, hf, strategy, verifier, granularity, select):
-    request = search_request(f"{strategy}-{verifier}-{granularity}", strategy=strategy, verifier=verifier,
-                             granularity=granularity, select=select)
+def test_engine_search_selects_what_the_reference_selects(engine, hf, strategy, verifier, granularity, select,
+                                                          lookahead):
+    request = search_request(f"{strategy}-{verifier}-{granularity}-{lookahead}", strategy=strategy,
+                             verifier=verifier, granularity=granularity, select=select, lookahead=lookahead)
     messages = run_search(engine, request)
     prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
         list(request.messages), add_generation_prompt=True, tokenize=False), add_special_tokens=False)
@@ -114,7 +117,6 @@ def test_abort_mid_search_frees_every_block(engine):
 @pytest.mark.parametrize("search, fragment", [
     (dict(verifier="no-such"), "unknown verifier"),
     (dict(strategy="dvts", n=6, beam_width=4), "multiple"),
-    (dict(lookahead=2), "lookahead"),
     (dict(answer_pattern="(unclosed"), "search"),
 ])
 def test_bad_search_requests_are_refused(engine, search, fragment):
