@@ -40,7 +40,8 @@ RUN if id -u ubuntu > /dev/null 2>&1; then userdel --remove ubuntu; fi \
     && chown -R ponder:ponder /models /home/ponder/.cache /var/lib/ponder
 
 # Everything is local: models come from /models, the embedded one or an already filled cache.
-ENV HF_HOME=/home/ponder/.cache/huggingface \
+ENV PONDER_CACHE__DISK_DIR=/var/lib/ponder/kv \
+    HF_HOME=/home/ponder/.cache/huggingface \
     HF_HUB_OFFLINE=1
 
 USER ponder

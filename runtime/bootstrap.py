@@ -9,6 +9,9 @@ from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.loader import ModelSource, load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions
 from runtime.search.verifier_store import VerifierStore
+from storage.disk_tier import DiskTier
+from storage.host_tier import HostTier
+from storage.tiers import TierChain
 from runtime.search.verifiers.registry import load_verifier
 
 log = logging.getLogger("ponder.runtime")
@@ -35,6 +38,8 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
     engine = Engine(model, tokenizer, config, model_key)
+    if options.host_kv_memory_bytes > 0 or options.disk_kv_dir:
+        engine.attach_tiers(_tier_chain(options, engine, model_key))
     for name, spec in options.verifiers.items():
         if name in engine.scorers:
             raise ValueError(f"verifier name {name!r} is built in; choose another name")
@@ -47,3 +52,18 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         engine.add_verifier_store(VerifierStore(name, verifier, vshape, num_verifier_blocks,
                                                 config.max_num_batched_tokens, engine))
     return engine, source
+
+
+def _tier_chain(options: RuntimeOptions, engine: Engine, model_key: bytes) -> TierChain:
+    shape, dtype = engine.cache.shape, engine.cache.dtype
+    compute = "gpu" if engine.device.type == "cuda" else "cpu"
+    host = None
+    if options.host_kv_memory_bytes > 0:
+        host = HostTier(shape.block_shape, dtype, options.host_kv_memory_bytes, pin_memory=True, name="host")
+    disk = None
+    if options.disk_kv_dir:
+        # Blocks of another model, dtype or layout must never be read: the namespace names all three.
+        namespace = f"{model_key.decode(errors='replace')}|{shape.block_shape}|{dtype}"
+        disk = DiskTier(options.disk_kv_dir, namespace, options.disk_kv_bytes, name="disk")
+        log.info("disk KV tier at %s: %d blocks found", disk.path, disk.num_blocks)
+    return TierChain(host, disk, compute_name=compute)

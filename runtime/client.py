@@ -79,6 +79,16 @@ class RuntimeClient:
             raise RuntimeUnavailable(self.load_error or "the runtime did not start")
 
     async def stop(self) -> None:
+        """Ask the runtime to shut down cleanly (it keeps its disk-tier prefix cache), then end it."""
+        proc = self._proc
+        if proc is not None and self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._send(Shutdown())
+                await self._writer.drain()
+            for _ in range(100):
+                if proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):

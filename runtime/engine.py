@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv_tiers import TieredPrefixCache
 from runtime.model_runner import ModelRunner
 from runtime.protocol import Accepted, Delta, Finished, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.requests import (
@@ -81,6 +82,7 @@ class Engine:
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
             log.warning("the judge verifier is unavailable for this model: %s", exc)
         self.verifier_stores: list = []
+        self.tiers: TieredPrefixCache | None = None
         self.touched: dict[str, RequestState] = {}
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
@@ -91,6 +93,15 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores)
+
+    def attach_tiers(self, chain) -> None:
+        """Extend the prefix cache over lower tiers (see runtime.kv_tiers)."""
+        self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+
+    def close(self) -> None:
+        """Keep what can outlive the process: every named block goes to the disk tier."""
+        if self.tiers is not None:
+            self.tiers.persist()
 
     def add_verifier_store(self, store) -> None:
         self.scorers[store.name] = store
@@ -225,6 +236,10 @@ class Engine:
         for store in self.verifier_stores:
             if store.has_work:
                 store.step()
+        if self.tiers is not None:
+            room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+            for seq in list(self.scheduler.waiting)[:min(room, 8)]:
+                self.tiers.promote_prefix(seq)
         try:
             plan = self.scheduler.schedule()
         except MemoryError as exc:
@@ -341,7 +356,9 @@ class Engine:
         return RuntimeStats(
             requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
-            kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free},
+            kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
+                       **(self.tiers.block_counts() if self.tiers else {})},
+            kv_transfer_bytes=self.tiers.chain.bytes_moved if self.tiers else {},
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_prompt=self.stats["tokens_prompt"],

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import select
+import signal
 import socket
 import sys
 import time
@@ -55,6 +56,17 @@ def serve(channel: Channel) -> None:
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
                        verifiers=tuple(sorted(engine.scorers))))
     log.info("runtime ready: %s", source.name)
+    try:
+        _loop(channel, engine, options)
+    finally:
+        engine.close()
+
+
+class Stop(Exception):
+    """SIGTERM: leave the loop and close the engine (which keeps its prefix cache on disk)."""
+
+
+def _loop(channel: Channel, engine, options) -> None:
     last_stats = 0.0
     while True:
         timeout = 0.0 if engine.has_work else 0.05
@@ -77,7 +89,7 @@ def serve(channel: Channel) -> None:
             except Exception:  # noqa: BLE001 - a bug: fail the running requests, keep serving
                 detail = traceback.format_exc()
                 log.error("engine step failed:\n%s", detail)
-                for request_id in list(engine.requests):
+                for request_id in [*engine.requests, *engine.searches]:
                     engine.abort(request_id)
                     channel.send(RequestError(request_id=request_id, status=500, type="server_error",
                                               message="internal error in the runtime step"))
@@ -97,9 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("PONDER_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=args.fd)
+
+    def stop(signum, frame):
+        raise Stop()
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         serve(Channel(sock))
-    except (BrokenPipeError, ConnectionResetError):
+    except (BrokenPipeError, ConnectionResetError, Stop):
         pass
     finally:
         sock.close()

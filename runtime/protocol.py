@@ -242,6 +242,9 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     # name -> {"kind", "path", "trust_remote_code"}: reward models to load next to the generator
     verifiers: dict[str, dict[str, str]] = {}
     verifier_kv_memory_bytes: int = 512 << 20  # each reward model's own KV store
+    host_kv_memory_bytes: int = 0  # the host tier below the compute tier (0: none)
+    disk_kv_dir: str | None = None  # the disk tier (None: none)
+    disk_kv_bytes: int = 16 << 30
 
 
 _options_decoder = msgspec.msgpack.Decoder(RuntimeOptions)

@@ -43,6 +43,9 @@ class CacheSettings(_Section):
     block_size: int = Field(16, ge=1, le=1024)
     compute_memory_gib: float = Field(2.0, gt=0)
     verifier_memory_gib: float = Field(0.5, gt=0)  # each reward model's own KV store
+    host_memory_gib: float = Field(0.0, ge=0)  # host tier below the compute tier (pinned on a GPU); 0: none
+    disk_dir: str | None = None  # disk tier directory (created 0700, files 0600); None: none
+    disk_gib: float = Field(16.0, gt=0)
     num_blocks: int | None = Field(None, ge=1)
     enable_prefix_cache: bool = True
 
@@ -118,6 +121,8 @@ class Settings(BaseSettings):
             trust_remote_code=self.model.trust_remote_code, block_size=self.cache.block_size,
             kv_memory_bytes=int(self.cache.compute_memory_gib * (1 << 30)), num_blocks=self.cache.num_blocks,
             verifier_kv_memory_bytes=int(self.cache.verifier_memory_gib * (1 << 30)),
+            host_kv_memory_bytes=int(self.cache.host_memory_gib * (1 << 30)), disk_kv_dir=self.cache.disk_dir,
+            disk_kv_bytes=int(self.cache.disk_gib * (1 << 30)),
             enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             stats_interval_s=self.server.stats_interval_s,

@@ -100,6 +100,21 @@ class TierChain:
                 return out
             return payload if is_owned else payload.clone()
 
+    def persist(self, block_hash: BlockHash, payload: torch.Tensor, src: str) -> None:
+        """Write a block held in tier `src` to the disk tier now, so it outlives this process."""
+        with self._lock:
+            self._spill(src, block_hash, payload)
+
+    def persist_host(self) -> None:
+        """Write every block the host tier holds to the disk tier."""
+        with self._lock:
+            if self.host is None:
+                return
+            for block_hash in self.host.lru_order():
+                payload = self.host.get(block_hash)
+                if payload is not None:
+                    self._spill(self.host.name, block_hash, payload)
+
     def discard(self, block_hash: BlockHash) -> None:
         """Forget the block in every tier below compute."""
         with self._lock:

@@ -1,0 +1,74 @@
+"""The prefix cache over lower tiers: demotion on eviction, promotion on admission, restarts."""
+
+import os
+import stat
+
+from runtime.bootstrap import build_engine
+from runtime.protocol import RuntimeOptions
+from storage.block_hash import hash_blocks
+from tests.runtime.engine_helpers import hf_greedy, request, run
+
+PROMPT = [1] + list(range(5, 36))  # 32 tokens: 8 full blocks of 4 (7 cacheable)
+
+
+def tiered_engine(path, tmp_path, host_blocks=0, num_blocks=24):
+    engine, _ = build_engine(RuntimeOptions(model=str(path), device="cpu", num_blocks=num_blocks, block_size=4,
+                                            host_kv_memory_bytes=host_blocks * 2 * 2 * 2 * 4 * 16 * 4,
+                                            disk_kv_dir=str(tmp_path / "kv")))
+    return engine
+
+
+def churn(engine, count=6):
+    """Other prompts that push the first prompt's blocks out of the compute tier."""
+    for i in range(count):
+        run(engine, [request(f"churn{i}", [1] + [40 + i] * 20, max_tokens=2)])
+
+
+def test_evicted_prefix_comes_back_from_the_host_tier(tiny_llama, tmp_path):
+    engine = tiered_engine(tiny_llama, tmp_path, host_blocks=64)
+    first = run(engine, [request("a", PROMPT, max_tokens=4)])["a"]
+    churn(engine)
+    names = hash_blocks(PROMPT[:28], 4, engine.kv.extra_key)
+    assert all(engine.pool.lookup(h) is None for h in names)  # all pushed out of the compute tier
+    assert all(engine.tiers.chain.lookup(h) == "host" for h in names)
+    moved = engine.tiers.chain.bytes_moved
+    assert moved["cpu/host"] > 0 and moved["cpu/host"] % engine.cache.bytes_per_block == 0
+    again = run(engine, [request("b", PROMPT, max_tokens=4)])["b"]
+    assert again["finished"].cached_tokens == 28  # 7 blocks promoted back and hit
+    assert again["choices"][0] == first["choices"][0]
+    assert engine.tiers.chain.bytes_moved["host/cpu"] == 7 * engine.cache.bytes_per_block
+    engine.check_integrity()
+    engine.tiers.chain.check_integrity()
+
+
+def test_prefix_cache_survives_a_restart_through_the_disk_tier(tiny_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = tiered_engine(tiny_llama, tmp_path)
+    first = run(engine, [request("a", PROMPT, max_tokens=5)])["a"]
+    engine.close()
+    directory = tmp_path / "kv"
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in files)
+    assert all(stat.S_IMODE(os.stat(d).st_mode) == 0o700 for d in [directory, *[p for p in directory.rglob("*")
+                                                                                   if p.is_dir()]])
+    restarted = tiered_engine(tiny_llama, tmp_path)
+    second = run(restarted, [request("b", PROMPT, max_tokens=5)])["b"]
+    assert second["finished"].cached_tokens == 28
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    assert second["choices"][0] == first["choices"][0] == hf_greedy(reference, PROMPT, 5)
+
+
+def test_a_corrupt_disk_block_is_recomputed_never_served(tiny_llama, tmp_path):
+    engine = tiered_engine(tiny_llama, tmp_path)
+    first = run(engine, [request("a", PROMPT, max_tokens=5)])["a"]
+    engine.close()
+    for group in (tmp_path / "kv").rglob("*"):
+        if group.is_file() and group.name != "index.json":
+            data = bytearray(group.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            group.write_bytes(bytes(data))
+    restarted = tiered_engine(tiny_llama, tmp_path)
+    second = run(restarted, [request("b", PROMPT, max_tokens=5)])["b"]
+    assert second["finished"].cached_tokens < 28  # the corrupt block and those after it were recomputed
+    assert second["choices"][0] == first["choices"][0]
