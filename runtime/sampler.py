@@ -25,6 +25,10 @@ def derive_seed(seed: int | None, *path: int) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
+# Below this, dividing float32 logits by the temperature can overflow; such requests decode greedily.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SampleOutput:
     token_id: int
@@ -66,6 +70,7 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         remove = torch.cumsum(probs, dim=-1) - probs >= p.top_p
+        remove[0] = False  # a top_p that is 0.0 in float32 would otherwise remove every token
         logits = logits.scatter(0, order, sorted_logits.masked_fill(remove, float("-inf")))
     if p.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
@@ -87,10 +92,14 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
         x = logits[row]
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             x = _apply_penalties(x.clone(), p, *token_histories[row])
-        if p.is_greedy:
+        if p.is_greedy or p.temperature < MIN_TEMPERATURE:
             token = int(torch.argmax(x))
         else:
-            x = _filter(x / p.temperature, p)
+            x = x / p.temperature
+            if torch.isposinf(x).any():
+                # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
+                x = torch.where(torch.isposinf(x), 0.0, float("-inf"))
+            x = _filter(x, p)
             probs = torch.softmax(x, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=state.generator))
         out = SampleOutput(token)

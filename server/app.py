@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.client import READY, RuntimeClient
@@ -56,21 +57,22 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge()
+                    raise _TooLarge(self.max_bytes)
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send)
+        await self.app(scope, limited_receive, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = APIError(413, f"the request body is larger than {self.max_bytes} bytes").response()
+        response = APIError(413, _TooLarge(self.max_bytes).detail).response()
         await response(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(HTTPException):
+    """Raised while the route reads the body. An HTTPException, because FastAPI turns any other error
+    from reading the body into a 400; the app's handler renders it as an OpenAI-shaped 413."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"the request body is larger than {max_bytes} bytes")
 
 
 def create_app(settings: Settings, client: RuntimeClient | None = None, metrics: Metrics | None = None) -> FastAPI:

@@ -12,7 +12,32 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from runtime.protocol import SamplingParams, SearchParams
 
 
-class _Body(BaseModel):
+class _Wire(BaseModel):
+    """Fields cross to the runtime as msgpack: strings must encode as UTF-8 (a JSON escape can carry a
+    lone surrogate) and integers must fit in 64 bits. Anything else is a 400 here, not a failure later."""
+
+    @field_validator("*")
+    @classmethod
+    def _fits_the_wire(cls, value: Any) -> Any:
+        _check_wire_value(value)
+        return value
+
+
+def _check_wire_value(value: Any) -> None:
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    elif isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise ValueError("integers must lie in [-2**63, 2**63)")
+    elif isinstance(value, list):
+        for item in value:
+            _check_wire_value(item)
+
+
+class _Body(_Wire):
     model_config = ConfigDict(extra="ignore")
 
 
@@ -39,7 +64,7 @@ class StreamOptions(_Body):
     include_search_events: bool = False
 
 
-class SearchRequest(BaseModel):
+class SearchRequest(_Wire):
     model_config = ConfigDict(extra="forbid")
 
     strategy: Literal["best_of_n", "beam", "dvts", "dynamic_branching"] = "beam"
