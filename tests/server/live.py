@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,14 +26,17 @@ def free_port() -> int:
 def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, timeout: float = 120.0):
     port = free_port()
     full_env = dict(os.environ, PONDER_SERVER__STATS_INTERVAL_S="0.2", **(env or {}))
+    # The server's log goes to a file: a pipe nobody reads would block a chatty server once it fills.
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
-                            cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+                log.seek(0)
+                raise RuntimeError(f"server exited early:\n{log.read()}")
             try:
                 status = httpx.get(base + "/health", timeout=2).status_code
                 if status == 200 or (not wait_healthy and status == 503):
@@ -49,6 +53,7 @@ def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, 
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log.close()
 
 
 def metric(base: str, name: str, headers: dict | None = None, default: float | None = None, **labels: str) -> float:
