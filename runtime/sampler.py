@@ -81,33 +81,47 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: list[tuple[list[int], list[int]]]) -> list[SampleOutput]:
     """Sample one token per row of `logits` `[S, vocab]` (float32).
 
-    `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties.
+    `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties. Rows are processed
+    together; each sampled row takes exactly one uniform draw from its own generator and inverts
+    its cumulative distribution, so a row's token does not depend on the other rows.
     """
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.wants_logprob for s in states) else None
+    x = logits
+    penalised = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0
+                 or s.params.presence_penalty or s.params.frequency_penalty]
+    if penalised:
+        x = logits.clone()
+        for row in penalised:
+            x[row] = _apply_penalties(x[row], states[row].params, *token_histories[row])
+    tokens = torch.argmax(x, dim=-1).tolist()
+    rows = [i for i, s in enumerate(states) if not s.params.is_greedy and s.params.temperature >= MIN_TEMPERATURE]
+    if rows:
+        temperatures = torch.tensor([states[i].params.temperature for i in rows], dtype=x.dtype, device=x.device)
+        y = x[rows] / temperatures[:, None]
+        overflow = torch.isposinf(y)
+        if overflow.any():
+            # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
+            hit = overflow.any(dim=-1, keepdim=True)
+            y = torch.where(hit, torch.where(overflow, 0.0, float("-inf")), y)
+        for k, row in enumerate(rows):
+            p = states[row].params
+            if (p.top_k and p.top_k > 0) or p.top_p < 1.0 or p.min_p > 0.0:
+                y[k] = _filter(y[k], p)
+        cdf = torch.softmax(y, dim=-1).cumsum_(dim=-1)
+        draws = torch.stack([torch.rand((), generator=states[row].generator, dtype=cdf.dtype) for row in rows])
+        picked = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        picked = picked.clamp_(max=cdf.shape[-1] - 1).tolist()
+        for k, row in enumerate(rows):
+            tokens[row] = picked[k]
     outputs: list[SampleOutput] = []
-    raw_logprobs = None
-    if any(s.wants_logprob for s in states):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    for row, state in enumerate(states):
-        p = state.params
-        x = logits[row]
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            x = _apply_penalties(x.clone(), p, *token_histories[row])
-        if p.is_greedy or p.temperature < MIN_TEMPERATURE:
-            token = int(torch.argmax(x))
-        else:
-            x = x / p.temperature
-            if torch.isposinf(x).any():
-                # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
-                x = torch.where(torch.isposinf(x), 0.0, float("-inf"))
-            x = _filter(x, p)
-            probs = torch.softmax(x, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=state.generator))
+    for row, (state, token) in enumerate(zip(states, tokens)):
         out = SampleOutput(token)
         if state.wants_logprob and raw_logprobs is not None:
             lp = raw_logprobs[row]
             out.logprob = float(lp[token])
-            if p.top_logprobs > 0:
-                values, ids = torch.topk(lp, p.top_logprobs)
+            if state.params.top_logprobs > 0:
+                values, ids = torch.topk(lp, state.params.top_logprobs)
                 out.top = [(int(i), float(v)) for i, v in zip(ids, values)]
         outputs.append(out)
     return outputs
+

@@ -70,7 +70,10 @@ class ReferenceSearch:
             logits = self.model(torch.tensor([path.tokens])).logits[0, -1].float()
             logprobs = torch.log_softmax(logits, -1)
             probs = torch.softmax(logits / self.temperature, -1)
-            token = int(torch.multinomial(probs, 1, generator=path.generator))
+            # One uniform draw from the path's generator, inverted through the cumulative distribution.
+            cdf = probs.cumsum(-1)
+            u = torch.rand((), generator=path.generator, dtype=cdf.dtype)
+            token = min(int(torch.searchsorted(cdf, (u * cdf[-1]).unsqueeze(-1), right=True)), len(cdf) - 1)
             path.tokens.append(token)
             path.chunk_logprobs.append(float(logprobs[token]))
             step_ids = path.tokens[path.step_start:]
