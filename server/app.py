@@ -153,35 +153,28 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "ponder",
                                             "max_model_len": info.max_model_len if info else None}]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def generate(body, request: Request, endpoint: str, prompts: list[dict]):
+        """Check the body against the served model and the caps, then run one runtime request per prompt."""
         model = check_model(body.model)
         _check_limits(settings, body, client.info.max_model_len if client.info else None)
         _check_verifier(body, client.info.verifiers if client.info else ())
-        include_events = bool(body.stream_options and body.stream_options.include_search_events)
-        wire = GenerateRequest(request_id=uuid.uuid4().hex, endpoint="chat", messages=body.wire_messages(),
-                               sampling=body.to_sampling(),
-                               search=body.search.to_params(include_events) if body.search else None)
-        return await Generation(client, metrics, request, model, "chat", [wire], body.n, body.stream,
-                                bool(body.stream_options and body.stream_options.include_usage),
-                                include_events).run()
+        options = body.stream_options
+        include_events = bool(options and options.include_search_events)
+        sampling = body.to_sampling()
+        search = body.search.to_params(include_events) if body.search else None
+        wires = [GenerateRequest(request_id=uuid.uuid4().hex, endpoint=endpoint, sampling=sampling, search=search,
+                                 **prompt) for prompt in prompts]
+        return await Generation(client, metrics, request, model, endpoint, wires, body.n, body.stream,
+                                bool(options and options.include_usage), include_events).run()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await generate(body, request, "chat", [{"messages": body.wire_messages()}])
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(body: CompletionRequest, request: Request):
-        model = check_model(body.model)
-        _check_limits(settings, body, client.info.max_model_len if client.info else None)
-        _check_verifier(body, client.info.verifiers if client.info else ())
-        include_events = bool(body.stream_options and body.stream_options.include_search_events)
-        sampling = body.to_sampling()
-        search = body.search.to_params(include_events) if body.search else None
-        wires = []
-        for prompt in body.prompts():
-            text, ids = (prompt, None) if isinstance(prompt, str) else (None, tuple(prompt))
-            wires.append(GenerateRequest(request_id=uuid.uuid4().hex, endpoint="completion", prompt=text,
-                                         prompt_token_ids=ids, sampling=sampling, search=search))
-        return await Generation(client, metrics, request, model, "completion", wires, body.n, body.stream,
-                                bool(body.stream_options and body.stream_options.include_usage),
-                                include_events).run()
+        prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": tuple(p)} for p in body.prompts()]
+        return await generate(body, request, "completion", prompts)
 
     return app
 
