@@ -87,7 +87,7 @@ class Engine:
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_cached": 0, "tokens_generated": 0, "search_requests": {},
-                      "search_paths": 0, "search_steps": 0}
+                      "search_paths": 0, "search_steps": 0, "preemptions": 0}
 
     # -- requests -------------------------------------------------------------------------------
     @property
@@ -244,6 +244,7 @@ class Engine:
             plan = self.scheduler.schedule()
         except MemoryError as exc:
             return self._fail_blocked(str(exc))
+        self.stats["preemptions"] += len(plan.preempted)
         if plan.is_empty:
             return self._drain()
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]

@@ -72,3 +72,20 @@ def test_a_corrupt_disk_block_is_recomputed_never_served(tiny_llama, tmp_path):
     second = run(restarted, [request("b", PROMPT, max_tokens=5)])["b"]
     assert second["finished"].cached_tokens < 28  # the corrupt block and those after it were recomputed
     assert second["choices"][0] == first["choices"][0]
+
+
+def test_a_full_disk_disables_spilling_and_requests_still_succeed(tiny_llama, tmp_path, monkeypatch, caplog):
+    import errno
+
+    import storage.disk_tier as disk_tier
+
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_tier, "_write_all", no_space)
+    engine = tiered_engine(tiny_llama, tmp_path, num_blocks=12)  # small: evictions spill to disk at once
+    results = run(engine, [request(f"r{i}", [1] + [10 + i] * 30, max_tokens=3) for i in range(4)])
+    engine.close()
+    assert all(len(r["choices"][0]) == 3 for r in results.values())
+    assert not engine.tiers.chain.disk.is_enabled
+    assert any("disabl" in record.message.lower() for record in caplog.records)

@@ -135,3 +135,15 @@ def test_search_is_independent_of_other_traffic(engine):
     for (_, a, a_steps), (_, b, b_steps) in zip(alone, mixed):  # scores up to batched float rounding
         assert a == pytest.approx(b, rel=1e-5) and a_steps == pytest.approx(b_steps, rel=1e-5)
 
+
+
+def test_memory_pressure_mid_search_preempts_and_keeps_the_result(tiny_llama):
+    roomy = engine_for(tiny_llama, num_blocks=1024)
+    tight = engine_for(tiny_llama, num_blocks=32)  # 128 tokens for 8 paths: some are preempted, recomputed
+    request = dict(n=8, beam_width=4, max_steps=4)
+    expected = engine_choices(run_search(roomy, search_request("roomy", **request)))
+    got = engine_choices(run_search(tight, search_request("tight", **request)))
+    assert [t for t, _, _ in got] == [t for t, _, _ in expected]
+    for (_, a, _), (_, b, _) in zip(got, expected):
+        assert a == pytest.approx(b, rel=1e-5)
+    assert tight.stats["preemptions"] > 0 and roomy.stats["preemptions"] == 0
