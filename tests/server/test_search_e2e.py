@@ -14,8 +14,8 @@ MESSAGES = [{"role": "user", "content": "w1 w2 w3"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    env = {"PONDER_CACHE__NUM_BLOCKS": "2048", "PONDER_CACHE__BLOCK_SIZE": "4", "PONDER_SEARCH__MAX_PATHS": "16",
-           "PONDER_SEARCH__MAX_TOTAL_TOKENS": "2000"}
+    env = {"PONDER_CACHE__NUM_BLOCKS": "4096", "PONDER_CACHE__BLOCK_SIZE": "4", "PONDER_SEARCH__MAX_PATHS": "16",
+           "PONDER_SEARCH__MAX_TOTAL_TOKENS": "8000"}
     with live_server("--model", str(tiny_llama), "--device", "cpu", env=env) as (base, _):
         yield base
 
@@ -68,7 +68,7 @@ def test_streamed_search_concatenates_to_the_final_answer_with_events(client, se
 
 @pytest.mark.parametrize("extra, param", [
     ({"search": search(n=64)}, "search.n"),
-    ({"search": search(n=16, max_steps=4)}, "search.n"),  # 16 x 200 tokens > 2000
+    ({"search": search(n=16, max_steps=4), "max_tokens": 600}, "search.n"),  # 16 x 600 tokens > 8000
     ({"search": search(verifier="nope")}, "search.verifier"),
     ({"search": search(strategy="greedy")}, "search.strategy"),
     ({"search": {"n": 4, "bogus": 1}}, "search.bogus"),
@@ -84,12 +84,13 @@ def test_cancelled_search_frees_every_block(server):
     used = lambda: metric(server, "ponder_kv_blocks", tier="cpu", state="used")  # noqa: E731
     time.sleep(0.6)  # let statistics of earlier searches arrive (they are sent every 0.2 s)
     steps_before = metric(server, "ponder_search_steps_total")
-    body = {"messages": MESSAGES, "max_tokens": 120, "stream": True, "ignore_eos": True,
-            "search": search(n=8, max_steps=30, max_step_tokens=4)}
+    # 16 paths x 480 tokens: seconds of work even on a fast machine; the client leaves after 0.3 s.
+    body = {"messages": MESSAGES, "max_tokens": 480, "stream": True, "ignore_eos": True,
+            "search": search(n=16, max_steps=100, max_step_tokens=5)}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            time.sleep(1.0)
+            time.sleep(0.3)
     deadline = time.monotonic() + 10
     while used() != 0:
         assert time.monotonic() < deadline, "a cancelled search kept its blocks"
