@@ -9,11 +9,11 @@ the sequences share the prompt's blocks), after a warm-up, on the default model 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from bench.report import emit
 from runtime.bootstrap import build_engine
 from runtime.protocol import GenerateRequest, RuntimeOptions, SamplingParams
 
@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     results = run(args.model, args.tokens, args.parallel, args.dtype)
-    print(json.dumps(results))
-    print(table(results))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(results, f, indent=2)
+    emit(results, table(results), args.json_path)
     return 0
 
 

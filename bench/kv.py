@@ -13,7 +13,6 @@ the JSON (or to bench/out/). `--quick` runs a tiny random llama built in a tempo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import emit
 from runtime.offload import POLICIES, RunReport, SearchSpec, TierSpec, run_offloaded
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -271,13 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         plot_path = OUT_DIR / ("kv-quick.png" if args.quick else "kv.png")
     results["plot"] = str(plot_path)
-    print(json.dumps({k: v for k, v in results.items() if k != "final_tokens"}))
-    print(table(results))
     plot(results, plot_path)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json_path, "w") as f:
-            json.dump(results, f, indent=2)
+    emit(results, table(results), args.json_path, {k: v for k, v in results.items() if k != "final_tokens"})
     return 0
 
 

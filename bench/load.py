@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.report import emit
+
 SEARCH = {"strategy": "beam", "n": 4, "beam_width": 2, "max_steps": 3, "max_step_tokens": 8, "verifier": "confidence"}
 # Every prompt starts the same way so that concurrent requests also share prefix-cache blocks.
 SHARED_PREFIX = "w1 w2 w3 w4 w5 w6 w7 w8"
@@ -394,11 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         with serve(model, Path(tmp) / "server.log", args.device, env) as base:
             report = run_load(base, plan)
     report["model"] = str(args.model or "tiny random llama")
-    print(json.dumps(report))
-    print(table(report))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
+    emit(report, table(report), args.json_path)
     return 0 if report["ok"] else 1
 
 

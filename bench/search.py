@@ -25,13 +25,13 @@ systems in turn, after a small warm-up search on each; torch runs one thread unl
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from bench.report import emit
 from runtime import attention
 from runtime.bootstrap import build_engine
 from runtime.protocol import Delta, Finished, GenerateRequest, RuntimeOptions, SamplingParams, SearchParams
@@ -355,11 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run(args.model, num_prompts, Setup(max_steps=max_steps))
     finally:
         torch.set_num_threads(threads)
-    print(json.dumps(results))
-    print(table(results))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(results, f, indent=2)
+    emit(results, table(results), args.json_path)
     return 0
 
 

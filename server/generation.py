@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.client import RequestHandle, RuntimeClient, RuntimeUnavailable
-from runtime.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, SearchEvent
+from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SearchEvent
 from server.errors import APIError
 from server.metrics import Metrics
 from server.responses import (

@@ -1,0 +1,16 @@
+"""How every benchmark reports: one JSON line, a readable table, and the full JSON saved on request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def emit(results: dict, table: str, json_path: str | None, line: dict | None = None) -> None:
+    """Print `line` (default: `results`) as one JSON line, then `table`; save `results` to `json_path`."""
+    print(json.dumps(results if line is None else line))
+    print(table)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
