@@ -21,7 +21,7 @@ from runtime.search.scoring import ConfidenceScorer, JudgeScorer
 from runtime.search.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.sequence import Sequence
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache, KVShape
 
@@ -202,7 +202,7 @@ class Engine:
         """A child sharing every block of `parent`, parked until resumed."""
         child = Sequence(parent.token_ids, parent.num_prompt_tokens)
         self.kv.fork(parent, child)
-        child.status = SequenceStatus.PARKED
+        self.scheduler.hold(child)
         return child
 
     def release_sequence(self, seq: Sequence) -> None:
@@ -213,7 +213,7 @@ class Engine:
         self.scheduler.park(seq)
 
     def resume_sequence(self, seq: Sequence) -> None:
-        self.scheduler.add_running(seq)
+        self.scheduler.resume(seq)
 
     def add_scoring_sequence(self, seq: Sequence, controller: SearchController) -> None:
         self.scoring.setdefault(controller.request_id, []).append(seq)
@@ -244,7 +244,7 @@ class Engine:
             plan = self.scheduler.schedule()
         except MemoryError as exc:
             return self._fail_blocked(str(exc))
-        self.stats["preemptions"] += len(plan.preempted)
+        self.stats["preemptions"] += len(plan.preempted) + len(plan.released)
         if plan.is_empty:
             return self._drain()
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
@@ -376,9 +376,7 @@ class Engine:
         return samples
 
     def check_integrity(self) -> None:
-        holders = [s.block_table for s in self.scheduler.running]
-        for controller in self.searches.values():
-            holders.extend(p.seq.block_table for p in controller.stepped if not p.is_done)
+        holders = [s.block_table for s in self.scheduler.running + self.scheduler.parked]
         self.pool.check_integrity(holders)
         for seq in self.scheduler.waiting:
             assert not seq.block_table, "a waiting sequence holds blocks"

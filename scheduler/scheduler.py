@@ -31,6 +31,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    released: list[Sequence] = field(default_factory=list)  # parked sequences that gave their blocks up
 
     @property
     def is_empty(self) -> bool:
@@ -48,6 +49,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Parked sequences (search paths between steps), oldest first. They give up their blocks
+        # before any running sequence is preempted, and are recomputed when resumed.
+        self.parked: list[Sequence] = []
 
     @property
     def has_work(self) -> bool:
@@ -58,21 +62,36 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sequence that already holds blocks (a fork, or a parked one resuming) runs from the next step."""
+        """A sequence that already holds blocks (a fork) runs from the next step."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def park(self, seq: Sequence) -> None:
         """Stop scheduling a running sequence but keep its blocks (a search path between steps)."""
         self.running.remove(seq)
+        self.hold(seq)
+
+    def hold(self, seq: Sequence) -> None:
+        """Keep a sequence that is not running (parked, or a fresh fork) on the parked list."""
         seq.status = SequenceStatus.PARKED
+        self.parked.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Run a parked sequence again: at once if it kept its blocks, else through admission (which
+        finds its prefix in the cache) as the next waiting sequence."""
+        self.parked.remove(seq)
+        if seq.block_table:
+            self.add_running(seq)
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove the sequence from its queue and release its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.PARKED:
-            pass
+            self.parked.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
@@ -81,7 +100,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -92,23 +110,25 @@ class Scheduler:
                 continue
             allocation = self.kv.append_slots(seq, num_new)
             while allocation is None:
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
+                if not self._release_parked(out):
+                    victim = self.running[-1]
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
                 allocation = self.kv.append_slots(seq, num_new)
             if allocation is None:
                 break  # `seq` itself was preempted; everything after it already was
             out.copies.extend(allocation.copies)
             out.scheduled.append(ScheduledSequence(seq, num_new))
-            scheduled_ids.add(seq.seq_id)
             budget -= num_new
             index += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             if not self.kv.admit(seq, budget):
-                break
+                if self.running or not self._release_parked(out):
+                    break
+                continue  # nothing runs: parked blocks were the only room left
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -120,6 +140,17 @@ class Scheduler:
             seq = self.waiting[0]
             raise MemoryError(f"a sequence of {len(seq)} tokens cannot fit in an empty KV pool")
         return out
+
+    def _release_parked(self, out: SchedulerOutput) -> bool:
+        """Free the blocks of the most recently parked sequence holding any; it stays parked and is
+        recomputed (mostly from the prefix cache) when resumed. False if none holds blocks."""
+        for seq in reversed(self.parked):
+            if seq.block_table:
+                self.kv.free(seq)
+                seq.num_preemptions += 1
+                out.released.append(seq)
+                return True
+        return False
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -100,3 +100,26 @@ def test_chunked_prefill_respects_the_token_budget():
     kv.commit_computed(seq, 10)
     out = sched.schedule()
     assert out.scheduled[0].num_new_tokens == 2 and out.scheduled[0].completes_prompt
+
+
+def test_parked_sequences_give_up_blocks_before_running_ones_are_preempted():
+    pool, kv = make(num_blocks=4, block_size=2)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    parked, runner = Sequence([1, 2, 3]), Sequence([4, 5, 6])
+    for seq in (parked, runner):
+        sched.add(seq)
+    out = sched.schedule()
+    for entry in out.scheduled:
+        kv.commit_computed(entry.seq, len(entry.seq.token_ids))
+        entry.seq.append_token(9)
+    sched.park(parked)
+    assert sched.parked == [parked] and parked.block_table == [0, 1]
+    runner.append_token(10)
+    kv.commit_computed(runner, 4)
+    out = sched.schedule()  # runner needs a fifth block: the parked sequence frees its two
+    assert out.released == [parked] and out.preempted == []
+    assert parked.block_table == [] and parked.num_computed_tokens == 0
+    assert [s.seq for s in out.scheduled] == [runner]
+    pool.check_integrity([runner.block_table])
+    sched.resume(parked)  # no blocks left: it goes through admission again, first in line
+    assert list(sched.waiting) == [parked] and sched.parked == []

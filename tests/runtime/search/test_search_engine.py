@@ -139,7 +139,7 @@ def test_search_is_independent_of_other_traffic(engine):
 
 def test_memory_pressure_mid_search_preempts_and_keeps_the_result(tiny_llama):
     roomy = engine_for(tiny_llama, num_blocks=1024)
-    tight = engine_for(tiny_llama, num_blocks=32)  # 128 tokens for 8 paths: some are preempted, recomputed
+    tight = engine_for(tiny_llama, num_blocks=16)  # 64 tokens for 8 paths: parked paths give up blocks
     request = dict(n=8, beam_width=4, max_steps=4)
     expected = engine_choices(run_search(roomy, search_request("roomy", **request)))
     got = engine_choices(run_search(tight, search_request("tight", **request)))
