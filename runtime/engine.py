@@ -281,11 +281,7 @@ class Engine:
 
     def _fail_blocked(self, reason: str) -> list[FromRuntime]:
         """Nothing can run and the next waiting sequence does not fit: fail its request, not the server."""
-        seq = self.scheduler.waiting[0]
-        owner = seq.owner
-        request_id = (owner.request.request_id if isinstance(owner, ChoiceState)
-                      else getattr(owner, "controller", None) and owner.controller.request_id
-                      or next(rid for rid, seqs in self.scoring.items() if seq in seqs))
+        request_id = self.scheduler.waiting[0].owner.request_id
         self.fail_request(request_id, f"the KV cache is exhausted: {reason}")
         return self._drain()
 

@@ -37,6 +37,10 @@ class ChoiceState:
     def num_output_tokens(self) -> int:
         return self.seq.num_output_tokens if self.seq is not None else 0
 
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
     def on_logits(self, engine, seq: Sequence, row) -> list[Sequence]:
         return engine.on_choice_logits(self, seq)
 

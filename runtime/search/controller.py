@@ -49,6 +49,10 @@ class SearchPath:
     def score(self) -> float:
         return aggregate(self.step_scores, self.aggregation) if self.step_scores else float("-inf")
 
+    @property
+    def request_id(self) -> str:
+        return self.controller.request_id
+
     def on_logits(self, engine, seq, row):
         return [seq]
 
@@ -67,6 +71,10 @@ class Lookahead:
     steps_left: int
     step_start: int
 
+    @property
+    def request_id(self) -> str:
+        return self.path.controller.request_id
+
     def on_logits(self, engine, seq, row):
         return [seq]
 
@@ -79,6 +87,10 @@ class SearchRoot:
     """The prompt's sequence: prefilled once, then forked into the initial paths."""
 
     controller: "SearchController"
+
+    @property
+    def request_id(self) -> str:
+        return self.controller.request_id
 
     def on_logits(self, engine, seq, row):
         return self.controller.spawn(seq)

@@ -42,6 +42,10 @@ class _ScoreJob:
     batch: _ScoreBatch
     path: object
 
+    @property
+    def request_id(self) -> str:
+        return self.batch.controller.request_id
+
     def on_logits(self, engine, seq: Sequence, row: torch.Tensor):
         yes = torch.logsumexp(row[list(self.scorer.judge.yes_token_ids)], dim=-1)
         no = torch.logsumexp(row[list(self.scorer.judge.no_token_ids)], dim=-1)

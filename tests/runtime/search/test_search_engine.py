@@ -147,3 +147,16 @@ def test_memory_pressure_mid_search_preempts_and_keeps_the_result(tiny_llama):
     for (_, a, _), (_, b, _) in zip(got, expected):
         assert a == pytest.approx(b, rel=1e-5)
     assert tight.stats["preemptions"] > 0 and roomy.stats["preemptions"] == 0
+
+
+def test_a_verifier_sequence_larger_than_the_pool_fails_only_its_request(tiny_llama):
+    small = engine_for(tiny_llama, num_blocks=14)  # the judge's question outgrows 56 tokens of KV
+    out = small.add_request(search_request("too-big", verifier="judge", n=4, beam_width=2, max_steps=6))
+    assert not isinstance(out[0], RequestError)
+    messages = []
+    while small.has_work:
+        messages += small.step()
+    errors = [m for m in messages if isinstance(m, RequestError)]
+    assert len(errors) == 1 and errors[0].status == 503 and errors[0].code == "kv_cache_exhausted"
+    assert small.pool.num_used == 0 and not small.searches
+    small.check_integrity()
