@@ -151,30 +151,36 @@ class SearchController:
         self.engine.release_sequence(root)
         return seqs
 
+    def _step_outcome(self, seq: Sequence, token: int, step_start: int, *,
+                      is_last_step: bool) -> tuple[str | None, bool, str]:
+        """After `token`: (the finish reason if the path ends, whether its step ends, the step's text).
+
+        A path ends on EOS or a stop token, at the length limit, on a boxed answer (DVTS) or on an
+        empty step; a step ends at the delimiter or `max_step_tokens`, except on the last step."""
+        params = self.params
+        step_ids = seq.token_ids[step_start:]
+        text = self.engine.tokenizer.decode(step_ids, skip_special_tokens=True)
+        if token in params.stop_token_ids or (token in self.engine.eos_ids and not params.ignore_eos):
+            return "stop", False, text
+        if (len(seq.token_ids) - len(self.prompt_ids) >= self.max_tokens
+                or len(seq.token_ids) >= self.engine.config.max_model_len):
+            return "length", False, text
+        if self.strategy.stops_on_boxed and "\\boxed{" in text and "}" in text.split("\\boxed{")[-1]:
+            return "stop", False, text
+        ends = not is_last_step and (self.search.step_delimiter in text or len(step_ids) >= self.search.max_step_tokens)
+        if ends and not normalize_step(text, self.search.step_delimiter).strip():
+            return "stop", False, text  # an empty step ends the path
+        return None, ends, text
+
     def on_token(self, path: SearchPath, out) -> None:
         seq = path.seq
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
             path.chunk_logprobs.append(out.logprob)
-        params = self.params
-        token = out.token_id
-        num_output = len(seq.token_ids) - len(self.prompt_ids)
-        step_ids = seq.token_ids[path.step_start:]
-        step_text = self.engine.tokenizer.decode(step_ids, skip_special_tokens=True)
-        is_last_step = self.step_index >= self.search.max_steps - 1
-        ends_step = False
-        if token in params.stop_token_ids or (token in self.engine.eos_ids and not params.ignore_eos):
-            path.is_done, path.finish_reason = True, "stop"
-        elif num_output >= self.max_tokens or len(seq.token_ids) >= self.engine.config.max_model_len:
-            path.is_done, path.finish_reason = True, "length"
-        elif self.strategy.stops_on_boxed and "\\boxed{" in step_text and "}" in step_text.split("\\boxed{")[-1]:
-            path.is_done, path.finish_reason = True, "stop"
-        elif not is_last_step and self.search.step_delimiter in step_text:
-            ends_step = True
-        elif len(step_ids) >= self.search.max_step_tokens and not is_last_step:
-            ends_step = True
-        if ends_step and not normalize_step(step_text, self.search.step_delimiter).strip():
-            path.is_done, path.finish_reason = True, "stop"  # an empty step ends the path
+        reason, ends_step, _ = self._step_outcome(seq, out.token_id, path.step_start,
+                                                  is_last_step=self.step_index >= self.search.max_steps - 1)
+        if reason is not None:
+            path.is_done, path.finish_reason = True, reason
         if not (ends_step or path.is_done):
             return
         path.text = self.engine.tokenizer.decode(seq.token_ids[len(self.prompt_ids):], skip_special_tokens=True)
@@ -233,13 +239,9 @@ class SearchController:
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
             path.lookahead_logprobs.append(out.logprob)
-        token = out.token_id
-        step_ids = seq.token_ids[run.step_start:]
-        step_text = self.engine.tokenizer.decode(step_ids, skip_special_tokens=True)
-        num_output = len(seq.token_ids) - len(self.prompt_ids)
-        ends = (token in self.params.stop_token_ids or token in self.engine.eos_ids
-                or num_output >= self.max_tokens or len(seq.token_ids) >= self.engine.config.max_model_len)
-        if not ends and (self.search.step_delimiter in step_text or len(step_ids) >= self.search.max_step_tokens):
+        reason, ends_step, _ = self._step_outcome(seq, out.token_id, run.step_start, is_last_step=False)
+        ends = reason is not None
+        if ends_step:
             run.steps_left -= 1
             run.step_start = len(seq.token_ids)
             ends = run.steps_left == 0

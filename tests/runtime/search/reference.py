@@ -109,6 +109,8 @@ class ReferenceSearch:
             step_text = self.tok.decode(step_ids, skip_special_tokens=True)
             ends = token in self.eos or len(tokens) - len(self.prompt) >= self.max_tokens
             if not ends and (self.s.step_delimiter in step_text or len(step_ids) >= self.s.max_step_tokens):
+                if not normalize_step(step_text, self.s.step_delimiter).strip():
+                    break  # an empty step ends the roll-out as it would end the path
                 left -= 1
                 step_start = len(tokens)
                 ends = left == 0
