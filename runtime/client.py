@@ -208,9 +208,9 @@ class RuntimeClient:
     def submit(self, request: GenerateRequest) -> RequestHandle:
         if self.state != READY:
             raise RuntimeUnavailable("the inference runtime is not ready")
+        self._send(request)  # first: a request that cannot be sent leaves no handle behind
         handle = RequestHandle(request.request_id)
-        self._handles[request.request_id] = handle
-        self._send(request)
+        self._handles[request.request_id] = handle  # the reader runs on this loop, after we return
         return handle
 
     def abort(self, request_id: str) -> None:
