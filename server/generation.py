@@ -59,6 +59,10 @@ class Generation:
         except APIError as err:
             self._account(err.status)
             raise
+        except BaseException:
+            self._abort_all()
+            self._account(500)  # a bug or a cancelled request: still counted, nothing left in flight
+            raise
         if self.stream:
             return StreamingResponse(self._stream(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
