@@ -59,9 +59,13 @@ class Generation:
         except APIError as err:
             self._account(err.status)
             raise
-        except BaseException:
+        except asyncio.CancelledError:
             self._abort_all()
-            self._account(500)  # a bug or a cancelled request: still counted, nothing left in flight
+            self._account(499)  # the client went away while its prompt was being admitted
+            raise
+        except Exception:
+            self._abort_all()
+            self._account(500)  # a bug: still counted, nothing left in flight
             raise
         if self.stream:
             return StreamingResponse(self._stream(), media_type="text/event-stream",
