@@ -6,7 +6,6 @@ import contextlib
 import hmac
 import logging
 import uuid
-from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -24,13 +23,6 @@ from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("ponder.server")
-
-
-@dataclass
-class AppState:
-    settings: Settings
-    client: RuntimeClient
-    metrics: Metrics
 
 
 class BodyLimit:
@@ -79,8 +71,6 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     metrics = metrics or Metrics()
     if client is None:
         client = RuntimeClient(settings.runtime_options(), on_stats=metrics.apply_runtime_stats)
-    state = AppState(settings, client, metrics)
-
     def on_state(new_state: str) -> None:
         metrics.set_runtime_up(new_state == READY)
         if new_state == READY and client.info is not None:
@@ -101,7 +91,6 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
 
     app = FastAPI(title="ponder", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server with verifier-guided tree search.")
-    app.state.ponder = state
     errors.install(app)
     if settings.server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"],

@@ -117,6 +117,7 @@ class SearchController:
         self.next_uid = 0
         self.pending_scores = 0
         self.to_verify: list[SearchPath] = []
+        self.verify_now = False  # whether the step being settled is a verified one (granularity)
         self.lookaheads: set[Lookahead] = set()
         self.committed = ""
         self.is_finished = False

@@ -30,16 +30,25 @@ class ConfidenceScorer:
 
 
 @dataclass(eq=False)
-class _ScoreBatch:
+class ScoreBatch:
+    """The scores one verification asked for; the controller hears once all of them arrived."""
+
     controller: object
     remaining: int
     started: float
+
+    def scored(self, engine, path, score: float, prefilled: int, cached: int) -> None:
+        self.controller.on_score(path, score, prefilled=prefilled, cached=cached)
+        self.remaining -= 1
+        if self.remaining == 0:
+            engine.observe_verifier(time.perf_counter() - self.started)
+            self.controller.score_done()
 
 
 @dataclass(eq=False)
 class _ScoreJob:
     scorer: "JudgeScorer"
-    batch: _ScoreBatch
+    batch: ScoreBatch
     path: object
 
     @property
@@ -51,12 +60,8 @@ class _ScoreJob:
         no = torch.logsumexp(row[list(self.scorer.judge.no_token_ids)], dim=-1)
         score = float(torch.sigmoid(yes - no))
         cached = seq.num_cached_tokens
-        self.batch.controller.on_score(self.path, score, prefilled=len(seq.token_ids) - cached, cached=cached)
         engine.release_sequence(seq)
-        self.batch.remaining -= 1
-        if self.batch.remaining == 0:
-            engine.observe_verifier(time.perf_counter() - self.batch.started)
-            self.batch.controller.score_done()
+        self.batch.scored(engine, self.path, score, len(seq.token_ids) - cached, cached)
         return []
 
 
@@ -69,7 +74,7 @@ class JudgeScorer:
 
     def submit(self, controller, paths) -> None:
         controller.pending_scores += 1
-        batch = _ScoreBatch(controller, len(paths), time.perf_counter())
+        batch = ScoreBatch(controller, len(paths), time.perf_counter())
         for path in paths:
             (inputs,) = self.judge.build_inputs(controller.question, path.scoring_units())[-1:]
             seq = Sequence(list(inputs.token_ids), owner=_ScoreJob(self, batch, path))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model_runner import ModelRunner
+from runtime.search.scoring import ScoreBatch
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence
@@ -31,14 +32,8 @@ class ScoreJob:
     path: object
     seq: Sequence
     read_position: int  # absolute position whose hidden state scores the newest unit
-    batch: "_Batch"
+    batch: ScoreBatch
 
-
-@dataclass(eq=False)
-class _Batch:
-    controller: object
-    remaining: int
-    started: float
 
 
 class VerifierStore:
@@ -65,7 +60,7 @@ class VerifierStore:
     def submit(self, controller, paths) -> None:
         """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
         controller.pending_scores += 1
-        batch = _Batch(controller, len(paths), time.perf_counter())
+        batch = ScoreBatch(controller, len(paths), time.perf_counter())
         for path in paths:
             inputs = self.verifier.build_inputs(controller.question, path.scoring_units())
             last = inputs[-1]
@@ -111,11 +106,7 @@ class VerifierStore:
             self.tokens_cached += cached
             if getattr(job.controller, "is_finished", False):
                 continue
-            job.controller.on_score(job.path, score, prefilled=computed, cached=cached)
-            job.batch.remaining -= 1
-            if job.batch.remaining == 0:
-                self.engine.observe_verifier(time.perf_counter() - job.batch.started)
-                job.controller.score_done()
+            job.batch.scored(self.engine, job.path, score, computed, cached)
 
     def abort(self, controller) -> None:
         self.queue = deque(job for job in self.queue if job.controller is not controller)
