@@ -245,6 +245,11 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     host_kv_memory_bytes: int = 0  # the host tier below the compute tier (0: none)
     disk_kv_dir: str | None = None  # the disk tier (None: none)
     disk_kv_bytes: int = 16 << 30
+    scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
+    speculative_extension: bool = True
+    kv_split: str = "static"  # static | roofline
+    peak_flops: float | None = None  # FLOP/s; None: measured
+    memory_bandwidth: float | None = None  # bytes/s; None: measured
 
 
 _options_decoder = msgspec.msgpack.Decoder(RuntimeOptions)

@@ -48,11 +48,26 @@ class CacheSettings(_Section):
     disk_gib: float = Field(16.0, gt=0)
     num_blocks: int | None = Field(None, ge=1)
     enable_prefix_cache: bool = True
+    # static: the generator gets compute_memory_gib and each reward model verifier_memory_gib.
+    # roofline: their sum is one budget, split between generator and verifier by a roofline latency model.
+    kv_split: Literal["static", "roofline"] = "static"
 
 
 class SchedulerSettings(_Section):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
+    # How a search step's paths share the compute tier: lbs (locality-aware beam groups, shared blocks
+    # once), lbs_no_prefix (groups that ignore sharing) or token (every path advances token by token).
+    policy: Literal["lbs", "lbs_no_prefix", "token"] = "lbs"
+    # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
+    speculative_extension: bool = True
+
+
+class DeviceSettings(_Section):
+    """The compute device's peaks for the roofline model; unset: measured at start-up."""
+
+    peak_tflops: float | None = Field(None, gt=0)
+    bandwidth_gbps: float | None = Field(None, gt=0)
 
 
 class LimitSettings(_Section):
@@ -86,6 +101,7 @@ class Settings(BaseSettings):
     model: ModelSettings = ModelSettings()
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    device: DeviceSettings = DeviceSettings()
     limits: LimitSettings = LimitSettings()
     search: SearchSettings = SearchSettings()
     verifiers: dict[str, VerifierSettings] = {}
@@ -125,6 +141,10 @@ class Settings(BaseSettings):
             disk_kv_bytes=int(self.cache.disk_gib * (1 << 30)),
             enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            scheduler_policy=self.scheduler.policy, speculative_extension=self.scheduler.speculative_extension,
+            kv_split=self.cache.kv_split,
+            peak_flops=self.device.peak_tflops * 1e12 if self.device.peak_tflops else None,
+            memory_bandwidth=self.device.bandwidth_gbps * 1e9 if self.device.bandwidth_gbps else None,
             stats_interval_s=self.server.stats_interval_s,
             verifiers={name: {"kind": v.kind, "path": v.path, "trust_remote_code": str(v.trust_remote_code).lower()}
                        for name, v in self.verifiers.items()})
