@@ -33,7 +33,8 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     config = EngineConfig(max_model_len=max_model_len, num_blocks=num_blocks, block_size=options.block_size,
                           max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
-                          enable_prefix_cache=options.enable_prefix_cache)
+                          enable_prefix_cache=options.enable_prefix_cache, policy=options.scheduler_policy,
+                          speculative_extension=options.speculative_extension)
     model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
