@@ -1,0 +1,190 @@
+"""Head-wise offloading of one long sequence: exact tokens, the budget held, exact bytes, disk tier.
+
+The models are tiny llama and qwen2 models with 8 layers and 4 KV heads (32 slices): a slice's
+context must fit a staging buffer, so a compute tier of 1/8 of the KV needs more than the shared
+fixtures' 4 slices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import attention
+from runtime.loader import ModelSource, load_causal_lm
+from runtime.offload.headwise import HeadwiseDecoder, HeadwiseSpec, PieceLost, attend, \
+    generate_headwise
+
+LAYERS, KV_HEADS, HEADS, HEAD_DIM = 8, 4, 8, 8
+BLOCK = 8
+PROMPT_LEN, NEW = 300, 8
+CHUNK = 64
+MAX_TOKENS = PROMPT_LEN + NEW - 1  # the last token is sampled, never fed back
+STAGING = -(-MAX_TOKENS // BLOCK)  # 39 pieces: one slice's whole context
+TOTAL_PIECES = LAYERS * KV_HEADS * STAGING  # 1248
+BUDGET = TOTAL_PIECES // 8  # 156
+PIECE_BYTES = 2 * BLOCK * HEAD_DIM * 4  # one KV head, float32
+
+
+def build(directory, arch: str, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=96, hidden_size=HEADS * HEAD_DIM, intermediate_size=128,
+                  num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, max_position_embeddings=1024, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else \
+        Qwen2ForCausalLM(Qwen2Config(**common))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # clear greedy winners
+    model.save_pretrained(directory, safe_serialization=True)
+    return load_causal_lm(ModelSource(arch, str(directory)), torch.device("cpu"), torch.float32,
+                          attention.register())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return {arch: build(tmp_path_factory.mktemp(f"hw-{arch}"), arch, seed)
+            for arch, seed in (("llama", 0), ("qwen2", 1))}
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(3, 96, (PROMPT_LEN,), generator=g).tolist()
+
+
+def spec(**overrides) -> HeadwiseSpec:
+    return HeadwiseSpec(**{"budget_pieces": BUDGET, "block_size": BLOCK, "prefill_chunk": CHUNK,
+                           **overrides})
+
+
+def hf_greedy(model, prompt, implementation: str) -> list[int]:
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    finally:
+        model.set_attn_implementation(previous)
+    return out[0, len(prompt):].tolist()
+
+
+def expected_loads(budget: int, start: int) -> int:
+    """Pieces a forward starting at `start` loads: every full piece not resident. The compute
+    tier keeps one tail piece per slice and two staging buffers; what is left is resident, whole
+    slices first (`whole` of them), then `part` blocks of the next."""
+    slices, full_max = LAYERS * KV_HEADS, MAX_TOKENS // BLOCK
+    whole, part = divmod(budget - slices - 2 * STAGING, full_max)
+    full = start // BLOCK
+    return slices * full - whole * full - min(part, full)
+
+
+FORWARD_STARTS = list(range(0, PROMPT_LEN, CHUNK)) + list(range(PROMPT_LEN, MAX_TOKENS))
+
+
+def test_attention_per_group_is_full_attention_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for t, ctx in ((1, 300), (64, 320)):
+        q = torch.randn(1, HEADS, t, HEAD_DIM, generator=g)
+        k, v = (torch.randn(1, KV_HEADS, ctx, HEAD_DIM, generator=g) for _ in range(2))
+        mask = None if t == 1 else \
+            torch.arange(ctx)[None, :] <= torch.arange(ctx - t, ctx)[:, None]
+        full = attend(q, k, v, mask, None)
+        rep = HEADS // KV_HEADS
+        parts = torch.cat([attend(q[:, h * rep:(h + 1) * rep], k[:, h:h + 1], v[:, h:h + 1], mask,
+                                  None) for h in range(KV_HEADS)], dim=1)
+        assert torch.equal(parts, full)
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        torch.testing.assert_close(full, reference)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_tokens_equal_generate_within_an_eighth_of_the_kv(models, prompt, arch):
+    model = models[arch]
+    report = generate_headwise(model, prompt, NEW, spec())
+    assert report.tokens == hf_greedy(model, prompt, "sdpa") == hf_greedy(model, prompt, "eager")
+    assert report.total_pieces == TOTAL_PIECES and report.budget_pieces * 8 <= TOTAL_PIECES
+    # The compute tier's KV tensors: resident pieces, one tail per slice, two staging buffers.
+    assert report.resident_pieces == BUDGET - LAYERS * KV_HEADS - 2 * STAGING == 46
+    assert report.compute_bytes == BUDGET * PIECE_BYTES
+    assert model.config._attn_implementation == attention.ATTENTION_NAME  # restored
+
+
+def test_bytes_are_the_pieces_the_budget_leaves_out(models, prompt):
+    report = generate_headwise(models["llama"], prompt, NEW, spec())
+    loads = [expected_loads(BUDGET, s) for s in FORWARD_STARTS]
+    assert report.loads_per_forward == loads
+    # A decoded token reads the 37 (then 38) full blocks of 32 slices less the resident ones:
+    # slice 0 wholly (37, then 38) and 8 blocks of slice 1.
+    assert loads[len(range(0, PROMPT_LEN, CHUNK)):] == [32 * 37 - 37 - 8] * 4 + [32 * 38 - 46] * 3
+    full_pieces = LAYERS * KV_HEADS * (MAX_TOKENS // BLOCK)
+    assert report.pieces_loaded == sum(loads)
+    assert report.pieces_written == full_pieces - report.resident_pieces
+    assert {k: v for k, v in report.bytes_moved.items() if v} == {
+        "host/compute": sum(loads) * PIECE_BYTES,
+        "compute/host": (full_pieces - 46) * PIECE_BYTES}
+
+
+def test_logits_do_not_depend_on_budget_group_size_or_prefetch(models, prompt):
+    model = models["qwen2"]
+    small = generate_headwise(model, prompt, NEW, spec(), keep_logits=True)
+    whole = generate_headwise(model, prompt, NEW, spec(budget_pieces=10 * TOTAL_PIECES,
+                                                       group_heads=KV_HEADS, prefetch=False),
+                              keep_logits=True)
+    assert whole.pieces_loaded == 0 and whole.bytes_in == 0
+    assert all(torch.equal(a, b) for a, b in zip(small.logits, whole.logits, strict=True))
+
+
+def test_seeded_sampling_is_the_same_over_any_budget(models, prompt):
+    model = models["llama"]
+    runs = [generate_headwise(model, prompt, NEW, spec(budget_pieces=b), temperature=1.0, seed=5)
+            for b in (BUDGET, 4 * BUDGET)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].pieces_loaded > runs[1].pieces_loaded
+
+
+def test_a_budget_below_one_slice_of_staging_is_refused(models, prompt):
+    with pytest.raises(MemoryError, match="staging buffers"):
+        generate_headwise(models["llama"], prompt, NEW,
+                          spec(budget_pieces=LAYERS * KV_HEADS + 2 * STAGING - 1))
+
+
+def test_disk_tier_carries_what_the_host_tier_cannot(models, prompt, tmp_path):
+    model = models["llama"]
+    host_pieces = 64
+    report = generate_headwise(model, prompt, NEW, spec(host_bytes=host_pieces * PIECE_BYTES,
+                                                        disk_dir=str(tmp_path), disk_bytes=1 << 26))
+    assert report.tokens == hf_greedy(model, prompt, "sdpa")
+    moved = report.bytes_moved
+    loaded = sum(expected_loads(BUDGET, s) for s in FORWARD_STARTS)
+    assert moved["host/compute"] + moved["disk/compute"] == loaded * PIECE_BYTES
+    assert moved["disk/compute"] > moved["host/compute"] > 0
+    written = report.pieces_written
+    assert moved["compute/host"] == written * PIECE_BYTES
+    # Everything the host tier evicted went to disk, once: all but what it still holds.
+    assert moved["host/disk"] == (written - host_pieces) * PIECE_BYTES
+    assert moved["disk/host"] == 0  # disk hits are not promoted
+    assert list(tmp_path.iterdir()) == []  # the run's directory is removed
+
+
+def test_a_corrupt_disk_piece_is_detected_and_never_served(models, prompt, tmp_path):
+    model = models["llama"]
+    tiers = spec(host_bytes=0, disk_dir=str(tmp_path), disk_bytes=1 << 26, disk_reuse_groups=0)
+    with HeadwiseDecoder(model, tiers, MAX_TOKENS) as decoder:
+        logits = decoder.prefill(prompt)
+        decoder.pipeline.wait(decoder.pipeline.discard([]))  # every write-back is on disk
+        disk = decoder.chain.disk
+        held = disk.num_blocks
+        files = sorted(disk.path.glob("*.kvg"))
+        assert files
+        for path in files:  # flip one byte in every group file
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        with pytest.raises(PieceLost, match="nothing was computed"):
+            decoder.decode(int(torch.argmax(logits)))
+        assert disk.num_blocks < held  # the bad piece is dropped, not kept for a later read
+    assert model.config._attn_implementation == attention.ATTENTION_NAME
