@@ -178,7 +178,6 @@ class HeadwiseDecoder:
         if self._previous_attention is not None:
             self.model.set_attn_implementation(self._previous_attention)
             self._previous_attention = None
-        self.chain.flush()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
