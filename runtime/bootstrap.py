@@ -6,6 +6,7 @@ import logging
 
 from runtime import attention
 from runtime.engine import Engine, EngineConfig, kv_shape_of
+from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
 from runtime.loader import ModelSource, load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions
 from runtime.search.verifier_store import VerifierStore
@@ -29,7 +30,13 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     limit = getattr(text_config, "max_position_embeddings", None) or 2048
     max_model_len = min(options.max_model_len or limit, limit)
     shape = kv_shape_of(model.config, options.block_size)
-    num_blocks = options.num_blocks or max(1, options.kv_memory_bytes // shape.bytes_per_block(dtype))
+    # Reward models load before any pool is sized: a roofline split sizes the pools from all models.
+    verifiers = {name: _load_verifier(name, spec, device, dtype) for name, spec in options.verifiers.items()}
+    splitter = _roofline_splitter(options, model, verifiers, max_model_len) if options.kv_split == "roofline" else None
+    if splitter is not None:
+        num_blocks = splitter.generator_blocks
+    else:
+        num_blocks = options.num_blocks or max(1, options.kv_memory_bytes // shape.bytes_per_block(dtype))
     config = EngineConfig(max_model_len=max_model_len, num_blocks=num_blocks, block_size=options.block_size,
                           max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
@@ -41,18 +48,44 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     engine = Engine(model, tokenizer, config, model_key)
     if options.host_kv_memory_bytes > 0 or options.disk_kv_dir:
         engine.attach_tiers(_tier_chain(options, engine, model_key))
-    for name, spec in options.verifiers.items():
+    for name, verifier in verifiers.items():
         if name in engine.scorers:
             raise ValueError(f"verifier name {name!r} is built in; choose another name")
-        log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
-        verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
-                                 trust_remote_code=spec.get("trust_remote_code") == "true")
-        verifier.model.set_attn_implementation(attention.ATTENTION_NAME)
         vshape = kv_shape_of(verifier.model.config, options.block_size)
-        num_verifier_blocks = max(1, options.verifier_kv_memory_bytes // vshape.bytes_per_block(dtype))
+        if splitter is not None:
+            num_verifier_blocks = splitter.verifier_blocks[name]
+        else:
+            num_verifier_blocks = max(1, options.verifier_kv_memory_bytes // vshape.bytes_per_block(dtype))
         engine.add_verifier_store(VerifierStore(name, verifier, vshape, num_verifier_blocks,
                                                 config.max_num_batched_tokens, engine))
+    # The engine asks the splitter for batch caps when its search load changes (None: static split).
+    engine.kv_split = splitter
     return engine, source
+
+
+def _load_verifier(name: str, spec: dict[str, str], device, dtype):
+    log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
+    verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
+                             trust_remote_code=spec.get("trust_remote_code") == "true")
+    verifier.model.set_attn_implementation(attention.ATTENTION_NAME)
+    return verifier
+
+
+def _roofline_splitter(options: RuntimeOptions, model, verifiers: dict, max_model_len: int) -> KVSplitter | None:
+    """One budget, the generator's KV memory and every reward model's, split by the roofline model."""
+    if not verifiers:
+        log.info("kv_split = roofline but no reward-model verifier is configured: the generator keeps its KV memory")
+        return None
+    generator = model_cost(model, options.block_size, with_head=True)
+    costs = {name: model_cost(v.model, options.block_size, with_head=False) for name, v in verifiers.items()}
+    generator_bytes = (options.num_blocks * generator.block_bytes if options.num_blocks
+                       else options.kv_memory_bytes)
+    budget = generator_bytes + len(verifiers) * options.verifier_kv_memory_bytes
+    parameter = next(model.parameters())
+    peaks = device_peaks(options.peak_flops, options.memory_bandwidth, parameter.device, parameter.dtype)
+    splitter = KVSplitter(budget, generator, costs, peaks, default_workload(max_model_len))
+    log.info("%s", splitter.describe())
+    return splitter
 
 
 def _tier_chain(options: RuntimeOptions, engine: Engine, model_key: bytes) -> TierChain:

@@ -49,6 +49,7 @@ class VerifierStore:
         self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device)
         self.runner = ModelRunner(model, self.cache)
         self.max_batched_tokens = max_batched_tokens
+        self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
         self.queue: deque[ScoreJob] = deque()
         self.tokens_prefilled = 0
         self.tokens_cached = 0
@@ -56,6 +57,19 @@ class VerifierStore:
     @property
     def has_work(self) -> bool:
         return bool(self.queue)
+
+    def cap_prefill_tokens(self, tokens: int | None) -> None:
+        """Prefill at most `tokens` per step (never below one job, as with `max_batched_tokens`);
+        None removes the cap."""
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"a prefill token cap must be >= 1, got {tokens}")
+        self.prefill_token_cap = tokens
+
+    @property
+    def step_token_budget(self) -> int:
+        if self.prefill_token_cap is None:
+            return self.max_batched_tokens
+        return min(self.max_batched_tokens, self.prefill_token_cap)
 
     def submit(self, controller, paths) -> None:
         """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
@@ -74,7 +88,7 @@ class VerifierStore:
     def step(self) -> None:
         """Prefill as many queued jobs as fit, read their scores, release their blocks to the cache."""
         jobs: list[ScoreJob] = []
-        budget = self.max_batched_tokens
+        budget = self.step_token_budget
         while self.queue:
             job = self.queue[0]
             if getattr(job.controller, "is_finished", False):
