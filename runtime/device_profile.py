@@ -17,7 +17,7 @@ import torch
 from scheduler.roofline import DevicePeaks
 
 _NUM_RUNS = 3
-_MAX_RUN_SECONDS = 0.05  # one timed matmul, at most
+_GROW_BELOW_SECONDS = 0.02
 
 
 def measure_peaks(device: torch.device | str, dtype: torch.dtype) -> DevicePeaks:
@@ -27,15 +27,16 @@ def measure_peaks(device: torch.device | str, dtype: torch.dtype) -> DevicePeaks
 
 def measure_flops(device: torch.device | str, dtype: torch.dtype, size: int | None = None) -> float:
     """FLOP/s of square matmuls in `dtype` (2 size^3 FLOPs each). Without `size`, the size doubles
-    from 256 while the doubled one (8x the FLOPs) would take under 50 ms, up to the device's cap,
-    so a slow dtype (fp16 on some CPUs runs at ~1 GFLOP/s) costs little more time than a fast one."""
+    from 256 while one matmul takes under 20 ms, up to the device's cap: a slow dtype (fp16 on some
+    CPUs runs at ~2 GFLOP/s) stops early, and a busy CPU whose threads stall a scheduler tick (~16
+    ms) a matmul still reaches a size where the stall is not most of the time."""
     device = torch.device(device)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         dtype = torch.float32  # quantized or integer weights run their matmuls in a float dtype
     if size is None:
         cap = 8192 if device.type == "cuda" else 1024
         size = 256
-        while size < cap and 8 * _best_time(device, *_matmul(device, dtype, size), num_runs=1) < _MAX_RUN_SECONDS:
+        while size < cap and _best_time(device, *_matmul(device, dtype, size), num_runs=1) < _GROW_BELOW_SECONDS:
             size *= 2
     seconds = _best_time(device, *_matmul(device, dtype, size))
     return 2 * size**3 / seconds

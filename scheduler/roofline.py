@@ -11,7 +11,9 @@ subject to B_p sequences of S_p tokens in every verifier store plus B_d sequence
 generator's pool fitting the budget, in whole blocks of each model. Latency falls as memory grows, so
 the best pair lies on the memory boundary: every feasible B_p is tried with the largest B_d that fits
 the rest, and the fastest pair kept; equal times go to the larger B_d (decoding is the stage that is
-bound by memory). A batch larger than R is R: there is no more work to batch.
+bound by memory), and with B_d equal too, to the larger B_p. A batch larger than R is R: there is no
+more work to batch, so once B_d reaches R the generator needs no more memory, while a larger verifier
+store also keeps more of its prefix cache (which the model, prefilling whole inputs, does not see).
 
 Pure arithmetic on frozen values; no torch. The runtime builds the costs from its loaded models.
 """
@@ -153,10 +155,11 @@ def choose_split(budget_bytes: int, generator: ModelCost, verifiers: Sequence[Mo
 
 
 def _is_better(seconds: float, batch_d: int, best_seconds: float, best_batch_d: int) -> bool:
-    """Faster wins; a tie (within float rounding) goes to the larger B_d, else to the earlier pair."""
+    """Faster wins; a tie (within float rounding) goes to the larger B_d, and with B_d equal to the
+    later pair, whose B_p is larger (B_p is tried in ascending order)."""
     if seconds < best_seconds * (1 - _TIE_TOLERANCE):
         return True
-    return seconds <= best_seconds * (1 + _TIE_TOLERANCE) and batch_d > best_batch_d
+    return seconds <= best_seconds * (1 + _TIE_TOLERANCE) and batch_d >= best_batch_d
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,9 @@ class BatchCaps:
 def choose_batches(generator_blocks: int, verifier_blocks: Sequence[int], generator: ModelCost,
                    verifiers: Sequence[ModelCost], workload: Workload, peaks: DevicePeaks) -> BatchCaps:
     """The same objective over what fixed pools allow: the stages no longer compete for memory, so
-    each batch size is chosen alone, B_p (ties: the smaller) and B_d (ties: the larger), each at most
-    R and what its pool holds of the workload's sequences."""
+    each batch size is chosen alone, each at most R and what its pool holds of the workload's
+    sequences. Ties go to the larger B_d, as at start-up, but to the smaller B_p: with the memory
+    already given, a shorter verifier step only lets decoding in sooner."""
     verifiers = tuple(verifiers)
     if not verifiers or len(verifiers) != len(verifier_blocks):
         raise ValueError("one pool size is needed per verifier, and at least one verifier")

@@ -29,10 +29,11 @@ def prm_dir(tmp_path_factory):
 
 
 def roofline_engine(tiny_llama, prm_dir, kv_split="roofline", **options):
-    engine, _ = build_engine(RuntimeOptions(
-        model=str(tiny_llama), device="cpu", block_size=4, kv_memory_bytes=4 << 20,
-        verifier_kv_memory_bytes=2 << 20, verifiers={"prm": {"kind": "math-shepherd", "path": str(prm_dir)}},
-        kv_split=kv_split, **options))
+    settings = dict(model=str(tiny_llama), device="cpu", block_size=4, kv_memory_bytes=4 << 20,
+                    verifier_kv_memory_bytes=2 << 20, verifiers={"prm": {"kind": "math-shepherd", "path": str(prm_dir)}},
+                    kv_split=kv_split)
+    settings.update(options)
+    engine, _ = build_engine(RuntimeOptions(**settings))
     return engine
 
 
@@ -72,13 +73,21 @@ def test_bandwidth_bound_peaks_batch_the_verifier(tiny_llama, prm_dir):
     assert engine.kv_split.peak_source.describe() == "1 TFLOP/s (configured), 1 GB/s (configured)"
 
 
-def test_compute_bound_peaks_give_the_verifier_one_sequence(tiny_llama, prm_dir):
-    # 1 GFLOP/s: batching buys nothing; B_p = 1, 2 and 4 tie (ceil(16 / B) x B = 16) and the tie goes to
-    # the larger B_d (16 for all three), then to the first: B_p = 1, and the generator gets the rest.
+def test_compute_bound_peaks_batch_the_verifier_only_while_all_paths_decode_together(tiny_llama, prm_dir):
+    # 1 GFLOP/s: batching buys nothing; B_p = 1, 2 and 4 tie (ceil(16 / B) x B = 16 sequences' FLOPs)
+    # with B_d = 16 for all three, and the tie goes to the larger B_p; B_p = 8 leaves 12 decoding.
     engine = roofline_engine(tiny_llama, prm_dir, peak_flops=1e9, memory_bandwidth=1e15)
-    assert (engine.kv_split.split.prefill_batch, engine.kv_split.split.decode_batch) == (1, 16)
-    assert engine.scorers["prm"].pool.num_blocks == 128
-    assert engine.pool.num_blocks == (BUDGET - 128 * 3072) // 2048 == 2880
+    split = engine.kv_split.split
+    assert (split.prefill_batch, split.decode_batch) == (4, 16)
+    # 16 x (512 x 222_848 + 768 x 512 x 513 / 2) FLOPs to verify, 16 x 128 x (158_080 + 512 x 512) to decode.
+    assert split.prefill_seconds == pytest.approx(16 * (512 * 222_848 + 768 * 131_328) / 1e9)
+    assert split.decode_seconds == pytest.approx(16 * 128 * (158_080 + 512 * 512) / 1e9)
+    assert engine.scorers["prm"].pool.num_blocks == 512 and engine.pool.num_blocks == 2304
+    # A smaller budget: B_d = 16 leaves room for two verifier sequences only (1 MiB / 384 KiB).
+    engine = roofline_engine(tiny_llama, prm_dir, peak_flops=1e9, memory_bandwidth=1e15, kv_memory_bytes=3 << 20)
+    assert (engine.kv_split.split.prefill_batch, engine.kv_split.split.decode_batch) == (2, 16)
+    assert engine.scorers["prm"].pool.num_blocks == 256
+    assert engine.pool.num_blocks == ((5 << 20) - 256 * 3072) // 2048 == 2176
 
 
 def test_roofline_without_a_reward_model_changes_nothing(tiny_llama):

@@ -54,13 +54,13 @@ def test_the_generator_share_is_whole_blocks_and_the_budget_is_never_exceeded():
     assert (split.generator_blocks, split.generator_bytes, split.verifier_bytes) == (12, 1200, (800,))
 
 
-def test_compute_bound_split_gives_the_verifier_no_more_than_one_sequence():
+def test_compute_bound_split_batches_the_verifier_only_while_decoding_keeps_its_batch():
     # Batching buys nothing when compute-bound: ceil(4/B) * B is 4 for B in 1, 2, 4 and 6 for B=3.
-    # B_p=1: B_d=4: 4*0.22 + 1*2*0.416 = 1.712 s; B_p=2: B_d=4: 1.712 s (tie, same B_d: first kept)
+    # B_p=1: B_d=4: 4*0.22 + 1*2*0.416 = 1.712 s; B_p=2: B_d=4: 1.712 s (tie, same B_d: the larger B_p)
     # B_p=3: B_d=4: 2*0.66 + 0.832 = 2.152 s;     B_p=4: B_d=2: 0.88 + 2*2*0.208 = 1.712 s (tie, smaller B_d)
     split = choose_split(1000, GEN_B, [VER_B], LOAD_B, COMPUTE_BOUND)
-    assert (split.prefill_batch, split.decode_batch) == (1, 4)
-    assert split.verifier_blocks == (1,) and split.generator_blocks == 8
+    assert (split.prefill_batch, split.decode_batch) == (2, 4)
+    assert split.verifier_blocks == (2,) and split.generator_blocks == 6
     assert split.predicted_seconds == pytest.approx(1.712)
 
 
