@@ -181,8 +181,9 @@ def choose_batches(generator_blocks: int, verifier_blocks: Sequence[int], genera
                    verifiers: Sequence[ModelCost], workload: Workload, peaks: DevicePeaks) -> BatchCaps:
     """The same objective over what fixed pools allow: the stages no longer compete for memory, so
     each batch size is chosen alone, each at most R and what its pool holds of the workload's
-    sequences. Ties go to the larger B_d, as at start-up, but to the smaller B_p: with the memory
-    already given, a shorter verifier step only lets decoding in sooner."""
+    sequences. Ties go to the larger batch of each, as at start-up: the model prefills whole inputs,
+    but with the verifier's prefix cache a step prefills far fewer tokens, where one weight read
+    for many sequences is what batching buys."""
     verifiers = tuple(verifiers)
     if not verifiers or len(verifiers) != len(verifier_blocks):
         raise ValueError("one pool size is needed per verifier, and at least one verifier")
@@ -193,7 +194,7 @@ def choose_batches(generator_blocks: int, verifier_blocks: Sequence[int], genera
         raise ValueError(f"the pools ({generator_blocks} generator blocks, {tuple(verifier_blocks)} verifier "
                          f"blocks) cannot hold one sequence of the workload {workload}")
     best_p = min(range(1, min(fit_p, workload.num_sequences) + 1),
-                 key=lambda b: (_rounded(prefill_seconds(verifiers, workload, peaks, b)), b))
+                 key=lambda b: (_rounded(prefill_seconds(verifiers, workload, peaks, b)), -b))
     best_d = min(range(1, min(fit_d, workload.num_sequences) + 1),
                  key=lambda b: (_rounded(decode_seconds(generator, workload, peaks, b)), -b))
     return BatchCaps(best_p, best_d, best_d * per_sequence, best_p * workload.verifier_input_tokens,

@@ -126,10 +126,13 @@ def test_batches_inside_fixed_pools_follow_the_load():
     assert caps.decode_seconds == pytest.approx(336.0)
 
 
-def test_batches_inside_fixed_pools_break_ties_toward_a_small_prefill_and_a_large_decode():
+def test_batches_inside_fixed_pools_break_ties_toward_the_larger_batches():
+    # Compute-bound: B = 1, 2 and 4 tie in both stages (ceil(4/B) * B = 4); B_p <= 4 blocks / 1, B_d <= 4.
     caps = choose_batches(8, [4], GEN_B, [VER_B], LOAD_B, COMPUTE_BOUND)
-    assert (caps.prefill_batch, caps.decode_batch) == (1, 4)
-    assert (caps.generator_blocks, caps.verifier_tokens_per_step) == (4, 4)
+    assert (caps.prefill_batch, caps.decode_batch) == (4, 4)
+    assert (caps.generator_blocks, caps.verifier_tokens_per_step) == (4, 16)
+    caps = choose_batches(8, [3], GEN_B, [VER_B], LOAD_B, COMPUTE_BOUND)  # B_p = 3 is slower: 2 x 3 sequences
+    assert (caps.prefill_batch, caps.verifier_tokens_per_step) == (2, 8)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         choose_batches(8, [1], GEN_A, [VER_A], LOAD_A, MEMORY_BOUND)
 
