@@ -33,17 +33,20 @@ class TieredPrefixCache:
     def _demote(self, block_id: int, block_hash: bytes) -> None:
         self.chain.demote(block_hash, self.cache.read_block(block_id))
 
-    def promote_prefix(self, seq: Sequence) -> int:
+    def promote_prefix(self, seq: Sequence, limit: int | None = None) -> int:
         """Bring the blocks of `seq`'s cacheable prefix that live in a lower tier into the compute pool
-        as cached blocks. Stops at the first block no tier holds. Returns the blocks promoted."""
+        as cached blocks, at most `limit` of them. Stops at the first block no tier holds. Returns
+        the blocks promoted."""
         block_size = self.pool.block_size
         cacheable = (len(seq.token_ids) - 1) // block_size
         held: list[int] = []  # the prefix so far, held so promoting a later block cannot reclaim it
+        promoted = 0
         try:
             for block_hash in hash_blocks(seq.token_ids[:cacheable * block_size], block_size, self.extra_key):
                 block_id = self.pool.lookup(block_hash)
                 if block_id is None:
-                    if self.chain.lookup(block_hash) is None or not self.pool.can_allocate(1):
+                    if (limit is not None and promoted >= limit) or self.chain.lookup(block_hash) is None \
+                            or not self.pool.can_allocate(1):
                         break
                     (block_id,) = self.pool.allocate(1)  # type: ignore[misc]
                     if self.chain.fetch(block_hash, out=self.cache.kv[block_id]) is None:
@@ -51,12 +54,13 @@ class TieredPrefixCache:
                         break
                     self.pool.register(block_id, block_hash)
                     self.num_promoted += 1
+                    promoted += 1
                 else:
                     self.pool.acquire([block_id])
                 held.append(block_id)
         finally:
             self.pool.release(reversed(held))  # cached again: admission takes them as prefix hits
-        return len(held)
+        return promoted
 
     def persist(self) -> None:
         """Write every named block (compute pool and host tier) to disk and flush the disk index."""

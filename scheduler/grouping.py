@@ -132,8 +132,8 @@ def greedy_groups(beams: Sequence[Beam], budget_blocks: int,
     return tuple(groups)
 
 
-def group_beams(beams: Iterable[Beam], budget_blocks: int, *,
-                share_prefix: bool = True) -> tuple[BeamGroup, ...] | None:
+def group_beams(beams: Iterable[Beam], budget_blocks: int, *, share_prefix: bool = True,
+                max_beams: int | None = None) -> tuple[BeamGroup, ...] | None:
     """The step's groups in execution order; None if one beam alone exceeds the budget.
 
     share_prefix=True (LBS): the round count is what Algorithm 1 needs when packing to the budget
@@ -143,25 +143,30 @@ def group_beams(beams: Iterable[Beam], budget_blocks: int, *,
 
     share_prefix=False (the lbs_no_prefix ablation): round_plan's rounds and balanced_sizes,
     beams in input order, each beam charged for all its blocks as if nothing were shared.
+
+    `max_beams` caps a group's beams (the sequences a step may batch), adding rounds if needed.
     """
     beams = list(beams)
     if len({b.beam_id for b in beams}) != len(beams):
         raise ValueError("beam ids must be unique")
+    if max_beams is not None and max_beams < 1:
+        raise ValueError("max_beams must be >= 1")
+    cap_rounds = math.ceil(len(beams) / max_beams) if max_beams else 0
     if not share_prefix:
         plan = round_plan(len(beams), max((b.num_blocks for b in beams), default=0), budget_blocks)
         if plan is None:
             return None
         groups, start = [], 0
-        for size in balanced_sizes(len(beams), plan.num_rounds):
+        for size in balanced_sizes(len(beams), max(plan.num_rounds, cap_rounds)):
             members = beams[start:start + size]
             start += size
             groups.append(BeamGroup(tuple(b.beam_id for b in members), _distinct(members),
                                     sum(b.num_blocks for b in members)))
         return tuple(groups)
-    packed = greedy_groups(beams, budget_blocks)
+    packed = greedy_groups(beams, budget_blocks, [max_beams] * len(beams) if max_beams else None)
     if packed is None:
         return None
-    balanced = greedy_groups(beams, budget_blocks, balanced_sizes(len(beams), len(packed)))
+    balanced = greedy_groups(beams, budget_blocks, balanced_sizes(len(beams), max(len(packed), cap_rounds)))
     return balanced if balanced is not None else packed
 
 

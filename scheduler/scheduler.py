@@ -67,14 +67,24 @@ class Scheduler:
         self.running.append(seq)
 
     def park(self, seq: Sequence) -> None:
-        """Stop scheduling a running sequence but keep its blocks (a search path between steps)."""
-        self.running.remove(seq)
+        """Stop scheduling a sequence but keep its blocks (a search path between steps). One that was
+        preempted meanwhile is parked without blocks and recomputed when resumed."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
         self.hold(seq)
 
     def hold(self, seq: Sequence) -> None:
         """Keep a sequence that is not running (parked, or a fresh fork) on the parked list."""
         seq.status = SequenceStatus.PARKED
         self.parked.append(seq)
+
+    def keep(self, seqs: list[Sequence]) -> None:
+        """Move these parked sequences to the front of the parked list: they are the last to give
+        up their blocks (they run next)."""
+        chosen = {s.seq_id for s in seqs}
+        self.parked.sort(key=lambda s: s.seq_id not in chosen)  # stable: the rest keep their order
 
     def resume(self, seq: Sequence) -> None:
         """Run a parked sequence again: at once if it kept its blocks, else through admission (which

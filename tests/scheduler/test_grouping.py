@@ -134,3 +134,16 @@ def test_prefetch_takes_the_next_groups_missing_blocks_that_fit_the_headroom():
     assert prefetch_blocks(current, following, 8) == ("a", "own1")
     assert prefetch_blocks(current, following, 6) == ()
     assert prefetch_blocks(current, following, 100) == ("a", "own1", "own3", "own5")
+
+
+def test_a_cap_on_beams_per_group_adds_balanced_rounds():
+    # Everything fits in 12 blocks, but at most 2 sequences may run at once: 3 rounds of 2,
+    # each a subtree's pair where it can be.
+    groups = group_beams(two_subtrees(), 12, max_beams=2)
+    assert ids(groups) == [[0, 2], [4, 1], [3, 5]]
+    assert [g.num_blocks for g in groups] == [5, 6, 5]
+    no_prefix = group_beams(two_subtrees(), 12, share_prefix=False, max_beams=2)
+    assert ids(no_prefix) == [[0, 1], [2, 3], [4, 5]]
+    assert ids(group_beams(two_subtrees(), 12, max_beams=4)) == [[0, 2, 4], [1, 3, 5]]
+    with pytest.raises(ValueError):
+        group_beams(two_subtrees(), 12, max_beams=0)
