@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.beam_groups import StepPlanner
 from runtime.kv_tiers import TieredPrefixCache
 from runtime.model_runner import ModelRunner
 from runtime.protocol import Accepted, Delta, Finished, FromRuntime, GenerateRequest, RequestError, RuntimeStats
@@ -37,6 +38,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
+    policy: str = "lbs"  # how a search step's paths share the pool (runtime.beam_groups)
+    speculative_extension: bool = True
 
 
 def kv_shape_of(model_config, block_size: int) -> KVShape:
@@ -73,6 +76,7 @@ class Engine:
         self.kv = KVManager(self.pool, extra_key=model_key, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache)
+        self.planner = StepPlanner(self, config.policy)
         self.requests: dict[str, RequestState] = {}
         self.searches: dict[str, SearchController] = {}
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
@@ -85,9 +89,11 @@ class Engine:
         self.tiers: TieredPrefixCache | None = None
         self.touched: dict[str, RequestState] = {}
         self.outbox: list[FromRuntime] = []
+        self.deferred: list = []  # callbacks to run once a step's sampled tokens are all handed out
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_cached": 0, "tokens_generated": 0, "search_requests": {},
-                      "search_paths": 0, "search_steps": 0, "preemptions": 0}
+                      "search_paths": 0, "search_steps": 0, "preemptions": 0,
+                      "speculative_tokens": {}}
 
     # -- requests -------------------------------------------------------------------------------
     @property
@@ -198,10 +204,11 @@ class Engine:
                     self.scheduler.finish(seq)
 
     # -- operations the search controller uses ------------------------------------------------
-    def fork_sequence(self, parent: Sequence) -> Sequence:
-        """A child sharing every block of `parent`, parked until resumed."""
-        child = Sequence(parent.token_ids, parent.num_prompt_tokens)
-        self.kv.fork(parent, child)
+    def fork_sequence(self, parent: Sequence, num_tokens: int | None = None) -> Sequence:
+        """A child sharing the blocks of `parent`'s first `num_tokens` tokens (all by default),
+        parked until resumed."""
+        child = Sequence(parent.token_ids[:num_tokens], parent.num_prompt_tokens)
+        self.kv.fork(parent, child, num_tokens)
         self.scheduler.hold(child)
         return child
 
@@ -215,9 +222,29 @@ class Engine:
     def resume_sequence(self, seq: Sequence) -> None:
         self.scheduler.resume(seq)
 
+    def has_idle_slot(self) -> bool:
+        """Whether a sequence could run speculatively now without taking anything from other work:
+        nothing waits, the batch has room, and the pool has a free block per running sequence."""
+        scheduler = self.scheduler
+        return (not scheduler.waiting and len(scheduler.running) <= self.config.max_num_seqs
+                and self.pool.num_free > len(scheduler.running))
+
+    def plan_step(self, seqs: list[Sequence], step_tokens: list[int]) -> list[list[int]]:
+        """A search step's paths in groups that fit the pool now, in the order to run them."""
+        return self.planner.plan(seqs, step_tokens)
+
+    def prepare_group(self, seqs: list[Sequence], reserve: int) -> None:
+        """The group after the running one: keep its blocks, and bring up those in a lower tier."""
+        self.scheduler.keep(seqs)
+        self.planner.prefetch(seqs, reserve)
+
     def add_scoring_sequence(self, seq: Sequence, controller: SearchController) -> None:
         self.scoring.setdefault(controller.request_id, []).append(seq)
         self.scheduler.add(seq)
+
+    def defer(self, callback) -> None:
+        """Run `callback` after the current step has handed every sampled token to its owner."""
+        self.deferred.append(callback)
 
     def emit(self, message: FromRuntime) -> None:
         self.outbox.append(message)
@@ -230,12 +257,17 @@ class Engine:
         self.scoring.pop(controller.request_id, None)
         self.stats["search_paths"] += controller.stats["paths_explored"]
         self.stats["search_steps"] += controller.step_index
+        for outcome, count in controller.spec_tokens.items():
+            self.stats["speculative_tokens"][outcome] = self.stats["speculative_tokens"].get(outcome, 0) + count
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
         for store in self.verifier_stores:
             if store.has_work:
                 store.step()
+        if self.scheduler.waiting:  # speculation only fills slots nothing else wants
+            for controller in self.searches.values():
+                controller.stop_speculation()
         if self.tiers is not None:
             room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
             for seq in list(self.scheduler.waiting)[:min(room, 8)]:
@@ -265,6 +297,8 @@ class Engine:
                 seq.append_token(out.token_id)
                 self.stats["tokens_generated"] += 1
                 seq.owner.on_sampled(self, seq, out)
+        while self.deferred:
+            self.deferred.pop(0)()
         return self._drain()
 
     def _drain(self) -> list[FromRuntime]:
@@ -364,6 +398,7 @@ class Engine:
             search_requests=dict(self.stats["search_requests"]),
             search_paths=self.stats["search_paths"],
             search_steps=self.stats["search_steps"],
+            speculative_tokens=dict(self.stats["speculative_tokens"]),
             verifier_seconds=tuple(self._take_verifier_samples()),
         )
 

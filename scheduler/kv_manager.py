@@ -105,12 +105,15 @@ class KVManager:
         return result
 
     def _write_block_is_shared(self, seq: Sequence) -> bool:
-        """True when the next token lands in an existing, partially filled block another holder shares."""
+        """True when the next token lands in an existing block that another holder shares, or that
+        is named (a fork cut inside a block its parent filled): writing it in place would change
+        what others read, or what the prefix cache serves under that name."""
         offset = seq.num_computed_tokens % self.block_size
         index = seq.num_computed_tokens // self.block_size
         if offset == 0 or index >= len(seq.block_table):
             return False
-        return self.pool.ref_counts[seq.block_table[index]] > 1
+        block = seq.block_table[index]
+        return self.pool.ref_counts[block] > 1 or self.pool.block_hashes[block] is not None
 
     # -- after the KV is written ----------------------------------------------------------------
     def commit_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
@@ -127,13 +130,22 @@ class KVManager:
             self.pool.register(seq.block_table[index], parent)
 
     # -- forks and frees ------------------------------------------------------------------------
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let `child` share every block of `parent`; the partial last block is copied on first write."""
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """Let `child` share the blocks of `parent`; the partial last block is copied on first write.
+
+        With `num_tokens`, the child is `parent` cut to its first `num_tokens` tokens (it holds
+        those): it shares the blocks of the tokens before the last, whose KV it computes itself."""
         assert not child.block_table
-        self.pool.acquire(parent.block_table)
-        child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
+        computed = parent.num_computed_tokens
+        blocks, hashes = parent.block_table, parent.block_hashes
+        if num_tokens is not None and num_tokens < len(parent.token_ids):
+            computed = min(computed, num_tokens - 1)
+            blocks = blocks[:self.num_blocks_for(computed)]
+            hashes = hashes[:computed // self.block_size]
+        self.pool.acquire(blocks)
+        child.block_table = list(blocks)
+        child.block_hashes = list(hashes)
+        child.num_computed_tokens = computed
         child.num_cached_tokens = parent.num_cached_tokens
 
     def free(self, seq: Sequence) -> None:

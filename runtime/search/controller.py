@@ -5,11 +5,22 @@ EOS or the length limit) and is then parked with its blocks. When no path of the
 generating, the controller verifies (every `granularity`-th step, and whenever a path finished),
 lets the strategy settle and expand, and forks the survivors: children share every block of their
 parent, so the search never re-prefills a path.
+
+A step's paths run in the groups the engine plans for the compute pool (`runtime.beam_groups`):
+one group decodes its whole step while resident, then the next.
+
+Speculative beam extension (FlashTTS): a path done with its step while others of its group still
+decode keeps decoding into its next step in the idle slot, until that step ends, the group is done
+or the slot is wanted. Verification never sees those tokens (`step_end` marks where the step
+ended). A path that survives settling keeps them: they are exactly what it would decode next, from
+the same KV and the same sampler, so its next step starts ahead, or is already complete. Its
+children fork at `step_end`; a pruned path's speculative tokens are dropped.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,6 +42,7 @@ class SearchPath:
     sampling: SamplingState
     aggregation: str
     step_start: int = 0  # token index where the current step began
+    step_end: int = 0  # token index where the last step ended; tokens after it are speculative
     chunk_start: int = 0  # token index where the current (not yet verified) unit began
     chunks: list[str] = field(default_factory=list)  # verified units of text
     step_scores: list[float] = field(default_factory=list)
@@ -41,6 +53,14 @@ class SearchPath:
     # A greedy look-ahead past the step, scored with it and then thrown away.
     lookahead_units: list[str] = field(default_factory=list)
     lookahead_logprobs: list[float] = field(default_factory=list)
+    speculating: bool = False  # decoding past `step_end` in an idle slot
+    spec_logprobs: list[float] = field(default_factory=list)
+    spec_outcome: str | None = None  # set when the speculative tokens complete the next step: how it ends
+    spec_finish: str | None = None  # and the path's finish reason if it ends there
+
+    @property
+    def num_speculative(self) -> int:
+        return len(self.seq.token_ids) - self.step_end
 
     def scoring_units(self) -> list[str]:
         return self.chunks + self.lookahead_units
@@ -110,7 +130,12 @@ class SearchController:
         self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
-        self.generating: set[SearchPath] = set()
+        self.generating: set[SearchPath] = set()  # paths whose step is not done (running or queued)
+        self.active: set[SearchPath] = set()  # paths of the group running now
+        self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
+        self.speculating: set[SearchPath] = set()
+        self.advance_pending = False
+        self.spec_tokens = {"used": 0, "discarded": 0}
         self.stepped: list[SearchPath] = []
         self.final: list[SearchPath] = []
         self.step_index = 0
@@ -133,8 +158,8 @@ class SearchController:
         self.stats["paths_explored"] += 1
         sampling = SamplingState(self.params, derive_seed(self.params.seed, uid), self.engine.device,
                                  track_logprobs=True)
-        path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation,
-                          step_start=len(seq.token_ids), chunk_start=len(seq.token_ids))
+        path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=len(seq.token_ids),
+                          step_end=len(seq.token_ids), chunk_start=len(seq.token_ids))
         seq.owner = path
         return path
 
@@ -142,15 +167,98 @@ class SearchController:
         """The prompt is computed: fork it into the initial paths, which all sample from its logits."""
         self.num_cached_tokens = root.num_cached_tokens
         self.stats["prefix_hit_tokens"] += root.num_cached_tokens
-        seqs = []
-        for subtree in self.strategy.initial_paths():
-            child = self.engine.fork_sequence(root)
-            path = self._new_path(child, subtree)
-            self.generating.add(path)
-            self.engine.resume_sequence(child)
-            seqs.append(child)
+        paths = [self._new_path(self.engine.fork_sequence(root), subtree)
+                 for subtree in self.strategy.initial_paths()]
         self.engine.release_sequence(root)
-        return seqs
+        self._start_step(paths)
+        return [p.seq for p in paths]  # every path samples its first token from the prompt's logits
+
+    # -- steps and groups -----------------------------------------------------------------------
+    def _step_tokens(self, path: SearchPath) -> int:
+        """The most tokens `path` may decode in the step starting now."""
+        used = len(path.seq.token_ids)
+        room = min(self.max_tokens - (used - len(self.prompt_ids)), self.engine.config.max_model_len - used)
+        if self.step_index >= self.search.max_steps - 1:
+            return max(1, room)
+        return max(1, min(room, self.search.max_step_tokens))
+
+    def _start_step(self, paths: list[SearchPath]) -> None:
+        """Run the next step of `paths`: those whose speculative tokens already complete it are
+        stepped at once, the rest run in the planned groups."""
+        to_run: list[SearchPath] = []
+        for path in paths:
+            path.step_start = path.step_end
+            path.chunk_logprobs.extend(path.spec_logprobs)
+            path.spec_logprobs = []
+            self.spec_tokens["used"] += path.num_speculative
+            if path.spec_outcome is None:
+                to_run.append(path)
+                continue
+            path.step_end = len(path.seq.token_ids)
+            path.is_done, path.finish_reason = path.spec_finish is not None, path.spec_finish
+            path.spec_outcome = path.spec_finish = None
+            path.text = self._text(path)
+            if path.is_done:
+                self.engine.release_sequence(path.seq)
+            self.stepped.append(path)
+        if not to_run:
+            self._verify()
+            return
+        self.generating.update(to_run)
+        plan = self.engine.plan_step([p.seq for p in to_run], [self._step_tokens(p) for p in to_run])
+        self.queued = deque([to_run[i] for i in group] for group in plan)
+        self._next_group()
+
+    def _next_group(self) -> None:
+        while self.queued:
+            group = [p for p in self.queued.popleft() if p in self.generating]
+            if group:
+                break
+        else:
+            return
+        self.active = set(group)
+        for path in group:
+            self.engine.resume_sequence(path.seq)
+        if self.queued:
+            reserve = sum(self.engine.kv.num_blocks_for(len(p.seq.token_ids) + self._step_tokens(p))
+                          - len(p.seq.block_table) for p in group)
+            self.engine.prepare_group([p.seq for p in self.queued[0]], max(0, reserve))
+
+    def _text(self, path: SearchPath) -> str:
+        return self.engine.tokenizer.decode(path.seq.token_ids[len(self.prompt_ids):path.step_end],
+                                            skip_special_tokens=True)
+
+    # -- speculative beam extension ---------------------------------------------------------------
+    def _may_speculate(self) -> bool:
+        return (self.engine.config.speculative_extension and bool(self.active)
+                and self.step_index < self.search.max_steps - 1 and self.engine.has_idle_slot())
+
+    def _on_speculative_token(self, path: SearchPath, out) -> None:
+        self.stats["tokens_generated"] += 1
+        if out.logprob is not None:
+            path.spec_logprobs.append(out.logprob)
+        reason, ends_step, _ = self._step_outcome(path.seq, out.token_id, path.step_end,
+                                                  is_last_step=self.step_index + 1 >= self.search.max_steps - 1)
+        if reason is not None or ends_step:
+            path.spec_outcome, path.spec_finish = "step", reason
+            self._end_speculation(path)
+        elif not self.active or not self.engine.has_idle_slot():
+            self._end_speculation(path)
+
+    def _end_speculation(self, path: SearchPath) -> None:
+        path.speculating = False
+        self.speculating.discard(path)
+        self.engine.park_sequence(path.seq)
+
+    def stop_speculation(self) -> None:
+        """Give every idle slot back (the scheduler has other work, or the group is done)."""
+        for path in list(self.speculating):
+            self._end_speculation(path)
+
+    def _discard(self, path: SearchPath) -> None:
+        """Release a path that ends here; its speculative tokens were for nothing."""
+        self.spec_tokens["discarded"] += path.num_speculative
+        self.engine.release_sequence(path.seq)
 
     def _step_outcome(self, seq: Sequence, token: int, step_start: int, *,
                       is_last_step: bool) -> tuple[str | None, bool, str]:
@@ -174,6 +282,9 @@ class SearchController:
         return None, ends, text
 
     def on_token(self, path: SearchPath, out) -> None:
+        if path.speculating:
+            self._on_speculative_token(path, out)
+            return
         seq = path.seq
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
@@ -184,14 +295,34 @@ class SearchController:
             path.is_done, path.finish_reason = True, reason
         if not (ends_step or path.is_done):
             return
-        path.text = self.engine.tokenizer.decode(seq.token_ids[len(self.prompt_ids):], skip_special_tokens=True)
+        path.step_end = len(seq.token_ids)
+        path.text = self._text(path)
         self.generating.discard(path)
+        was_active = path in self.active
+        self.active.discard(path)
         if path.is_done:
             self.engine.release_sequence(seq)
-        else:
+        elif was_active and self._may_speculate():
+            path.speculating = True
+            self.speculating.add(path)
+        elif was_active:
             self.engine.park_sequence(seq)
-        self.stepped.append(path)
-        if not self.generating:
+        self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
+        if not self.active and not self.advance_pending:
+            # After the engine has handed out every token of this step: a speculating path's
+            # token from the same batch must reach it before the search moves on.
+            self.advance_pending = True
+            self.engine.defer(self._advance)
+
+    def _advance(self) -> None:
+        """The running group is done: run the next one, or verify the step."""
+        self.advance_pending = False
+        if self.is_finished or self.active:
+            return
+        self.stop_speculation()
+        if self.generating:
+            self._next_group()
+        else:
             self._verify()
 
     # -- verification ---------------------------------------------------------------------------
@@ -204,7 +335,7 @@ class SearchController:
                            or self.step_index >= self.search.max_steps)
         to_score = [p for p in self.stepped if self.verify_now or p.is_done]
         for path in to_score:
-            unit_ids = path.seq.token_ids[path.chunk_start:]
+            unit_ids = path.seq.token_ids[path.chunk_start:path.step_end]
             unit = self.engine.tokenizer.decode(unit_ids, skip_special_tokens=True)
             path.chunks.append(normalize_step(unit, self.search.step_delimiter))
         self.to_verify = to_score
@@ -227,7 +358,7 @@ class SearchController:
 
     # -- look-ahead -----------------------------------------------------------------------------
     def _start_lookahead(self, path: SearchPath) -> None:
-        seq = self.engine.fork_sequence(path.seq)
+        seq = self.engine.fork_sequence(path.seq, path.step_end)
         greedy = msgspec.structs.replace(self.params, temperature=0.0)
         run = Lookahead(path, seq, SamplingState(greedy, 0, self.engine.device, track_logprobs=True),
                         len(seq.token_ids), self.search.lookahead, len(seq.token_ids))
@@ -260,7 +391,7 @@ class SearchController:
         path.step_scores.append(float(score))
         path.chunk_logprobs = []
         path.lookahead_units, path.lookahead_logprobs = [], []
-        path.chunk_start = len(path.seq.token_ids)
+        path.chunk_start = path.step_end
         self.stats["verifier_tokens_prefilled"] += prefilled
         self.stats["prefix_hit_tokens"] += cached
 
@@ -282,24 +413,21 @@ class SearchController:
         for path in final:
             if not path.is_done:  # a candidate cut short when its subtree stopped
                 path.finish_reason = "length"
-                self.engine.release_sequence(path.seq)
+                self._discard(path)
         self.final.extend(final)
         for path in set(stepped) - set(final) - set(live):
-            self.engine.release_sequence(path.seq)  # pruned by settling (DVTS keeps only its best)
+            self._discard(path)  # pruned by settling (DVTS keeps only its best)
         if self.step_index >= self.search.max_steps or not live:
             for path in live:
                 path.finish_reason = "length"
-                self.engine.release_sequence(path.seq)
+                self._discard(path)
             self.final.extend(live)
             self._finish()
             return
         if self.verify_now:
             live = self._expand(live)
-        for path in live:
-            path.step_start = len(path.seq.token_ids)
-            self.generating.add(path)
-            self.engine.resume_sequence(path.seq)
-        self._emit_progress()
+        self._emit_progress(live)
+        self._start_step(live)
 
     def _expand(self, live: list[SearchPath]) -> list[SearchPath]:
         expansion = self.strategy.expand(live)
@@ -308,24 +436,24 @@ class SearchController:
         for uid, count in zip(expansion.parents, expansion.children):
             parent = by_uid.pop(uid)
             for _ in range(count - 1):
-                child = self._new_path(self.engine.fork_sequence(parent.seq), parent.subtree)
+                child = self._new_path(self.engine.fork_sequence(parent.seq, parent.step_end), parent.subtree)
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
                 continuing.append(child)
             continuing.append(parent)
         for pruned in by_uid.values():
-            self.engine.release_sequence(pruned.seq)
+            self._discard(pruned)
         return sorted(continuing, key=lambda p: p.uid)
 
     # -- output ---------------------------------------------------------------------------------
-    def _emit_progress(self) -> None:
-        texts = [p.text for p in self.generating] + [p.text for p in self.final]
+    def _emit_progress(self, live: list[SearchPath]) -> None:
+        texts = [p.text for p in live] + [p.text for p in self.final]
         prefix = _common_prefix(texts)
         if len(prefix) > len(self.committed):
             self.engine.emit(Delta(request_id=self.request_id, index=0, text=prefix[len(self.committed):]))
             self.committed = prefix
         if self.search.include_events:
-            live = sorted(self.generating, key=lambda p: p.uid)
+            live = sorted(live, key=lambda p: p.uid)
             self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
                                          scores=tuple(p.score for p in live)))
 
@@ -336,7 +464,7 @@ class SearchController:
         chosen = [self.final[i] for i in order[:self.params.n]]
         returned = 0
         for index, path in enumerate(chosen):
-            output_ids = path.seq.token_ids[len(self.prompt_ids):]
+            output_ids = path.seq.token_ids[len(self.prompt_ids):path.step_end]
             if path.finish_reason == "stop" and output_ids and output_ids[-1] in self.engine.eos_ids:
                 output_ids = output_ids[:-1]
             returned += len(output_ids)

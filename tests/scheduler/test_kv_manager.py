@@ -123,3 +123,34 @@ def test_parked_sequences_give_up_blocks_before_running_ones_are_preempted():
     pool.check_integrity([runner.block_table])
     sched.resume(parked)  # no blocks left: it goes through admission again, first in line
     assert list(sched.waiting) == [parked] and sched.parked == []
+
+
+def test_a_fork_cut_inside_a_named_block_copies_it_before_writing():
+    pool, kv = make(num_blocks=8, block_size=4)
+    parent = Sequence(list(range(10)))
+    kv.admit(parent, 100)
+    compute_all(kv, parent)  # blocks 0 1 2; 0 and 1 named
+    child = Sequence(parent.token_ids[:6])
+    kv.fork(parent, child, 6)
+    # The child holds tokens 0..5 and computes token 5 itself: it shares blocks 0 and 1.
+    assert child.block_table == [0, 1] and child.num_computed_tokens == 5
+    assert child.block_hashes == parent.block_hashes[:1]
+    assert pool.ref_counts[:3] == [2, 2, 1]
+    named = parent.block_hashes[1]
+    kv.free(parent)  # block 1 is now the child's alone, but still named by the parent's tokens 4..7
+    assert pool.ref_counts[:3] == [1, 1, 0]
+    allocation = kv.append_slots(child, 1)
+    assert allocation.copies == [(1, 3)] and child.block_table == [0, 3]
+    assert pool.lookup(named) == 1 and pool.ref_counts[1] == 0  # cached, its contents intact
+    pool.check_integrity([child.block_table])
+
+
+def test_keep_moves_parked_sequences_to_the_front_so_they_give_up_blocks_last():
+    pool, kv = make(num_blocks=8, block_size=4)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [Sequence([i] * 3) for i in range(4)]
+    for seq in seqs:
+        kv.admit(seq, 100)
+        scheduler.hold(seq)
+    scheduler.keep([seqs[3], seqs[1]])
+    assert scheduler.parked == [seqs[1], seqs[3], seqs[0], seqs[2]]

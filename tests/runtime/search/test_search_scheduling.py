@@ -1,0 +1,95 @@
+"""A search's tokens and scores do not depend on how its paths are scheduled: the policy, the
+compute budget, speculative extension or the tier a block came back from."""
+
+import pytest
+
+from runtime.protocol import RuntimeOptions
+from tests.runtime.engine_helpers import engine_for
+from tests.runtime.search.test_search_engine import engine_choices, run_search, search_request
+
+# A delimiter the tiny model writes often, so steps end at different tokens and stragglers leave
+# idle slots for speculation.
+SEARCH = dict(n=8, beam_width=4, max_steps=4, step_delimiter="w1", max_step_tokens=8)
+
+
+def traced_run(engine, request):
+    """Run to the end, recording the most sequences running at once."""
+    out = engine.add_request(request)
+    messages, most = [], 0
+    while engine.has_work:
+        messages += engine.step()
+        most = max(most, len(engine.scheduler.running))
+        engine.check_integrity()
+    return messages, most
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    """Everything resident, every path advancing together, no speculation."""
+    engine = engine_for(tiny_llama, num_blocks=1024, scheduler_policy="token", speculative_extension=False)
+    return engine_choices(run_search(engine, search_request("baseline", **SEARCH)))
+
+
+def same(got, expected):
+    assert [t for t, _, _ in got] == [t for t, _, _ in expected]
+    for (_, a, a_steps), (_, b, b_steps) in zip(got, expected):
+        assert a == pytest.approx(b, rel=1e-5) and a_steps == pytest.approx(b_steps, rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["lbs", "lbs_no_prefix", "token"])
+@pytest.mark.parametrize("num_blocks", [1024, 24])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_every_policy_budget_and_speculation_gives_the_same_search(tiny_llama, expected, policy, num_blocks,
+                                                                    speculative):
+    engine = engine_for(tiny_llama, num_blocks=num_blocks, scheduler_policy=policy,
+                        speculative_extension=speculative)
+    same(engine_choices(run_search(engine, search_request("run", **SEARCH))), expected)
+    assert engine.pool.num_used == 0
+    spec = engine.stats["speculative_tokens"]
+    assert (sum(spec.values()) > 0) == speculative
+
+
+def test_lbs_runs_a_tight_step_in_groups_that_fit_and_never_preempts(tiny_llama, expected):
+    # 24 blocks of 4 tokens cannot hold 8 paths growing 8 tokens each: the step runs in groups,
+    # each small enough to finish its step without taking a running path's blocks.
+    engine = engine_for(tiny_llama, num_blocks=24, scheduler_policy="lbs", speculative_extension=False)
+    messages, most = traced_run(engine, search_request("groups", **SEARCH))
+    same(engine_choices(messages), expected)
+    steps = messages[-1].search.steps
+    assert engine.planner.num_groups > steps  # some steps needed more than one group
+    assert most < 8
+    token = engine_for(tiny_llama, num_blocks=24, scheduler_policy="token", speculative_extension=False)
+    messages, most = traced_run(token, search_request("together", **SEARCH))
+    same(engine_choices(messages), expected)
+    assert token.planner.num_groups == messages[-1].search.steps and most == 8
+
+
+def test_a_group_is_capped_by_the_batch_size(tiny_llama, expected):
+    engine = engine_for(tiny_llama, num_blocks=1024, max_num_seqs=3, speculative_extension=False)
+    messages, most = traced_run(engine, search_request("capped", **SEARCH))
+    same(engine_choices(messages), expected)
+    assert most <= 3
+
+
+def test_speculative_tokens_are_kept_by_surviving_paths(tiny_llama, expected):
+    engine = engine_for(tiny_llama, num_blocks=1024, speculative_extension=True)
+    same(engine_choices(run_search(engine, search_request("spec", **SEARCH))), expected)
+    spec = engine.stats["speculative_tokens"]
+    assert spec["used"] > 0 and spec["discarded"] > 0
+    assert engine.runtime_stats().speculative_tokens == spec
+
+
+def test_blocks_brought_back_from_the_host_tier_give_the_same_search(tiny_llama, expected):
+    # 16 blocks: parked paths give their blocks up, evicted blocks go to the host tier and the
+    # ones a later step needs come back from there.
+    engine = engine_for(tiny_llama, num_blocks=16, host_kv_memory_bytes=4 << 20)
+    same(engine_choices(run_search(engine, search_request("host", **SEARCH))), expected)
+    moved = engine.tiers.chain.bytes_moved
+    block_bytes = engine.cache.shape.bytes_per_block(engine.cache.dtype)
+    assert engine.tiers.num_promoted > 0 and moved["host/cpu"] == engine.tiers.num_promoted * block_bytes
+
+
+def test_an_unknown_policy_is_refused_at_start(tiny_llama):
+    with pytest.raises(ValueError, match="scheduler policy"):
+        engine_for(tiny_llama, scheduler_policy="fastest")
+    assert RuntimeOptions().scheduler_policy == "lbs"
