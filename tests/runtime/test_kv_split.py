@@ -30,8 +30,8 @@ def prm_dir(tmp_path_factory):
 
 def roofline_engine(tiny_llama, prm_dir, kv_split="roofline", **options):
     settings = dict(model=str(tiny_llama), device="cpu", block_size=4, kv_memory_bytes=4 << 20,
-                    verifier_kv_memory_bytes=2 << 20, verifiers={"prm": {"kind": "math-shepherd", "path": str(prm_dir)}},
-                    kv_split=kv_split)
+                    verifier_kv_memory_bytes=2 << 20, kv_split=kv_split,
+                    verifiers={"prm": {"kind": "math-shepherd", "path": str(prm_dir)}})
     settings.update(options)
     engine, _ = build_engine(RuntimeOptions(**settings))
     return engine

@@ -122,7 +122,8 @@ def test_batches_inside_fixed_pools_follow_the_load():
     # B_d=3: 3 * 10 * (10000 + 3*16*25) / 1000 = 336 s beats B_d=2 (432 s) and B_d=1 (832 s).
     longer = Workload(num_sequences=8, verifier_input_tokens=8, generation_tokens=10, avg_context_tokens=16)
     caps = choose_batches(12, [4], GEN_A, [VER_A], longer, MEMORY_BOUND)
-    assert (caps.prefill_batch, caps.decode_batch, caps.generator_blocks, caps.verifier_tokens_per_step) == (2, 3, 12, 16)
+    assert (caps.prefill_batch, caps.decode_batch) == (2, 3)
+    assert (caps.generator_blocks, caps.verifier_tokens_per_step) == (12, 16)
     assert caps.decode_seconds == pytest.approx(336.0)
 
 
