@@ -50,6 +50,7 @@ class VerifierStore:
         self.runner = ModelRunner(model, self.cache)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
+        self.last_input_tokens = 0  # mean verifier input of the latest submission (the load, for the split)
         self.queue: deque[ScoreJob] = deque()
         self.tokens_prefilled = 0
         self.tokens_cached = 0
@@ -84,6 +85,8 @@ class VerifierStore:
                 return
             seq = Sequence(list(last.token_ids))
             self.queue.append(ScoreJob(controller, path, seq, last.read_positions[-1], batch))
+        if paths:
+            self.last_input_tokens = sum(len(job.seq.token_ids) for job in list(self.queue)[-len(paths):]) // len(paths)
 
     def step(self) -> None:
         """Prefill as many queued jobs as fit, read their scores, release their blocks to the cache."""

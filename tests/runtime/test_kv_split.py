@@ -156,6 +156,7 @@ def test_a_capped_verifier_scores_a_search_exactly_as_an_uncapped_one(tiny_llama
         messages = run_search(engine, search_request("capped", verifier="prm", n=4, beam_width=2, max_steps=3))
         results.append(engine_choices(messages))
         batch_sizes.append(sizes)
+        assert store.last_input_tokens > 0  # the verifier load, for KVSplitter.rechoose
         store.pool.check_integrity([])
     assert max(batch_sizes[0]) == 4 and set(batch_sizes[1]) == {1}
     assert sum(batch_sizes[0]) == sum(batch_sizes[1])
