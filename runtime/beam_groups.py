@@ -61,8 +61,11 @@ class StepPlanner:
             if seq.seq_id not in ids:
                 held.update(seq.block_table)
         others_running = sum(1 for s in scheduler.running if s.seq_id not in ids)
-        return (self.engine.pool.num_blocks - len(held),
-                max(1, self.engine.config.max_num_seqs - others_running))
+        max_seqs = self.engine.config.max_num_seqs - others_running
+        caps = self.engine.kv_caps  # the roofline split's decode batch for the load now
+        if caps is not None:
+            max_seqs = min(max_seqs, caps.decode_batch)
+        return self.engine.pool.num_blocks - len(held), max(1, max_seqs)
 
     def plan(self, seqs: Seq[Sequence], step_tokens: Seq[int]) -> list[list[int]]:
         """Indices into `seqs`, one list per group, in execution order."""

@@ -77,6 +77,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache)
         self.planner = StepPlanner(self, config.policy)
+        self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
+        self.kv_caps = None  # its batch caps for the search load now
         self.requests: dict[str, RequestState] = {}
         self.searches: dict[str, SearchController] = {}
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
@@ -230,7 +232,15 @@ class Engine:
                 and self.pool.num_free > len(scheduler.running))
 
     def plan_step(self, seqs: list[Sequence], step_tokens: list[int]) -> list[list[int]]:
-        """A search step's paths in groups that fit the pool now, in the order to run them."""
+        """A search step's paths in groups that fit the pool now, in the order to run them. With the
+        roofline split, the load now re-chooses the batch caps first (the decode batch caps a
+        group, the verifier's prefill batch caps its tokens per step)."""
+        if self.kv_split is not None and seqs:
+            live = max(len(seqs), sum(len(c.generating) + len(c.stepped) for c in self.searches.values()))
+            context = sum(len(s.token_ids) for s in seqs) // len(seqs) + sum(step_tokens) // (2 * len(seqs))
+            verifier_input = max((store.last_input_tokens for store in self.verifier_stores), default=0)
+            self.kv_caps = self.kv_split.rechoose(live, context, verifier_input or context + max(step_tokens))
+            self.kv_split.apply(self.kv_caps, self.verifier_stores)
         return self.planner.plan(seqs, step_tokens)
 
     def prepare_group(self, seqs: list[Sequence], reserve: int) -> None:

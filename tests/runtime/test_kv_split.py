@@ -5,6 +5,8 @@ Generator: tests/conftest's tiny llama (2 layers, hidden 64, MLP 128, 4 query an
 as a Math-Shepherd PRM. float32 on the CPU, blocks of 4 tokens, max_model_len 512.
 """
 
+import dataclasses
+
 import pytest
 
 from runtime.bootstrap import build_engine
@@ -146,11 +148,16 @@ def test_a_capped_verifier_scores_a_search_exactly_as_an_uncapped_one(tiny_llama
     tokenizer = build_tokenizer()  # byte-level BPE with the offsets Math-Shepherd's step tags need
     torch.manual_seed(0)
     shepherd = save(tmp_path, LlamaForCausalLM(model_config("llama", len(tokenizer))), tokenizer)
-    results, batch_sizes = [], []
+    results, batch_sizes, chosen = [], [], []
     for cap in (None, 1):  # 1 token: one scoring job a step
         engine = roofline_engine(tiny_llama, shepherd, peak_flops=1e12, memory_bandwidth=1e9)
         store = engine.scorers["prm"]
-        store.cap_prefill_tokens(cap)
+        if cap is not None:  # the engine re-chooses the caps each step: make its choice a 1-token cap
+            rechoose = engine.kv_split.rechoose
+            engine.kv_split.rechoose = lambda *load: dataclasses.replace(rechoose(*load), verifier_tokens_per_step=1)
+        else:
+            engine.kv_split.apply = lambda caps, stores, apply=engine.kv_split.apply: (
+                chosen.append(caps), apply(dataclasses.replace(caps, verifier_tokens_per_step=10**6), stores))
         forward, sizes = store.runner.hidden_states, []
         store.runner.hidden_states = lambda scheduled, *rest: sizes.append(len(scheduled)) or forward(scheduled, *rest)
         messages = run_search(engine, search_request("capped", verifier="prm", n=4, beam_width=2, max_steps=3))
@@ -158,6 +165,7 @@ def test_a_capped_verifier_scores_a_search_exactly_as_an_uncapped_one(tiny_llama
         batch_sizes.append(sizes)
         assert store.last_input_tokens > 0  # the verifier load, for KVSplitter.rechoose
         store.pool.check_integrity([])
+    assert chosen and all(caps.decode_batch >= 1 for caps in chosen)  # asked at every step's start
     assert max(batch_sizes[0]) == 4 and set(batch_sizes[1]) == {1}
     assert sum(batch_sizes[0]) == sum(batch_sizes[1])
     (uncapped, capped) = results
