@@ -15,6 +15,10 @@ or the slot is wanted. Verification never sees those tokens (`step_end` marks wh
 ended). A path that survives settling keeps them: they are exactly what it would decode next, from
 the same KV and the same sampler, so its next step starts ahead, or is already complete. Its
 children fork at `step_end`; a pruned path's speculative tokens are dropped.
+
+LookAhead verification: a reward model scoring a path whose speculative tokens complete its next
+step scores both steps in one sequence (the current step's score is read where it always is, so it
+cannot see the next step); if the path goes on to that very step, its score is already known.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class SearchPath:
     spec_logprobs: list[float] = field(default_factory=list)
     spec_outcome: str | None = None  # set when the speculative tokens complete the next step: how it ends
     spec_finish: str | None = None  # and the path's finish reason if it ends there
+    next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
 
     @property
     def num_speculative(self) -> int:
@@ -135,6 +140,7 @@ class SearchController:
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
         self.speculating: set[SearchPath] = set()
         self.advance_pending = False
+        self.scores_ahead = 0  # step scores taken from a look-ahead verification
         self.spec_tokens = {"used": 0, "discarded": 0}
         self.stepped: list[SearchPath] = []
         self.final: list[SearchPath] = []
@@ -334,10 +340,19 @@ class SearchController:
         self.verify_now = (self.step_index % self.search.granularity == 0
                            or self.step_index >= self.search.max_steps)
         to_score = [p for p in self.stepped if self.verify_now or p.is_done]
+        known = []
         for path in to_score:
             unit_ids = path.seq.token_ids[path.chunk_start:path.step_end]
             unit = self.engine.tokenizer.decode(unit_ids, skip_special_tokens=True)
             path.chunks.append(normalize_step(unit, self.search.step_delimiter))
+            if path.next_score is not None and path.next_score[0] == path.chunks[-1]:
+                known.append((path, path.next_score[1]))
+            path.next_score = None
+        for path, score in known:  # scored ahead, in the previous step's verification
+            self.on_score(path, score)
+            self.scores_ahead += 1
+        scored = {id(path) for path, _ in known}
+        to_score = [p for p in to_score if id(p) not in scored]
         self.to_verify = to_score
         if not to_score:
             self._settle()
@@ -351,8 +366,9 @@ class SearchController:
         self._submit_scores()
 
     def _submit_scores(self) -> None:
-        self.stats["verifier_calls"] += 1
-        self.verifier.submit(self, self.to_verify)
+        if self.to_verify:
+            self.stats["verifier_calls"] += 1
+            self.verifier.submit(self, self.to_verify)
         if self.pending_scores == 0 and not self.is_finished:
             self._settle()
 
@@ -386,6 +402,18 @@ class SearchController:
         self.lookaheads.discard(run)
         if not self.lookaheads:
             self._submit_scores()
+
+    def lookahead_unit(self, path: SearchPath) -> str | None:
+        """The path's next unit, if its speculative tokens complete it and it will be scored alone
+        (granularity 1, no roll-out look-ahead): a verifier may score it along with this one."""
+        if path.spec_outcome is None or self.search.granularity != 1 or self.search.lookahead:
+            return None
+        unit = self.engine.tokenizer.decode(path.seq.token_ids[path.step_end:], skip_special_tokens=True)
+        unit = normalize_step(unit, self.search.step_delimiter)
+        return unit if unit.strip() else None
+
+    def on_next_score(self, path: SearchPath, unit: str, score: float) -> None:
+        path.next_score = (unit, float(score))
 
     def on_score(self, path: SearchPath, score: float, prefilled: int = 0, cached: int = 0) -> None:
         path.step_scores.append(float(score))

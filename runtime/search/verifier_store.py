@@ -33,6 +33,7 @@ class ScoreJob:
     seq: Sequence
     read_position: int  # absolute position whose hidden state scores the newest unit
     batch: ScoreBatch
+    ahead: tuple[str, int] | None = None  # (the path's next unit, its read position) when scored along
 
 
 
@@ -54,6 +55,7 @@ class VerifierStore:
         self.queue: deque[ScoreJob] = deque()
         self.tokens_prefilled = 0
         self.tokens_cached = 0
+        self.scores_ahead = 0  # next-step scores read along with a step's (LookAhead verification)
 
     @property
     def has_work(self) -> bool:
@@ -76,15 +78,27 @@ class VerifierStore:
         """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
         controller.pending_scores += 1
         batch = ScoreBatch(controller, len(paths), time.perf_counter())
+        capacity = self.pool.num_blocks * self.pool.block_size
         for path in paths:
-            inputs = self.verifier.build_inputs(controller.question, path.scoring_units())
-            last = inputs[-1]
-            if len(last.token_ids) > self.pool.num_blocks * self.pool.block_size:
+            units = path.scoring_units()
+            last = self.verifier.build_inputs(controller.question, units)[-1]
+            if len(last.token_ids) > capacity:
                 self.engine.fail_request(controller.request_id, f"the verifier input of {len(last.token_ids)} "
                                          f"tokens exceeds the {self.name} verifier's KV store")
                 return
+            read = last.read_positions[-1]
+            ahead = None
+            unit = getattr(controller, "lookahead_unit", lambda p: None)(path)
+            if unit is not None:  # LookAhead verification: the next step in the same sequence
+                both = self.verifier.build_inputs(controller.question, units + [unit])[-1]
+                # Only where the current score is read at the same position after the same tokens
+                # (a per-step reward model), so the next step cannot change it.
+                if (len(both.read_positions) >= 2 and both.read_positions[-2] == read
+                        and list(both.token_ids[:read + 1]) == list(last.token_ids[:read + 1])
+                        and len(both.token_ids) <= capacity):
+                    last, ahead = both, (unit, both.read_positions[-1])
             seq = Sequence(list(last.token_ids))
-            self.queue.append(ScoreJob(controller, path, seq, last.read_positions[-1], batch))
+            self.queue.append(ScoreJob(controller, path, seq, read, batch, ahead))
         if paths:
             self.last_input_tokens = sum(len(job.seq.token_ids) for job in list(self.queue)[-len(paths):]) // len(paths)
 
@@ -111,10 +125,18 @@ class VerifierStore:
         if not jobs:
             return
         scheduled = [ScheduledSequence(job.seq, job.seq.num_uncomputed_tokens) for job in jobs]
-        hidden = self.runner.hidden_states(scheduled, [], [(i, job.read_position) for i, job in enumerate(jobs)])
+        reads = [(i, job.read_position) for i, job in enumerate(jobs)]
+        reads += [(i, job.ahead[1]) for i, job in enumerate(jobs) if job.ahead is not None]
+        hidden = self.runner.hidden_states(scheduled, [], reads)
         with torch.inference_mode():
             scores = self.verifier.read_scores(hidden).float().tolist()
+        ahead_scores = iter(scores[len(jobs):])
         for job, score in zip(jobs, scores):
+            if job.ahead is not None:
+                score_ahead = next(ahead_scores)
+                self.scores_ahead += 1
+                if not getattr(job.controller, "is_finished", False):
+                    job.controller.on_next_score(job.path, job.ahead[0], score_ahead)
             cached = job.seq.num_computed_tokens
             computed = len(job.seq.token_ids) - cached
             self.kv.commit_computed(job.seq, len(job.seq.token_ids))

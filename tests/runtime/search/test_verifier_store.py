@@ -44,3 +44,37 @@ def test_paged_reward_model_search_matches_the_reference(engine, tiny_llama, req
     assert store.pool.num_used == 0
     store.pool.check_integrity([])
     engine.pool.check_integrity([])
+
+
+@pytest.mark.parametrize("name, kind, directory", [
+    ("shepherd", "math-shepherd", "causal_lm_dir"), ("qwen", "qwen-prm", "qwen_prm_dir"),
+    ("sky", "skywork", "skywork_dir")])
+def test_lookahead_verification_scores_speculated_steps_once_and_changes_nothing(engine, tiny_llama, request,
+                                                                                 monkeypatch, name, kind,
+                                                                                 directory):
+    # "w1" ends steps often and unevenly, so paths done early speculate whole next steps.
+    search = search_request(f"ahead-{name}", verifier=name, n=8, beam_width=4, max_steps=4, step_delimiter="w1",
+                            max_step_tokens=8)
+    finished = []
+    monkeypatch.setattr(engine, "search_finished",
+                        lambda controller, done=engine.search_finished: (finished.append(controller), done(controller)))
+    messages = run_search(engine, search)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    plain = load_verifier(kind, request.getfixturevalue(directory))
+    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        list(search.messages), add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    reference = ReferenceSearch(hf, engine.tokenizer, prompt_ids, QUESTION, search.search, 1.0, 11, 30,
+                                engine.eos_ids, plain).run(3)
+    ours = engine_choices(messages)
+    assert [t for t, _, _ in ours] == [t for t, _, _ in reference]
+    for (_, score, steps), (_, ref_score, ref_steps) in zip(ours, reference):
+        assert score == pytest.approx(ref_score, rel=1e-4, abs=1e-5)
+        assert steps == pytest.approx(ref_steps, rel=1e-4, abs=1e-5)
+    (controller,) = finished
+    store = engine.scorers[name]
+    assert controller.spec_tokens["used"] > 0 and store.scores_ahead > 0
+    # Scores read ahead are used only when the path goes on to that step (here, for the first family).
+    assert controller.scores_ahead <= store.scores_ahead
+    if name == "shepherd":
+        assert controller.scores_ahead > 0
+    assert engine.scorers[name].pool.num_used == 0
