@@ -4,6 +4,11 @@ The runner flattens every scheduled sequence's new tokens into one row (batch 1,
 their true position ids, so any decoder-only transformers model computes its projections and
 rotary embeddings unchanged. Our attention function then writes the new keys/values into their
 paged slots and attends each sequence's queries to its own blocks.
+
+Generated tokens (decoded, or recomputed after their blocks were given up) are attended one query
+at a time over exactly their context, in batches of equal context length, with plain matmuls and
+a softmax: a query's result is then the same bits whatever else is in the batch, and a token
+recomputed later gets the KV it had when it was decoded. Prompts are prefilled with SDPA.
 """
 
 from __future__ import annotations
@@ -32,14 +37,22 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeGroup:
+    """Queries that each attend to exactly `ctx_len` tokens of their own blocks."""
+
+    rows: torch.Tensor  # [G] position of each query in the step's row
+    tables: torch.Tensor  # [G, ceil(ctx_len / block_size)]
+    ctx_len: int
+
+
+@dataclass
 class AttentionMetadata:
     cache: KVCache
     slot_blocks: torch.Tensor  # [T] block id of every new token
     slot_offsets: torch.Tensor  # [T] offset inside its block
-    decode_index: torch.Tensor | None  # [S] position in the row of each single-token sequence
-    decode_tables: torch.Tensor | None  # [S, max_blocks]
-    decode_mask: torch.Tensor | None  # [S, 1, 1, max_blocks * block_size] bool
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSlice]
+    num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.row_padding)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -49,12 +62,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     # query [1, H, T, D]; key/value [1, KVH, T, D]
     cache.write(layer, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
+    if meta.num_padding:
+        out[-meta.num_padding:] = 0
 
-    if meta.decode_index is not None:
-        q = query[0, :, meta.decode_index].transpose(0, 1).unsqueeze(2)  # [S, H, 1, D]
-        k, v = cache.gather(layer, meta.decode_tables)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
-        out[meta.decode_index] = o[:, :, 0]
+    num_heads = query.shape[1]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    for group in meta.decode_groups:
+        q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
+        k, v = cache.gather(layer, group.tables)
+        k, v = k[:, :, :group.ctx_len], v[:, :, :group.ctx_len]
+        if k.shape[1] != num_heads:  # grouped-query attention: each KV head serves a run of query heads
+            k = k.repeat_interleave(num_heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(num_heads // v.shape[1], dim=1)
+        weights = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(v.dtype)
+        out[group.rows] = (weights @ v)[:, :, 0]
 
     for p in meta.prefills:
         q = query[:, :, p.q_start:p.q_start + p.q_len]

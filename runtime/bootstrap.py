@@ -41,7 +41,8 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                           max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
                           enable_prefix_cache=options.enable_prefix_cache, policy=options.scheduler_policy,
-                          speculative_extension=options.speculative_extension)
+                          speculative_extension=options.speculative_extension,
+                          batch_invariant=options.batch_invariant)
     model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)

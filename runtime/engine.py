@@ -13,6 +13,7 @@ from runtime.beam_groups import StepPlanner
 from runtime.kv_tiers import TieredPrefixCache
 from runtime.model_runner import ModelRunner
 from runtime.protocol import Accepted, Delta, Finished, FromRuntime, GenerateRequest, RequestError, RuntimeStats
+from runtime.row_padding import RowPadding
 from runtime.requests import (
     ChoiceState, InvalidRequest, RequestState, prompt_token_ids, question_of, token_logprob,
 )
@@ -40,6 +41,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.beam_groups)
     speculative_extension: bool = True
+    batch_invariant: bool = True  # pad steps to row counts that keep each row's bits its own
 
 
 def kv_shape_of(model_config, block_size: int) -> KVShape:
@@ -71,11 +73,11 @@ class Engine:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.eos_ids = eos_token_ids(model, tokenizer)
         shape = kv_shape_of(model.config, config.block_size)
-        self.cache = KVCache(shape, config.num_blocks, next(model.parameters()).dtype, self.device)
+        self.cache = KVCache(shape, config.num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVManager(self.pool, extra_key=model_key, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, RowPadding.probe(model) if config.batch_invariant else None)
         self.planner = StepPlanner(self, config.policy)
         self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now

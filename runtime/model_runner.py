@@ -2,6 +2,10 @@
 
 The runner never decides what runs: it turns the scheduler's plan into tensors, performs the
 copies it asks for, runs the model once and returns the logits the plan needs.
+
+With a `RowPadding` (and a cache with a scratch block), a step's tokens are padded with throwaway
+tokens, and the head's rows with repeats, up to a row count for which every row's bits do not
+depend on the others (see runtime.row_padding): results never depend on what shares the step.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata, PrefillSlice
+from runtime.attention import AttentionMetadata, DecodeGroup, PrefillSlice
+from runtime.row_padding import RowPadding
 from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
 
@@ -30,11 +35,18 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache) -> None:
+    def __init__(self, model, cache: KVCache, padding: RowPadding | None = None) -> None:
+        if padding is not None and cache.scratch_block is None:
+            raise ValueError("padding a step needs a cache with a scratch block")
         self.model = model
         self.cache = cache
         self.device = cache.device
         self.block_size = cache.block_size
+        self.padding = padding or RowPadding.none()
+
+    def padded_rows(self, rows: list[int]) -> list[int]:
+        """`rows` with the last repeated up to a row count that keeps each row's bits its own."""
+        return rows + rows[-1:] * (self.padding.pad(len(rows)) - len(rows)) if rows else rows
 
     @torch.inference_mode()
     def execute(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
@@ -42,12 +54,12 @@ class ModelRunner:
         """Compute the scheduled tokens; return float32 logits `[len(logits_for), vocab]` at the last
         new token of each scheduled entry whose index is in `logits_for`."""
         step = self._prepare(scheduled, copies)
-        keep = torch.tensor([step.last_token_index[i] for i in logits_for] or [step.num_tokens - 1],
-                            device=self.device, dtype=torch.long)
+        rows = self.padded_rows([step.last_token_index[i] for i in logits_for] or [step.num_tokens - 1])
+        keep = torch.tensor(rows, device=self.device, dtype=torch.long)
         out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                          logits_to_keep=keep, ponder_attention=step.meta)
         logits = out.logits[0]
-        return logits.float() if logits_for else logits[:0].float()
+        return logits[:len(logits_for)].float()
 
     @torch.inference_mode()
     def hidden_states(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
@@ -71,9 +83,7 @@ class ModelRunner:
         positions: list[int] = []
         slot_blocks: list[int] = []
         slot_offsets: list[int] = []
-        decode_index: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        decode: dict[int, tuple[list[int], list[list[int]]]] = {}  # context length -> (rows, tables)
         prefills: list[PrefillSlice] = []
         last_token_index: list[int] = []
         entry_start: list[int] = []
@@ -91,28 +101,31 @@ class ModelRunner:
                 slot_blocks.append(table[pos // bs])
                 slot_offsets.append(pos % bs)
             last_token_index.append(len(input_ids) - 1)
-            if entry.num_new_tokens == 1 and start > 0:
-                decode_index.append(q_start)
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
-            else:
-                prefills.append(self._prefill_slice(q_start, start, end, table))
+            # Prompt tokens are prefilled; generated ones (new, or recomputed) attend one query at a time.
+            split = min(max(start, seq.num_prompt_tokens), end)
+            if split > start:
+                prefills.append(self._prefill_slice(q_start, start, split, table))
+            for pos in range(split, end):
+                rows, tables = decode.setdefault(pos + 1, ([], []))
+                rows.append(q_start + pos - start)
+                tables.append(table[: pos // bs + 1])
+        num_pad = self.padding.pad(len(input_ids)) - len(input_ids)
+        if num_pad:  # throwaway tokens: keys written to the scratch block, attention output zero
+            input_ids.extend([0] * num_pad)
+            positions.extend(range(num_pad))
+            slot_blocks.extend([self.cache.scratch_block] * num_pad)
+            slot_offsets.extend(i % bs for i in range(num_pad))
 
         meta = AttentionMetadata(
             cache=self.cache,
             slot_blocks=torch.tensor(slot_blocks, device=self.device),
             slot_offsets=torch.tensor(slot_offsets, device=self.device),
-            decode_index=None, decode_tables=None, decode_mask=None,
+            decode_groups=[DecodeGroup(torch.tensor(rows, device=self.device),
+                                       torch.tensor(tables, device=self.device), ctx_len)
+                           for ctx_len, (rows, tables) in sorted(decode.items())],
             prefills=prefills,
+            num_padding=num_pad,
         )
-        if decode_index:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [t[-1]] * (width - len(t)) for t in decode_tables], device=self.device)
-            lens = torch.tensor(decode_lens, device=self.device)
-            mask = torch.arange(width * bs, device=self.device)[None, :] < lens[:, None]
-            meta.decode_index = torch.tensor(decode_index, device=self.device)
-            meta.decode_tables = tables
-            meta.decode_mask = mask[:, None, None, :]
         return StepInputs(torch.tensor([input_ids], device=self.device), torch.tensor([positions], device=self.device),
                           meta, last_token_index, entry_start)
 

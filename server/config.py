@@ -61,6 +61,9 @@ class SchedulerSettings(_Section):
     policy: Literal["lbs", "lbs_no_prefix", "token"] = "lbs"
     # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
     speculative_extension: bool = True
+    # Pad each step to row counts whose matmul results do not depend on the other rows, so a result is
+    # the same bits however requests were batched (costs a lone stream up to a third of its speed on a CPU).
+    batch_invariant: bool = True
 
 
 class DeviceSettings(_Section):
@@ -142,6 +145,7 @@ class Settings(BaseSettings):
             enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             scheduler_policy=self.scheduler.policy, speculative_extension=self.scheduler.speculative_extension,
+            batch_invariant=self.scheduler.batch_invariant,
             kv_split=self.cache.kv_split,
             peak_flops=self.device.peak_tflops * 1e12 if self.device.peak_tflops else None,
             memory_bandwidth=self.device.bandwidth_gbps * 1e9 if self.device.bandwidth_gbps else None,

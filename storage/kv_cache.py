@@ -29,12 +29,15 @@ class KVShape:
 
 
 class KVCache:
-    def __init__(self, shape: KVShape, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: KVShape, num_blocks: int, dtype: torch.dtype, device: torch.device,
+                 scratch: bool = False) -> None:
+        """`scratch`: one more block, id `num_blocks`, outside the pool, where writes nobody reads go."""
         self.shape = shape
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
-        self.kv = torch.zeros((num_blocks, *shape.block_shape), dtype=dtype, device=device)
+        self.kv = torch.zeros((num_blocks + int(scratch), *shape.block_shape), dtype=dtype, device=device)
+        self.scratch_block = num_blocks if scratch else None
 
     @property
     def block_size(self) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model_runner import ModelRunner
+from runtime.row_padding import RowPadding
 from runtime.search.scoring import ScoreBatch
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence
@@ -47,8 +48,9 @@ class VerifierStore:
         self.device = next(model.parameters()).device
         self.pool = BlockPool(num_blocks, shape.block_size)
         self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode())
-        self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device)
-        self.runner = ModelRunner(model, self.cache)
+        self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
+        self.runner = ModelRunner(model, self.cache,
+                                  RowPadding.probe(model) if engine.config.batch_invariant else None)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
         self.last_input_tokens = 0  # mean verifier input of the latest submission (the load, for the split)
@@ -127,9 +129,9 @@ class VerifierStore:
         scheduled = [ScheduledSequence(job.seq, job.seq.num_uncomputed_tokens) for job in jobs]
         reads = [(i, job.read_position) for i, job in enumerate(jobs)]
         reads += [(i, job.ahead[1]) for i, job in enumerate(jobs) if job.ahead is not None]
-        hidden = self.runner.hidden_states(scheduled, [], reads)
+        hidden = self.runner.hidden_states(scheduled, [], self.runner.padded_rows(reads))
         with torch.inference_mode():
-            scores = self.verifier.read_scores(hidden).float().tolist()
+            scores = self.verifier.read_scores(hidden).float().tolist()[:len(reads)]
         ahead_scores = iter(scores[len(jobs):])
         for job, score in zip(jobs, scores):
             if job.ahead is not None:

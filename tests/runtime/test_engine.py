@@ -23,8 +23,9 @@ def reference(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-def test_greedy_batch_matches_transformers_generate(model_dir, reference):
-    engine = engine_for(model_dir)
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_greedy_batch_matches_transformers_generate(model_dir, reference, batch_invariant):
+    engine = engine_for(model_dir, batch_invariant=batch_invariant)
     results = run(engine, [request(str(i), p, max_tokens=10) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):
         assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 10)
@@ -146,7 +147,8 @@ def test_invalid_requests_are_refused_without_side_effects(tiny_llama, kwargs, f
 def test_kv_tensor_layout_makes_a_block_one_unit(tiny_llama):
     engine = engine_for(tiny_llama)
     kv = engine.cache.kv
-    assert kv.shape == (128, 2, 2, 2, 4, 16)  # blocks, layers, k/v, kv heads, block size, head dim
+    # blocks (and the scratch block padding tokens write to), layers, k/v, kv heads, block size, head dim
+    assert kv.shape == (128 + 1, 2, 2, 2, 4, 16) and engine.cache.scratch_block == 128
     assert engine.cache.read_block(3).is_contiguous()
     assert engine.cache.bytes_per_block == 2 * 2 * 2 * 4 * 16 * 4
     assert kv[3].data_ptr() - kv[2].data_ptr() == engine.cache.bytes_per_block
