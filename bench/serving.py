@@ -72,16 +72,18 @@ def run(model: str | None, quick: bool, pool_fraction: float, block_size: int = 
     pool = max(2 * path_blocks, int(reference["peak_blocks"] * pool_fraction))
     host = 4 * reference["peak_blocks"] * roomy.cache.shape.bytes_per_block(roomy.cache.dtype)
     del roomy
-    runs = {"lbs roomy": reference}
+    runs = {"lbs roomy": dict(reference)}
     for policy in ("token", "lbs_no_prefix", "lbs"):
         engine, _ = engine_with(num_blocks=pool, host_kv_memory_bytes=host, scheduler_policy=policy,
                                 speculative_extension=False)
         runs[f"{policy} pool"] = search(engine, problem, n, steps, step_tokens, seed)
     engine, _ = engine_with(num_blocks=4096, scheduler_policy="lbs", speculative_extension=True)
     runs["lbs roomy +spec"] = search(engine, problem, n, steps, step_tokens, seed)
-    identical = all(r["output"] == reference["output"] for r in runs.values())
     for r in runs.values():
-        del r["output"]
+        output = r.pop("output")
+        r["identical"] = output == reference["output"]
+        r["same_paths"] = sorted(output) == sorted(reference["output"])  # the same texts, in any order
+    identical = all(r["identical"] for r in runs.values())
     return {"model": source.name, "threads": torch.get_num_threads(), "n": n, "beam_width": 4, "steps": steps,
             "step_tokens": step_tokens, "pool_blocks": pool, "peak_blocks": reference["peak_blocks"],
             "runs": runs, "outputs_identical": identical,
@@ -94,10 +96,11 @@ def table(results: dict) -> str:
             f"{results['steps']} steps of <= {results['step_tokens']} tokens, judge; pool {results['pool_blocks']} "
             f"of {results['peak_blocks']} peak blocks",
             f"{'configuration':<18} {'seconds':>8} {'blocks taken':>13} {'groups':>7} {'tier MB':>8} "
-            f"{'spec used':>10} {'spec dropped':>13}"]
+            f"{'spec used':>10} {'spec dropped':>13} {'same tokens':>12}"]
     for name, r in results["runs"].items():
         rows.append(f"{name:<18} {r['seconds']:>8.2f} {r['blocks_taken']:>13} {r['groups']:>7} "
-                    f"{r['tier_bytes'] / 1e6:>8.1f} {r['speculative_used']:>10} {r['speculative_discarded']:>13}")
+                    f"{r['tier_bytes'] / 1e6:>8.1f} {r['speculative_used']:>10} {r['speculative_discarded']:>13} "
+                    f"{str(r['identical']):>12}")
     rows.append(f"outputs identical: {results['outputs_identical']}; token/lbs seconds {results['lbs_vs_token']}x; "
                 f"speculation {results['speculation_speedup']}x")
     return "\n".join(rows)
