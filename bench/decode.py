@@ -56,10 +56,10 @@ def _hf_tokens_per_s(model, prompt_ids: list[int], n: int, tokens: int, temperat
     return {"tokens": produced, "seconds": decode, "tokens_per_s": produced / decode}
 
 
-def run(model: str | None, tokens: int, parallel: int, dtype: str = "auto") -> dict:
+def run(model: str | None, tokens: int, parallel: int, dtype: str = "auto", batch_invariant: bool = True) -> dict:
     torch.manual_seed(0)
     engine, source = build_engine(RuntimeOptions(model=model, device="cpu", dtype=dtype,
-                                                 max_num_seqs=max(64, parallel)))
+                                                 max_num_seqs=max(64, parallel), batch_invariant=batch_invariant))
     tokenizer = engine.tokenizer
     text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -103,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="weights and KV dtype for both sides (auto: float32 on CPU)")
+    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                        help="decode without padding steps to batch-invariant row counts")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    results = run(args.model, args.tokens, args.parallel, args.dtype)
+    results = run(args.model, args.tokens, args.parallel, args.dtype, args.batch_invariant)
     emit(results, table(results), args.json_path)
     return 0
 
