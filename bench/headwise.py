@@ -23,6 +23,7 @@ import torch
 
 from bench.kv import default_model, prompt_ids
 from bench.report import emit
+from bench.threads import torch_threads
 from runtime.offload.headwise import HeadwiseReport, HeadwiseSpec, generate_headwise
 
 
@@ -87,13 +88,8 @@ def _summary(r: HeadwiseReport, new_tokens: int) -> dict:
 
 
 def run(args) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        with tempfile.TemporaryDirectory(prefix="ponder-bench-headwise-") as workdir:
-            return _run(args, workdir)
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(args.threads), tempfile.TemporaryDirectory(prefix="ponder-bench-headwise-") as workdir:
+        return _run(args, workdir)
 
 
 def _run(args, workdir: str) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.report import emit
+from bench.threads import torch_threads
 from runtime.offload import POLICIES, RunReport, SearchSpec, TierSpec, run_offloaded
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -90,13 +91,8 @@ def paper_model_bytes(spec: SearchSpec, num_layers: int, block_bytes: int, block
 
 
 def run(args) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        with tempfile.TemporaryDirectory(prefix="ponder-bench-kv-") as workdir:
-            return _run(args, workdir)
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(args.threads), tempfile.TemporaryDirectory(prefix="ponder-bench-kv-") as workdir:
+        return _run(args, workdir)
 
 
 def _run(args, workdir: str) -> dict:

@@ -32,6 +32,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from bench.report import emit
+from bench.threads import torch_threads
 from runtime import attention
 from runtime.bootstrap import build_engine
 from runtime.protocol import Delta, Finished, GenerateRequest, RuntimeOptions, SamplingParams, SearchParams
@@ -349,12 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= num_prompts <= len(PROBLEMS):
         parser.error(f"--prompts must lie in 1..{len(PROBLEMS)}")
     max_steps = args.max_steps or (3 if args.quick else Setup.max_steps)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         results = run(args.model, num_prompts, Setup(max_steps=max_steps))
-    finally:
-        torch.set_num_threads(threads)
     emit(results, table(results), args.json_path)
     return 0
 

@@ -18,6 +18,7 @@ import time
 import torch
 
 from bench.report import emit
+from bench.threads import torch_threads
 from bench.search import PROBLEMS, messages_for
 from runtime.bootstrap import build_engine
 from runtime.protocol import Delta, Finished, GenerateRequest, RuntimeOptions, SamplingParams, SearchParams
@@ -116,12 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         results = run(args.model, args.quick, args.pool_fraction, args.block_size)
-    finally:
-        torch.set_num_threads(threads)
     emit(results, table(results), args.json_path)
     return 0
 

@@ -227,11 +227,9 @@ class Engine:
         self.scheduler.resume(seq)
 
     def has_idle_slot(self) -> bool:
-        """Whether a sequence could run speculatively now without taking anything from other work:
-        nothing waits, the batch has room, and the pool has a free block per running sequence."""
-        scheduler = self.scheduler
-        return (not scheduler.waiting and len(scheduler.running) <= self.config.max_num_seqs
-                and self.pool.num_free > len(scheduler.running))
+        """Whether a running sequence may keep its slot to decode speculatively without taking anything
+        from other work: nothing waits, and the pool has a free block per running sequence."""
+        return not self.scheduler.waiting and self.pool.num_free > len(self.scheduler.running)
 
     def plan_step(self, seqs: list[Sequence], step_tokens: list[int]) -> list[list[int]]:
         """A search step's paths in groups that fit the pool now, in the order to run them. With the

@@ -20,14 +20,9 @@ def engine(tiny_llama, causal_lm_dir, qwen_prm_dir, skywork_dir):
     return engine
 
 
-@pytest.mark.parametrize("name, kind, directory", [
-    ("shepherd", "math-shepherd", "causal_lm_dir"), ("qwen", "qwen-prm", "qwen_prm_dir"),
-    ("sky", "skywork", "skywork_dir")])
-def test_paged_reward_model_search_matches_the_reference(engine, tiny_llama, request, name, kind, directory):
-    search = search_request(f"prm-{name}", verifier=name, n=4, beam_width=2, max_steps=4)
-    messages = run_search(engine, search)
+def assert_matches_reference(engine, tiny_llama, plain, search, messages):
+    """The engine chose what the plain reference over transformers chooses, with its scores."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-    plain = load_verifier(kind, request.getfixturevalue(directory))
     prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
         list(search.messages), add_generation_prompt=True, tokenize=False), add_special_tokens=False)
     reference = ReferenceSearch(hf, engine.tokenizer, prompt_ids, QUESTION, search.search, 1.0, 11, 30,
@@ -37,6 +32,16 @@ def test_paged_reward_model_search_matches_the_reference(engine, tiny_llama, req
     for (_, score, steps), (_, ref_score, ref_steps) in zip(ours, reference):
         assert score == pytest.approx(ref_score, rel=1e-4, abs=1e-5)
         assert steps == pytest.approx(ref_steps, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("name, kind, directory", [
+    ("shepherd", "math-shepherd", "causal_lm_dir"), ("qwen", "qwen-prm", "qwen_prm_dir"),
+    ("sky", "skywork", "skywork_dir")])
+def test_paged_reward_model_search_matches_the_reference(engine, tiny_llama, request, name, kind, directory):
+    search = search_request(f"prm-{name}", verifier=name, n=4, beam_width=2, max_steps=4)
+    messages = run_search(engine, search)
+    assert_matches_reference(engine, tiny_llama, load_verifier(kind, request.getfixturevalue(directory)), search,
+                             messages)
     summary = messages[-1].search
     # Step k's input extends step k-1's: later calls find the problem and earlier steps cached.
     assert summary.prefix_hit_tokens > 0 and summary.verifier_tokens_prefilled > 0
@@ -59,17 +64,8 @@ def test_lookahead_verification_scores_speculated_steps_once_and_changes_nothing
     monkeypatch.setattr(engine, "search_finished",
                         lambda controller, done=engine.search_finished: (finished.append(controller), done(controller)))
     messages = run_search(engine, search)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-    plain = load_verifier(kind, request.getfixturevalue(directory))
-    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-        list(search.messages), add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-    reference = ReferenceSearch(hf, engine.tokenizer, prompt_ids, QUESTION, search.search, 1.0, 11, 30,
-                                engine.eos_ids, plain).run(3)
-    ours = engine_choices(messages)
-    assert [t for t, _, _ in ours] == [t for t, _, _ in reference]
-    for (_, score, steps), (_, ref_score, ref_steps) in zip(ours, reference):
-        assert score == pytest.approx(ref_score, rel=1e-4, abs=1e-5)
-        assert steps == pytest.approx(ref_steps, rel=1e-4, abs=1e-5)
+    assert_matches_reference(engine, tiny_llama, load_verifier(kind, request.getfixturevalue(directory)), search,
+                             messages)
     (controller,) = finished
     store = engine.scorers[name]
     assert controller.spec_tokens["used"] > 0 and store.scores_ahead > 0
