@@ -6,6 +6,7 @@ import argparse
 import importlib
 import ipaddress
 import logging
+import subprocess
 import sys
 
 from pydantic import ValidationError
@@ -45,6 +46,10 @@ def serve(args: argparse.Namespace) -> int:
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"ponder: invalid settings: {exc}", file=sys.stderr)
         return 2
+    problem = _preflight(settings)
+    if problem:
+        print(f"ponder: invalid settings: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("ponder")
     host = settings.server.host
@@ -55,6 +60,19 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=host, port=settings.server.port, log_level=settings.server.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def _preflight(settings) -> str | None:
+    """What the runtime says of the settings only torch can judge (device, dtype); None when fine."""
+    from runtime.client import runtime_environment
+    from runtime.protocol import encode
+
+    result = subprocess.run([sys.executable, "-m", "runtime.preflight"], input=encode(settings.runtime_options()),
+                            capture_output=True, env=runtime_environment())
+    if result.returncode == 0:
+        return None
+    lines = result.stderr.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"the settings check exited with status {result.returncode}"
 
 
 def _is_loopback(host: str) -> bool:
