@@ -111,7 +111,7 @@ class Engine:
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
         if self.tiers is not None:
-            self.tiers.persist()
+            self.tiers.close()
 
     def add_verifier_store(self, store) -> None:
         self.scorers[store.name] = store
