@@ -77,7 +77,9 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVManager(self.pool, extra_key=model_key, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, RowPadding.probe(model) if config.batch_invariant else None)
+        padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
+            if config.batch_invariant else None
+        self.runner = ModelRunner(model, self.cache, padding)
         self.planner = StepPlanner(self, config.policy)
         self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
