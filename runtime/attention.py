@@ -58,6 +58,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [G] position of each query in the step's row
     tables: torch.Tensor  # [G, width / block_size] block ids (past a query's own blocks: any valid block)
     masked: torch.Tensor  # [G, 1, 1, width] bool: True at positions >= the query's context length
+    masked_at: tuple[torch.Tensor, torch.Tensor]  # (query, position) of every masked position
     width: int
 
 
@@ -91,7 +92,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         k, v = cache.gather(layer, group.tables)  # [G, KVH, width, D]
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
         weights = torch.softmax(scores.masked_fill_(group.masked, float("-inf")), dim=-1).to(v.dtype)
-        v = v.masked_fill(group.masked.transpose(-1, -2), 0)
+        v[group.masked_at[0], :, group.masked_at[1]] = 0  # `gather` made a copy: the cache is untouched
         out[group.rows] = torch.matmul(weights, v).reshape(g, num_heads, head_dim)
 
     for p in meta.prefills:

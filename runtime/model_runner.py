@@ -150,8 +150,9 @@ class ModelRunner:
             j = torch.arange(width)[None, :].minimum(table_lens[entries[sel]][:, None] - 1)
             block_ids = tables[table_starts[entries[sel]][:, None] + j]
             masked = torch.arange(width * bs)[None, :] >= ctx[sel][:, None]
+            masked_at = tuple(i.to(self.device) for i in torch.nonzero(masked, as_tuple=True))
             groups.append(DecodeGroup(rows[sel].to(self.device), block_ids.to(self.device),
-                                      masked[:, None, None, :].to(self.device), width * bs))
+                                      masked[:, None, None, :].to(self.device), masked_at, width * bs))
         return groups
 
     def _prefill_slice(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillSlice:
