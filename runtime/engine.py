@@ -41,7 +41,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.beam_groups)
     speculative_extension: bool = True
-    batch_invariant: bool = True  # pad steps to row counts that keep each row's bits its own
+    batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
 
 
 def kv_shape_of(model_config, block_size: int) -> KVShape:

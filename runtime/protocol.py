@@ -247,7 +247,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     disk_kv_bytes: int = 16 << 30
     scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
     speculative_extension: bool = True
-    batch_invariant: bool = True  # pad steps so results do not depend on the batch (runtime.row_padding)
+    batch_invariant: bool = False  # pad steps so results do not depend on the batch (runtime.row_padding)
     kv_split: str = "static"  # static | roofline
     peak_flops: float | None = None  # FLOP/s; None: measured
     memory_bandwidth: float | None = None  # bytes/s; None: measured

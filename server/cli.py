@@ -22,6 +22,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="results the same bits however requests are batched (scheduler.batch_invariant; "
+                        "a lone stream decodes about a third slower)")
     p.add_argument("--api-key", dest="api_key", help="require `Authorization: Bearer KEY` on every route but /health")
 
 
@@ -31,18 +34,24 @@ def _bench_parser(sub) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see --help of each)")
 
 
+def settings_from_args(args: argparse.Namespace):
+    """The settings `ponder serve` runs with: its flags over the environment over the config file."""
+    from server.config import Settings
+
+    return Settings.load(
+        args.config,
+        server={"host": args.host, "port": args.port, "api_key": args.api_key},
+        model={"path": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len},
+        scheduler={"batch_invariant": args.deterministic})
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
-    from server.config import Settings
 
     try:
-        settings = Settings.load(
-            args.config,
-            server={"host": args.host, "port": args.port, "api_key": args.api_key},
-            model={"path": args.model, "device": args.device, "dtype": args.dtype,
-                   "max_model_len": args.max_model_len})
+        settings = settings_from_args(args)
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"ponder: invalid settings: {exc}", file=sys.stderr)
         return 2
@@ -84,12 +93,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ponder", description="OpenAI-compatible server with verifier-guided search")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
     module = importlib.import_module(f"bench.{args.name}")

@@ -62,8 +62,9 @@ class SchedulerSettings(_Section):
     # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
     speculative_extension: bool = True
     # Pad each step to row counts whose matmul results do not depend on the other rows, so a result is
-    # the same bits however requests were batched (costs a lone stream up to a third of its speed on a CPU).
-    batch_invariant: bool = True
+    # the same bits however requests were batched (costs a lone stream about a third of its speed on a
+    # CPU). Off by default; `ponder serve --deterministic` turns it on.
+    batch_invariant: bool = False
 
 
 class DeviceSettings(_Section):

@@ -13,6 +13,7 @@ PROMPT = [1] + list(range(5, 36))  # 32 tokens: 8 full blocks of 4 (7 cacheable)
 
 def tiered_engine(path, tmp_path, host_blocks=0, num_blocks=24):
     engine, _ = build_engine(RuntimeOptions(model=str(path), device="cpu", num_blocks=num_blocks, block_size=4,
+                                            batch_invariant=True,
                                             host_kv_memory_bytes=host_blocks * 2 * 2 * 2 * 4 * 16 * 4,
                                             disk_kv_dir=str(tmp_path / "kv")))
     return engine

@@ -47,3 +47,16 @@ def test_cli_help_lists_the_documented_flags():
                          cwd=ROOT, check=True).stdout
     for flag in ["--model", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len", "--api-key"]:
         assert flag in out
+
+
+def test_serve_deterministic_turns_batch_invariance_on(tmp_path, monkeypatch):
+    from server.cli import build_parser, settings_from_args
+
+    monkeypatch.delenv("PONDER_SCHEDULER__BATCH_INVARIANT", raising=False)
+    fast = settings_from_args(build_parser().parse_args(["serve"]))
+    assert fast.scheduler.batch_invariant is False and fast.runtime_options().batch_invariant is False
+    exact = settings_from_args(build_parser().parse_args(["serve", "--deterministic"]))
+    assert exact.scheduler.batch_invariant is True and exact.runtime_options().batch_invariant is True
+    config = tmp_path / "c.toml"
+    config.write_text("[scheduler]\nbatch_invariant = true\n")
+    assert settings_from_args(build_parser().parse_args(["serve", "--config", str(config)])).scheduler.batch_invariant
