@@ -19,6 +19,7 @@ from server import errors
 from server.config import Settings
 from server.errors import APIError
 from server.generation import Generation
+from server.http_edge import EdgeMetrics
 from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -96,6 +97,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+    app.add_middleware(EdgeMetrics, metrics=metrics, routes=app.router.routes)  # outermost: sees every answer
 
     api_key = settings.server.api_key.get_secret_value().encode() if settings.server.api_key else None
 
