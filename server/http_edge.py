@@ -3,11 +3,14 @@
 The middleware sits outside the body limit, CORS and auth, so 401, 404, 405, 413 and 422->400 answers
 are counted like any other. The route label is the template a request matched (`/v1/models`), never
 the raw path: a path no route knows is `unmatched`, and a method outside the standard ones is
-`other`, so no client can grow the label sets.
+`other`, so no client can grow the label sets. Probes (/health, /metrics) stay out of the access log
+unless `server.access_log_probes` is set.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Sequence
 
@@ -60,3 +63,33 @@ class EdgeMetrics:
         finally:
             self.metrics.http_request_finished(route, method, status, time.monotonic() - started)
 
+
+PROBE_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ProbeAccessFilter(logging.Filter):
+    """Drops uvicorn access-log lines of GET /health and GET /metrics: a health check and a Prometheus
+    scrape every few seconds would bury the requests worth reading."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 3:
+            return True
+        path = str(args[2]).partition("?")[0]
+        return path not in PROBE_PATHS
+
+
+@contextlib.contextmanager
+def quiet_probe_access_log(enabled: bool):
+    """Install the filter on uvicorn's access logger for the app's lifetime (uvicorn has configured its
+    logging by the time the app starts)."""
+    if not enabled:
+        yield
+        return
+    logger = logging.getLogger("uvicorn.access")
+    probe_filter = ProbeAccessFilter()
+    logger.addFilter(probe_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(probe_filter)
