@@ -52,6 +52,7 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     select: str = "best"
     answer_pattern: str | None = None
     include_events: bool = False
+    timeout_s: float | None = None  # past this, the search ends at its next step boundary with what it has
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +157,7 @@ class SearchSummary(msgspec.Struct, frozen=True, kw_only=True):
     prefix_hit_tokens: int
     seconds_generating: float
     seconds_verifying: float
+    timed_out: bool = False  # the search ran out of timeout_s and answered with its best path so far
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

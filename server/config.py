@@ -28,6 +28,8 @@ class ServerSettings(_Section):
     log_level: str = "INFO"
     stats_interval_s: float = Field(1.0, gt=0)  # how often the runtime reports statistics
     public_metrics: bool = False  # serve /metrics without the API key (for a Prometheus on a private network)
+    sse_keepalive_s: float = Field(4.0, gt=0, le=60)  # a comment on every stream at least this often
+    access_log_probes: bool = False  # log GET /health and GET /metrics in the access log too
 
 
 class ModelSettings(_Section):
@@ -87,6 +89,7 @@ class SearchSettings(_Section):
     max_beam_width: int = Field(16, ge=1)
     max_steps: int = Field(100, ge=1)
     max_total_tokens: int = Field(262_144, ge=1)  # search.n x max_tokens
+    max_timeout_s: float = Field(600.0, ge=1)  # search.timeout_s cap, and the timeout when a request sets none
 
 
 class VerifierSettings(_Section):

@@ -159,6 +159,15 @@ class SearchController:
         self.stats = dict(paths_explored=0, tokens_generated=0, verifier_tokens_prefilled=0, verifier_calls=0,
                           prefix_hit_tokens=0, seconds_generating=0.0, seconds_verifying=0.0)
         self._phase_started = time.perf_counter()
+        self.deadline = time.monotonic() + search.timeout_s if search.timeout_s is not None else None
+        self.timed_out = False
+
+    def _out_of_time(self) -> bool:
+        """Past `search.timeout_s`, every running step ends at its next token and the search finishes
+        after verifying it, choosing among the paths it has (live ones count as cut short)."""
+        if not self.timed_out and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.timed_out = True
+        return self.timed_out
 
     # -- paths ----------------------------------------------------------------------------------
     def _new_path(self, seq: Sequence, subtree: int) -> SearchPath:
@@ -303,6 +312,7 @@ class SearchController:
             path.chunk_logprobs.append(out.logprob)
         reason, ends_step, _ = self._step_outcome(path, out.token_id, path.step_start,
                                                   is_last_step=self.step_index >= self.search.max_steps - 1)
+        ends_step = ends_step or (reason is None and self._out_of_time())
         if reason is not None:
             path.is_done, path.finish_reason = True, reason
         if not (ends_step or path.is_done):
@@ -451,7 +461,7 @@ class SearchController:
         self.final.extend(final)
         for path in set(stepped) - set(final) - set(live):
             self._discard(path)  # pruned by settling (DVTS keeps only its best)
-        if self.step_index >= self.search.max_steps or not live:
+        if self.step_index >= self.search.max_steps or not live or self._out_of_time():
             for path in live:
                 path.finish_reason = "length"
                 self._discard(path)
@@ -515,7 +525,7 @@ class SearchController:
             request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
             completion_tokens=returned,
             search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
-                                 **self.stats)))
+                                 timed_out=self.timed_out, **self.stats)))
         self.engine.search_finished(self)
 
     def sequences(self) -> list[Sequence]:
