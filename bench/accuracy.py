@@ -293,8 +293,8 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-QUICK = dict(methods="greedy,majority,best_of_n,beam", verifiers="judge,confidence", n="1,4,16", per_level=2,
-             max_tokens=64, max_steps=4, max_step_tokens=32)
+QUICK = dict(methods="greedy,majority,best_of_n", verifiers="confidence", n="1,4,16", per_level=2,
+             max_tokens=48, max_steps=4, max_step_tokens=24)
 DEFAULT = dict(methods=",".join(METHODS), verifiers=",".join(VERIFIERS), n="1,4,16", per_level=8,
                max_tokens=96, max_steps=6, max_step_tokens=48)
 
@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="2 problems a level, max_tokens 64, greedy/majority/best_of_n/beam (under 10 minutes)")
+                      help="2 problems a level, max_tokens 48, greedy, majority and best_of_n:confidence at N 4 and "
+                           "16 (about 6 minutes on 2 cores)")
     size.add_argument("--full", action="store_true", help="N up to 64")
     parser.add_argument("--methods", default=None, help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--verifiers", default=None, help=f"for {', '.join(VERIFIED)}: of {', '.join(VERIFIERS)}")
@@ -313,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-level", type=int, default=None, help="problems per level")
     parser.add_argument("--seed", type=int, default=0, help="the problem set's seed and the sampling seed")
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--max-steps", type=int, default=None, help="search steps of the step-wise methods")
+    parser.add_argument("--max-step-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, as the other benchmarks: shared cores)")
     parser.add_argument("--json", dest="json_path", default=None)
@@ -331,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ponder bench accuracy: error: {exc}", file=sys.stderr)
         return 2
-    if args.quick:  # the N=1 runs of the sampled methods: only majority's (one sample) is kept
-        configs = [c for c in configs if c.n > 1 or c.method in ("greedy", "majority")]
-    setup = Setup(max_tokens=args.max_tokens or chosen["max_tokens"], max_steps=chosen["max_steps"],
-                  max_step_tokens=chosen["max_step_tokens"], seed=args.seed)
+    if args.quick:  # N = 1 is greedy's alone
+        configs = [c for c in configs if c.n > 1 or c.method == "greedy"]
+    setup = Setup(max_tokens=args.max_tokens or chosen["max_tokens"], max_steps=args.max_steps or chosen["max_steps"],
+                  max_step_tokens=args.max_step_tokens or chosen["max_step_tokens"], seed=args.seed)
     problems = problem_set(args.seed, per_level, LEVELS)
     with torch_threads(args.threads):
         results = run(args.model, configs, problems, setup)
