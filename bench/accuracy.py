@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="2 problems a level, max_tokens 48, greedy, majority and best_of_n:confidence at N 4 and "
-                           "16 (about 6 minutes on 2 cores)")
+                           "16 (about 7 minutes on 2 cores)")
     size.add_argument("--full", action="store_true", help="N up to 64")
     parser.add_argument("--methods", default=None, help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--verifiers", default=None, help=f"for {', '.join(VERIFIED)}: of {', '.join(VERIFIERS)}")
