@@ -1,0 +1,357 @@
+"""Accuracy against compute: does search make the model answer better, and at what token cost?
+
+    ponder bench accuracy [--model PATH] [--quick | --full] [--methods M,...] [--verifiers V,...] [--n 1,4,16]
+                          [--per-level K] [--seed S] [--max-tokens T] [--threads N] [--json PATH] [--plot PATH]
+
+The problems come from `bench.problems` (levels 1-5, exact integer answers, one seed). Each runs through
+the engine's search entry point, one request at a time, exactly as a chat request with `search`:
+
+- `greedy`: one pass at temperature 0 (N = 1 only);
+- `majority`: N independent samples, the most frequent answer (self-consistency);
+- `best_of_n`: N independent samples split into steps, each step scored by the verifier, the best wins;
+- `beam`: step-wise beam search, keep N / 4 paths after each step and refill to N;
+- `dvts`: N / 4 independent subtrees, each expands its own best step four ways.
+
+The verifier methods run once per verifier in `--verifiers` (the ones that need no model besides the
+generator: `judge`, `confidence`). The chosen answer is the engine's own (the first choice's
+`search.answer`); it is graded against the exact answer with the same math-verify equivalence the
+search votes with. No extractable, parseable answer counts as wrong and is counted as unparsed.
+
+Reported per method and N: accuracy with a 95 % Wilson interval, per level, the generator's sampled
+tokens and the verifier's prefilled tokens (per problem), wall seconds and generator tokens per second;
+a PNG of accuracy against generated tokens, one line per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.problems import LEVELS, Problem, problem_set
+from bench.report import emit
+from bench.threads import torch_threads
+
+OUT_DIR = Path(__file__).resolve().parent / "out"
+METHODS = ("greedy", "majority", "best_of_n", "beam", "dvts")
+VERIFIED = ("best_of_n", "beam", "dvts")
+VERIFIERS = ("judge", "confidence")  # the verifiers that run on the generator itself
+BEAM_WIDTH = 4
+Z_95 = 1.959963984540054
+
+# Few-shot in the chat itself: a 135M model follows a shown format far better than a described one.
+SYSTEM_PROMPT = ("Solve the math problem. Write each step on its own line, separated by a blank line, and end "
+                 "with: The final answer is $\\boxed{answer}$.")
+EXAMPLES = (
+    ("What is 23 + 45?", "23 + 45 = 68.\n\nThe final answer is $\\boxed{68}$."),
+    ("Tom has 5 apples. He buys 3 more and then eats 2. How many apples does Tom have now?",
+     "Tom has 5 apples and buys 3 more: 5 + 3 = 8.\n\nHe eats 2: 8 - 2 = 6.\n\nThe final answer is $\\boxed{6}$."),
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    max_tokens: int = 96
+    max_steps: int = 6
+    max_step_tokens: int = 48
+    temperature: float = 0.8
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    """One line of the results: a method, its verifier (None when it has none) and N."""
+
+    method: str
+    verifier: str | None
+    n: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.method}:{self.verifier}" if self.verifier else self.method
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One problem answered by one configuration."""
+
+    answer: str | None
+    status: str  # correct | wrong | unparsed
+    tokens_generated: int
+    verifier_tokens: int
+    seconds: float
+
+
+# ---------------------------------------------------------------------------------------------
+# plan and grading
+
+
+def plan(methods: list[str], verifiers: list[str], ns: list[int]) -> list[Config]:
+    """Every configuration to run, in order; a ValueError names the first bad input."""
+    for method in methods:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    for verifier in verifiers:
+        if verifier not in VERIFIERS:
+            raise ValueError(f"unknown verifier {verifier!r}; expected one of {', '.join(VERIFIERS)}")
+    for n in ns:
+        if n < 1:
+            raise ValueError(f"N must be at least 1, got {n}")
+    configs = []
+    for method in methods:
+        if method == "greedy":
+            configs.append(Config("greedy", None, 1))
+        elif method == "majority":
+            configs += [Config("majority", None, n) for n in ns]
+        else:
+            configs += [Config(method, verifier, n) for verifier in verifiers for n in ns]
+    return configs
+
+
+def grade(answer: str | None, problem: Problem) -> str:
+    """`correct`, `wrong`, or `unparsed`: no answer, or one in which math-verify finds no expression (its
+    parse then holds only the raw text)."""
+    from math_verify import parse
+
+    from runtime.search.answers import answers_equivalent
+
+    if answer is None or not answer.strip():
+        return "unparsed"
+    if answers_equivalent(problem.gold, answer):
+        return "correct"
+    parsed = parse("$" + answer.replace("$", "") + "$")
+    return "wrong" if any(not isinstance(x, str) for x in parsed) else "unparsed"
+
+
+def wilson(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion."""
+    if total == 0:
+        return 0.0, 1.0
+    p = correct / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def messages_for(question: str) -> tuple[dict[str, str], ...]:
+    shots = [m for q, a in EXAMPLES for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})]
+    return ({"role": "system", "content": SYSTEM_PROMPT}, *shots, {"role": "user", "content": question})
+
+
+def request_for(problem: Problem, config: Config, setup: Setup, request_id: str):
+    from runtime.protocol import GenerateRequest, SamplingParams, SearchParams
+
+    stepwise = config.method in VERIFIED
+    greedy = config.method == "greedy"
+    search = SearchParams(
+        strategy="best_of_n" if config.method in ("greedy", "majority", "best_of_n") else config.method,
+        n=config.n, beam_width=min(BEAM_WIDTH, config.n), max_steps=setup.max_steps if stepwise else 1,
+        max_step_tokens=setup.max_step_tokens, step_delimiter="\n\n",
+        # Without a verifier of their own, greedy and majority take `confidence`: its score is the
+        # sampled tokens' own log-probabilities, kept while sampling, so it costs nothing.
+        verifier=config.verifier or "confidence", select="majority" if config.method == "majority" else "best")
+    sampling = SamplingParams(max_tokens=setup.max_tokens, temperature=0.0 if greedy else setup.temperature,
+                              seed=setup.seed, n=1)
+    return GenerateRequest(request_id=request_id, endpoint="chat", messages=messages_for(problem.question),
+                           sampling=sampling, search=search)
+
+
+def solve(engine, problem: Problem, config: Config, setup: Setup, request_id: str) -> Outcome:
+    from runtime.protocol import Delta, Finished, RequestError
+
+    started = time.perf_counter()
+    messages = list(engine.add_request(request_for(problem, config, setup, request_id)))
+    while engine.has_work:
+        messages += engine.step()
+    seconds = time.perf_counter() - started
+    finished = messages[-1]
+    if isinstance(finished, RequestError):
+        raise ValueError(f"{config.label} N={config.n}: {finished.message}")
+    if not isinstance(finished, Finished) or finished.search is None:
+        raise RuntimeError(f"the search did not finish: {finished}")
+    first = next(m for m in messages if isinstance(m, Delta) and m.index == 0 and m.finish_reason is not None)
+    answer = first.search.answer if first.search else None
+    return Outcome(answer, grade(answer, problem), finished.search.tokens_generated,
+                   finished.search.verifier_tokens_prefilled, seconds)
+
+
+def summarize(config: Config, problems: list[Problem], outcomes: list[Outcome]) -> dict:
+    total = len(outcomes)
+    correct = sum(o.status == "correct" for o in outcomes)
+    low, high = wilson(correct, total)
+    seconds = sum(o.seconds for o in outcomes)
+    generated = sum(o.tokens_generated for o in outcomes)
+    by_level = {}
+    for level in sorted({p.level for p in problems}):
+        mine = [o for p, o in zip(problems, outcomes) if p.level == level]
+        by_level[str(level)] = round(sum(o.status == "correct" for o in mine) / len(mine), 3)
+    return {"method": config.method, "verifier": config.verifier, "n": config.n, "label": config.label,
+            "problems": total, "correct": correct, "unparsed": sum(o.status == "unparsed" for o in outcomes),
+            "accuracy": round(correct / total, 3), "ci95": [round(low, 3), round(high, 3)], "by_level": by_level,
+            "tokens_generated": round(generated / total, 1),
+            "verifier_tokens": round(sum(o.verifier_tokens for o in outcomes) / total, 1),
+            "seconds": round(seconds, 2), "tok_s": round(generated / seconds, 2) if seconds else 0.0,
+            "answers": [o.answer for o in outcomes]}
+
+
+def run(model: str | None, configs: list[Config], problems: list[Problem], setup: Setup,
+        progress: bool = True) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from runtime.bootstrap import build_engine
+    from runtime.protocol import RuntimeOptions
+
+    engine, source = build_engine(RuntimeOptions(model=model, device="cpu"))
+    solve(engine, problems[0], Config("greedy", None, 1), Setup(max_tokens=4), "accuracy-warm-up")
+    bar = tqdm(total=len(configs) * len(problems), desc="accuracy", unit="problem", disable=not progress,
+               file=sys.stderr)
+    rows = []
+    for index, config in enumerate(configs):
+        bar.set_postfix_str(f"{config.label} N={config.n}")
+        outcomes = []
+        for number, problem in enumerate(problems):
+            outcomes.append(solve(engine, problem, config, setup, f"accuracy-{index}-{number}"))
+            bar.update()
+        rows.append(summarize(config, problems, outcomes))
+    bar.close()
+    return {"model": source.name, "threads": torch.get_num_threads(), "problems": len(problems),
+            "levels": sorted({p.level for p in problems}), "seed": setup.seed, "max_tokens": setup.max_tokens,
+            "max_steps": setup.max_steps, "max_step_tokens": setup.max_step_tokens,
+            "temperature": setup.temperature, "beam_width": BEAM_WIDTH, "results": rows,
+            "gold": [p.gold for p in problems]}
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def table(results: dict) -> str:
+    levels = results["levels"]
+    rows = [f"accuracy benchmark: {results['model']}, {results['problems']} problems (levels "
+            f"{','.join(map(str, levels))}, seed {results['seed']}), max_tokens {results['max_tokens']}, "
+            f"steps <= {results['max_steps']} x {results['max_step_tokens']} tokens, temperature "
+            f"{results['temperature']}, {results['threads']} threads",
+            f"{'method':<22} {'N':>3} {'accuracy':>9} {'95% CI':>13} {'unparsed':>9} "
+            + " ".join(f"{'L' + str(level):>5}" for level in levels)
+            + f" {'gen tok':>8} {'verif tok':>10} {'seconds':>8} {'tok/s':>7}"]
+    for r in results["results"]:
+        low, high = r["ci95"]
+        rows.append(f"{r['label']:<22} {r['n']:>3} {r['accuracy']:>9.3f} {f'{low:.2f}-{high:.2f}':>13} "
+                    f"{r['unparsed']:>9} " + " ".join(f"{r['by_level'][str(level)]:>5.2f}" for level in levels)
+                    + f" {r['tokens_generated']:>8.1f} {r['verifier_tokens']:>10.1f} {r['seconds']:>8.1f} "
+                    f"{r['tok_s']:>7.1f}")
+    rows.append("tokens are per problem (generator sampled, verifier prefilled); seconds for the whole set")
+    return "\n".join(rows)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labels = list(dict.fromkeys(r["label"] for r in results["results"]))
+    for label in labels:
+        rows = sorted((r for r in results["results"] if r["label"] == label), key=lambda r: r["n"])
+        xs = [max(r["tokens_generated"], 1.0) for r in rows]
+        ys = [r["accuracy"] for r in rows]
+        errors = [[r["accuracy"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["accuracy"] for r in rows]]
+        line = ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=label, alpha=0.85)
+        for x, y, r in zip(xs, ys, rows):
+            ax.annotate(f"N={r['n']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=line[0].get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("generated tokens per problem (generator)")
+    ax.set_ylabel("accuracy (95% Wilson interval)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{results['model']}: {results['problems']} problems, seed {results['seed']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"N must be a comma-separated list of integers, got {text!r}") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+QUICK = dict(methods="greedy,majority,best_of_n", verifiers="confidence", n="1,4,16", per_level=2,
+             max_tokens=48, max_steps=4, max_step_tokens=24)
+DEFAULT = dict(methods=",".join(METHODS), verifiers=",".join(VERIFIERS), n="1,4,16", per_level=8,
+               max_tokens=96, max_steps=6, max_step_tokens=48)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ponder bench accuracy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="2 problems a level, max_tokens 48, greedy, majority and best_of_n:confidence at N 4 and "
+                           "16 (about 7 minutes on 2 cores)")
+    size.add_argument("--full", action="store_true", help="N up to 64")
+    parser.add_argument("--methods", default=None, help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--verifiers", default=None, help=f"for {', '.join(VERIFIED)}: of {', '.join(VERIFIERS)}")
+    parser.add_argument("--n", default=None, help="comma-separated N (paths) to try, each >= 1")
+    parser.add_argument("--per-level", type=int, default=None, help="problems per level")
+    parser.add_argument("--seed", type=int, default=0, help="the problem set's seed and the sampling seed")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--max-steps", type=int, default=None, help="search steps of the step-wise methods")
+    parser.add_argument("--max-step-tokens", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1, as the other benchmarks: shared cores)")
+    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--plot", dest="plot_path", default=None,
+                        help="PNG path (default: next to --json, else bench/out/accuracy.png)")
+    args = parser.parse_args(argv)
+    chosen = dict(QUICK if args.quick else DEFAULT)
+    if args.full:
+        chosen["n"] = "1,4,16,64"
+    try:
+        configs = plan(_names(args.methods or chosen["methods"]), _names(args.verifiers or chosen["verifiers"]),
+                       _int_list(args.n or chosen["n"]))
+        per_level = args.per_level or chosen["per_level"]
+        if per_level < 1:
+            raise ValueError(f"--per-level must be at least 1, got {per_level}")
+    except ValueError as exc:
+        print(f"ponder bench accuracy: error: {exc}", file=sys.stderr)
+        return 2
+    if args.quick:  # N = 1 is greedy's alone
+        configs = [c for c in configs if c.n > 1 or c.method == "greedy"]
+    setup = Setup(max_tokens=args.max_tokens or chosen["max_tokens"], max_steps=args.max_steps or chosen["max_steps"],
+                  max_step_tokens=args.max_step_tokens or chosen["max_step_tokens"], seed=args.seed)
+    problems = problem_set(args.seed, per_level, LEVELS)
+    with torch_threads(args.threads):
+        results = run(args.model, configs, problems, setup)
+    if args.plot_path:
+        plot_path = Path(args.plot_path)
+    elif args.json_path:
+        plot_path = Path(args.json_path).with_suffix(".png")
+    else:
+        plot_path = OUT_DIR / ("accuracy-quick.png" if args.quick else "accuracy.png")
+    results["plot"] = str(plot_path)
+    plot(results, plot_path)
+    emit(results, table(results), args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

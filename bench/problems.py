@@ -1,0 +1,118 @@
+"""A math problem set made from a seed, with exact integer answers, in levels of difficulty.
+
+    problem_set(seed=0, per_level=8) -> list[Problem]
+
+The same seed always gives the same problems (one `random.Random(seed)` drives every choice). Levels:
+
+1. one-digit addition or subtraction (`What is 7 + 5?`);
+2. a two-digit number plus or minus a one-digit one, or one-digit times one-digit;
+3. plain multi-digit arithmetic: two-digit plus or minus two-digit, two-digit times one-digit;
+4. word problems in two steps (buy and give away, packs plus what one had, change from a bill);
+5. word problems in three steps (packs, a gift and what one had; wages over two days less spending;
+   rows of chairs, some taken away and some brought in).
+
+Every answer is a non-negative integer, computed alongside the text that states it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+LEVELS = (1, 2, 3, 4, 5)
+
+NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Kate", "Leo", "Mia",
+         "Noah", "Olivia", "Sam")
+ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "shells")
+CONTAINERS = ("boxes", "bags", "packs", "jars")
+
+
+@dataclass(frozen=True)
+class Problem:
+    level: int
+    question: str
+    answer: int
+
+    @property
+    def gold(self) -> str:
+        return str(self.answer)
+
+
+def problem_set(seed: int = 0, per_level: int = 8, levels: tuple[int, ...] = LEVELS) -> list[Problem]:
+    """`per_level` problems of each level in `levels`, level by level, all drawn from `seed`."""
+    unknown = [level for level in levels if level not in LEVELS]
+    if unknown:
+        raise ValueError(f"unknown level {unknown[0]}; levels are {', '.join(map(str, LEVELS))}")
+    rng = random.Random(seed)
+    return [_MAKERS[level](rng) for level in levels for _ in range(per_level)]
+
+
+def _plain(level: int, a: int, op: str, b: int) -> Problem:
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return Problem(level, f"What is {a} {op} {b}?", answer)
+
+
+def _level_1(rng: random.Random) -> Problem:
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    if rng.random() < 0.5:
+        return _plain(1, a, "+", b)
+    return _plain(1, max(a, b) + 5, "-", min(a, b))
+
+
+def _level_2(rng: random.Random) -> Problem:
+    kind = rng.randrange(3)
+    if kind == 2:
+        return _plain(2, rng.randint(2, 9), "*", rng.randint(2, 9))
+    a, b = rng.randint(11, 99), rng.randint(2, 9)
+    return _plain(2, a, "+", b) if kind == 0 else _plain(2, a, "-", b)
+
+
+def _level_3(rng: random.Random) -> Problem:
+    kind = rng.randrange(3)
+    if kind == 2:
+        return _plain(3, rng.randint(11, 49), "*", rng.randint(3, 9))
+    a, b = rng.randint(12, 99), rng.randint(12, 99)
+    return _plain(3, a, "+", b) if kind == 0 else _plain(3, max(a, b), "-", min(a, b))
+
+
+def _level_4(rng: random.Random) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.randrange(3)
+    if kind == 0:
+        a, b = rng.randint(5, 20), rng.randint(2, 12)
+        c = rng.randint(3, a + b - 1)
+        return Problem(4, f"{name} has {a} {item}. {name} buys {b} more and then gives away {c}. "
+                          f"How many {item} does {name} have now?", a + b - c)
+    if kind == 1:
+        a, b, c = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 20)
+        box = rng.choice(CONTAINERS)
+        return Problem(4, f"{name} buys {a} {box} of {item} with {b} {item} in each. {name} already had {c} "
+                          f"{item}. How many {item} does {name} have in total?", a * b + c)
+    price, count = rng.randint(2, 9), rng.randint(2, 5)
+    bill = rng.choice([bill for bill in (20, 50, 100) if bill > price * count])
+    return Problem(4, f"A shop sells {item} for ${price} each. {name} buys {count} of them and pays with a "
+                      f"${bill} bill. How much change does {name} get, in dollars?", bill - price * count)
+
+
+def _level_5(rng: random.Random) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.randrange(3)
+    if kind == 0:
+        a, b, c = rng.randint(5, 30), rng.randint(2, 6), rng.randint(3, 10)
+        d = rng.randint(2, a + b * c - 1)
+        box = rng.choice(CONTAINERS)
+        return Problem(5, f"{name} has {a} {item}. {name} buys {b} {box} with {c} {item} in each, then gives "
+                          f"{d} {item} to a friend. How many {item} does {name} have now?", a + b * c - d)
+    if kind == 1:
+        wage, monday, tuesday = rng.randint(5, 15), rng.randint(2, 6), rng.randint(2, 6)
+        spent = rng.randint(5, wage * (monday + tuesday) - 1)
+        return Problem(5, f"{name} earns ${wage} per hour, works {monday} hours on Monday and {tuesday} hours "
+                          f"on Tuesday, and then spends ${spent}. How many dollars does {name} have left?",
+                       wage * (monday + tuesday) - spent)
+    rows, per_row = rng.randint(3, 9), rng.randint(4, 12)
+    removed, added = rng.randint(1, rows * per_row - 1), rng.randint(2, 15)
+    return Problem(5, f"A hall has {rows} rows of {per_row} chairs. {removed} chairs are taken away and {added} "
+                      f"more are brought in. How many chairs are in the hall now?", rows * per_row - removed + added)
+
+
+_MAKERS = {1: _level_1, 2: _level_2, 3: _level_3, 4: _level_4, 5: _level_5}

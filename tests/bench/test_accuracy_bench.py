@@ -1,0 +1,103 @@
+"""The accuracy benchmark: its problem set is a function of the seed with right answers, its grader is the
+search's answer equivalence, bad input stops it at once, and a run on a tiny model reports every
+configuration with a plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import accuracy
+from bench.problems import LEVELS, Problem, problem_set
+
+
+def test_the_same_seed_gives_the_same_problems_and_another_seed_others():
+    assert problem_set(7, 5) == problem_set(7, 5)
+    assert problem_set(7, 5) != problem_set(8, 5)
+    problems = problem_set(3, 4)
+    assert [p.level for p in problems] == [level for level in LEVELS for _ in range(4)]
+    assert len({p.question for p in problems}) > 15
+
+
+def test_every_answer_is_what_its_question_states():
+    for problem in problem_set(0, 40, levels=(1, 2, 3)):
+        expression = problem.question.removeprefix("What is ").removesuffix("?")
+        assert problem.answer == eval(expression)  # noqa: S307 - two integers and one operator
+    for problem in problem_set(0, 40):
+        assert problem.answer >= 0 and problem.gold == str(problem.answer)
+
+
+def test_every_generated_answer_is_graded_correct():
+    for problem in problem_set(1, 20):
+        assert accuracy.grade(problem.gold, problem) == "correct"
+        assert accuracy.grade(f"\\boxed{{{problem.answer}}}", problem) == "correct"
+
+
+def test_the_grader_accepts_equivalent_forms_and_rejects_wrong_or_unreadable_answers():
+    twelve = Problem(1, "What is 5 + 7?", 12)
+    for form in ("12", "12.0", "\\boxed{12}", " 12 ", "$12$"):
+        assert accuracy.grade(form, twelve) == "correct", form
+    assert accuracy.grade("13", twelve) == "wrong"
+    assert accuracy.grade("-12", twelve) == "wrong"
+    assert accuracy.grade(None, twelve) == "unparsed"
+    assert accuracy.grade("", twelve) == "unparsed"
+    assert accuracy.grade("?", twelve) == "unparsed"
+    assert accuracy.grade("\\frac{1}{", twelve) == "unparsed"
+
+
+def test_wilson_interval():
+    low, high = accuracy.wilson(8, 10)
+    assert (round(low, 4), round(high, 4)) == (0.4902, 0.9433)
+    assert accuracy.wilson(0, 10)[0] == 0.0 and accuracy.wilson(10, 10)[1] == pytest.approx(1.0)
+
+
+def test_the_plan_runs_greedy_once_and_every_verified_method_per_verifier_and_n():
+    configs = accuracy.plan(["greedy", "majority", "beam"], ["judge", "confidence"], [1, 4])
+    assert [(c.label, c.n) for c in configs] == [
+        ("greedy", 1), ("majority", 1), ("majority", 4), ("beam:judge", 1), ("beam:judge", 4),
+        ("beam:confidence", 1), ("beam:confidence", 4)]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--methods", "greedy,sampling"], "unknown method 'sampling'; expected one of greedy, majority, "
+                                       "best_of_n, beam, dvts"),
+    (["--n", "4,0"], "N must be at least 1, got 0"),
+    (["--n", "four"], "N must be a comma-separated list of integers, got 'four'"),
+    (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence"),
+])
+def test_bad_input_stops_at_once_with_one_line(args, message, capsys, monkeypatch):
+    def no_run(*a, **k):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(accuracy, "run", no_run)
+    assert accuracy.main(["--model", "unused", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"ponder bench accuracy: error: {message}\n"
+
+
+def test_a_tiny_model_run_reports_every_configuration_and_plots(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "accuracy.json"
+    argv = ["--model", str(tiny_llama), "--methods", "greedy,majority,best_of_n,beam,dvts", "--verifiers",
+            "judge,confidence", "--n", "1,4", "--per-level", "1", "--max-tokens", "8", "--json", str(out)]
+    assert accuracy.main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    results = json.loads(printed[0])
+    assert results == json.loads(out.read_text())
+    assert (tmp_path / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert results["problems"] == len(LEVELS) and results["levels"] == list(LEVELS)
+    labels = [(r["label"], r["n"]) for r in results["results"]]
+    assert labels == [("greedy", 1), ("majority", 1), ("majority", 4)] + [
+        (f"{method}:{verifier}", n) for method in ("best_of_n", "beam", "dvts")
+        for verifier in ("judge", "confidence") for n in (1, 4)]
+    for row in results["results"]:
+        assert row["correct"] + row["unparsed"] <= row["problems"] == len(LEVELS)
+        assert 0.0 <= row["ci95"][0] <= row["accuracy"] <= row["ci95"][1] <= 1.0
+        assert 0 < row["tokens_generated"] <= 8 * row["n"]
+        assert len(row["answers"]) == len(LEVELS)
+        if row["verifier"] == "judge" and row["method"] != "dvts":
+            assert row["verifier_tokens"] > 0
+        if row["verifier"] is None or row["verifier"] == "confidence":
+            assert row["verifier_tokens"] == 0
+    assert printed[1].startswith("accuracy benchmark:")
