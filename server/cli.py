@@ -20,13 +20,15 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantize", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the model's linear layers, CPU only (default none)")
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
     p.add_argument("--api-key", dest="api_key", help="require `Authorization: Bearer KEY` on every route but /health")
 
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark (prints JSON and a table)")
-    p.add_argument("name", choices=["decode", "search", "kv", "headwise", "serving", "load"])
+    p.add_argument("name", choices=["decode", "search", "kv", "headwise", "serving", "load", "quantize"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see --help of each)")
 
 
@@ -41,7 +43,8 @@ def serve(args: argparse.Namespace) -> int:
             args.config,
             server={"host": args.host, "port": args.port, "api_key": args.api_key},
             model={"path": args.model, "device": args.device, "dtype": args.dtype,
-                   "max_model_len": args.max_model_len})
+                   "max_model_len": args.max_model_len,
+                   "quantize": args.quantize})
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"ponder: invalid settings: {exc}", file=sys.stderr)
         return 2
