@@ -45,5 +45,6 @@ def test_the_http_process_does_not_import_torch():
 def test_cli_help_lists_the_documented_flags():
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
-    for flag in ["--model", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len", "--api-key"]:
+    for flag in ["--model", "--config", "--host", "--port", "--device", "--dtype", "--quantize", "--max-model-len",
+                 "--api-key"]:
         assert flag in out
