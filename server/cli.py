@@ -46,7 +46,7 @@ def serve(args: argparse.Namespace) -> int:
                    "max_model_len": args.max_model_len,
                    "quantize": args.quantize})
     except (ValidationError, FileNotFoundError, ValueError) as exc:
-        print(f"ponder: invalid settings: {exc}", file=sys.stderr)
+        print(f"ponder: invalid settings: {_one_line(exc)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("ponder")
@@ -58,6 +58,13 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=host, port=settings.server.port, log_level=settings.server.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def _one_line(exc: Exception) -> str:
+    """A settings error as one line naming each bad key, e.g. `model.quantize: Input should be ...`."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
+    return str(exc)
 
 
 def _is_loopback(host: str) -> bool:
