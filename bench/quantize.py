@@ -66,7 +66,7 @@ def run(model: str | None, modes: list[str], tokens: int, parallel: int) -> dict
         results["text_tokens"] = len(text_ids)
         results["modes"].append({
             "quantize": mode,
-            "weight_mib": round(_weight_bytes(engine.model) / 2**20, 1),
+            "weight_bytes": _weight_bytes(engine.model),
             "tokens_per_s_1": round(decode_tokens_per_s(engine, prompt_ids, 1, tokens), 1),
             f"tokens_per_s_{parallel}": round(decode_tokens_per_s(engine, prompt_ids, parallel, tokens), 1),
             "perplexity": round(perplexity(engine.model, text_ids), 3)})
@@ -86,7 +86,7 @@ def table(results: dict) -> str:
             f"perplexity on {results['text']} ({results['text_tokens']} tokens)",
             f"{'quantize':<9} {'weights MiB':>12} {'tok/s 1 row':>12} {f'tok/s {p} rows':>14} {'perplexity':>11}"]
     for m in results["modes"]:
-        rows.append(f"{m['quantize']:<9} {m['weight_mib']:>12.1f} {m['tokens_per_s_1']:>12.1f} "
+        rows.append(f"{m['quantize']:<9} {m['weight_bytes'] / 2**20:>12.1f} {m['tokens_per_s_1']:>12.1f} "
                     f"{m[f'tokens_per_s_{p}']:>14.1f} {m['perplexity']:>11.3f}")
     return "\n".join(rows)
 
