@@ -9,7 +9,7 @@ quantized weight and calls one torch kernel:
   zero point, `aten._weight_int4pack_mm_for_cpu`.
 
 Both are weight-only: the activations enter the kernel rounded to bfloat16, whose kernels are the
-vectorized ones on a CPU with AVX512-BF16 (with float32 input they ran 10-20x slower there).
+vectorized ones on a CPU with AVX512-BF16 (with float32 input they ran up to 40x slower there).
 Both kernels compute each output row from its own input row only (tested), so batching never changes a row's bits, and the engine's greedy tokens equal
 transformers' `generate` on the same quantized model. A model whose layers a mode cannot take stops
 start-up with a `QuantizeError` naming the setting; nothing falls back to float weights silently.
