@@ -109,3 +109,17 @@ def test_the_roofline_cost_counts_quantized_weights_as_stored(tiny_llama, mode):
     assert after.flops_per_token == before.flops_per_token
     bits = 8 if mode == "int8" else 4
     assert before.weight_bytes * bits / 32 < after.weight_bytes < before.weight_bytes * (bits + 4) / 32
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_computes_with_the_weights_its_codes_stand_for(mode):
+    torch.manual_seed(0)
+    linear = nn.Linear(2 * INT4_GROUP_SIZE, 24)
+    module = nn.Sequential(linear)
+    quantize_model(module, mode)
+    x = torch.randn(5, linear.in_features)
+    expected = x.bfloat16().float() @ module[0].dequantized().T + linear.bias
+    assert torch.allclose(module(x), expected, atol=0.02, rtol=0.01)
+    error = (module[0].dequantized() - linear.weight).abs().max().item()
+    step = linear.weight.abs().max().item() * (1 / 127 if mode == "int8" else 2 / 15)  # one code apart
+    assert 0 < error <= step
