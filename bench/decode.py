@@ -1,9 +1,11 @@
 """Decode throughput: ponder's engine against transformers' `generate`, same model, same run.
 
-    ponder bench decode [--model PATH] [--tokens N] [--parallel N] [--json PATH]
+    ponder bench decode [--model PATH] [--tokens N] [--parallel N] [--profile] [--json PATH]
 
 Measures tokens/s for one greedy stream and for N parallel sampled sequences (one request, n=N, so
 the sequences share the prompt's blocks), after a warm-up, on the default model unless --model is given.
+With --profile, each case's decode steps are also run under torch.profiler and the operators that
+take the most self CPU time are printed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,22 @@ def _engine_tokens_per_s(engine, prompt_ids: list[int], n: int, tokens: int, tem
     return {"tokens": steps * n, "seconds": seconds, "tokens_per_s": steps * n / seconds}
 
 
+def _profile_table(engine, prompt_ids: list[int], n: int, tokens: int, temperature: float, rows: int = 25) -> str:
+    """The engine's decode steps for one case under torch.profiler: operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    request = GenerateRequest(request_id=f"profile-{n}-{time.monotonic_ns()}", endpoint="completion",
+                              prompt_token_ids=tuple(prompt_ids),
+                              sampling=SamplingParams(max_tokens=tokens, temperature=temperature, n=n, seed=0,
+                                                      ignore_eos=True))
+    engine.add_request(request)
+    engine.step()  # prefill: not profiled
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while engine.has_work:
+            engine.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def _hf_tokens_per_s(model, prompt_ids: list[int], n: int, tokens: int, temperature: float) -> dict:
     ids = torch.tensor([prompt_ids] * n)
     kwargs = dict(do_sample=temperature > 0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
@@ -56,7 +74,8 @@ def _hf_tokens_per_s(model, prompt_ids: list[int], n: int, tokens: int, temperat
     return {"tokens": produced, "seconds": decode, "tokens_per_s": produced / decode}
 
 
-def run(model: str | None, tokens: int, parallel: int, dtype: str = "auto", batch_invariant: bool = True) -> dict:
+def run(model: str | None, tokens: int, parallel: int, dtype: str = "auto", batch_invariant: bool = False,
+        profile: bool = False) -> dict:
     torch.manual_seed(0)
     engine, source = build_engine(RuntimeOptions(model=model, device="cpu", dtype=dtype,
                                                  max_num_seqs=max(64, parallel), batch_invariant=batch_invariant))
@@ -77,6 +96,8 @@ def run(model: str | None, tokens: int, parallel: int, dtype: str = "auto", batc
 
         hf_model.set_attn_implementation(attention.ATTENTION_NAME)
         ours = _engine_tokens_per_s(engine, prompt_ids, n, tokens, temperature)
+        if profile:
+            print(f"-- {name}: decode steps by self CPU time\n" + _profile_table(engine, prompt_ids, n, tokens, temperature))
         hf_model.set_attn_implementation("sdpa")
         results["cases"].append({"case": name, "sequences": n, "ponder_tokens_per_s": round(ours["tokens_per_s"], 1),
                                  "transformers_tokens_per_s": round(hf["tokens_per_s"], 1),
@@ -103,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="weights and KV dtype for both sides (auto: float32 on CPU)")
-    parser.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                        help="decode without padding steps to batch-invariant row counts")
+    parser.add_argument("--deterministic", dest="batch_invariant", action="store_true",
+                        help="pad steps to batch-invariant row counts, as `ponder serve --deterministic`")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a torch.profiler breakdown of each case's decode steps")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    results = run(args.model, args.tokens, args.parallel, args.dtype, args.batch_invariant)
+    results = run(args.model, args.tokens, args.parallel, args.dtype, args.batch_invariant, args.profile)
     emit(results, table(results), args.json_path)
     return 0
 

@@ -124,8 +124,8 @@ async def _one(http: httpx.AsyncClient, base: str, plan: LoadPlan, index: int, r
                 out.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return out
             async for line in response.aiter_lines():
-                if not line:
-                    continue
+                if not line or line.startswith(":"):
+                    continue  # SSE comments: keep-alive and search progress
                 if out.done:
                     out.error = f"data after [DONE]: {line[:200]!r}"
                     return out

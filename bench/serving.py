@@ -62,7 +62,8 @@ def run(model: str | None, quick: bool, pool_fraction: float, block_size: int = 
     problem = PROBLEMS[0]
 
     def engine_with(**options):
-        engine, source = build_engine(RuntimeOptions(model=model, device="cpu", block_size=block_size, **options))
+        engine, source = build_engine(RuntimeOptions(model=model, device="cpu", block_size=block_size,
+                                                     batch_invariant=True, **options))
         search(engine, "What is 2 + 3?", 2, 1, 4, seed)  # warm-up
         return engine, source
 

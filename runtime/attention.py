@@ -6,9 +6,14 @@ rotary embeddings unchanged. Our attention function then writes the new keys/val
 paged slots and attends each sequence's queries to its own blocks.
 
 Generated tokens (decoded, or recomputed after their blocks were given up) are attended one query
-at a time over exactly their context, in batches of equal context length, with plain matmuls and
-a softmax: a query's result is then the same bits whatever else is in the batch, and a token
-recomputed later gets the KV it had when it was decoded. Prompts are prefilled with SDPA.
+at a time with plain batched matmuls and a softmax, in groups of equal bucketed context width
+(`bucket_blocks`): every query reads a window of its own blocks as wide as its bucket, and the
+positions at or past its own context length get a weight of exactly 0 (their values are zeroed
+too, so garbage in a stale or scratch slot cannot turn 0 into NaN). The shapes of a query's
+matmuls depend only on its own context length, so its result is the same bits whatever else is in
+the batch, and a token recomputed later gets the KV it had when it was decoded. The query heads
+that share a KV head are one matmul against that head (no copies of K/V per query head). Scores
+and the softmax are computed in float32. Prompts are prefilled with SDPA.
 """
 
 from __future__ import annotations
@@ -36,13 +41,25 @@ class PrefillSlice:
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when nothing was cached (plain causal)
 
 
+def bucket_blocks(num_blocks: int) -> int:
+    """The window, in blocks, a query needing `num_blocks` blocks reads: `num_blocks` rounded up to
+    two significant bits (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), so at most a third of a window is
+    padding and the number of distinct windows grows with the log of the context."""
+    if num_blocks <= 2:
+        return num_blocks
+    step = 1 << (num_blocks.bit_length() - 2)
+    return -(-num_blocks // step) * step
+
+
 @dataclass
 class DecodeGroup:
-    """Queries that each attend to exactly `ctx_len` tokens of their own blocks."""
+    """Queries that each attend to their own context through a window of `width` tokens."""
 
     rows: torch.Tensor  # [G] position of each query in the step's row
-    tables: torch.Tensor  # [G, ceil(ctx_len / block_size)]
-    ctx_len: int
+    tables: torch.Tensor  # [G, width / block_size] block ids (past a query's own blocks: any valid block)
+    masked: torch.Tensor  # [G, 1, 1, width] bool: True at positions >= the query's context length
+    masked_at: tuple[torch.Tensor, torch.Tensor]  # (query, position) of every masked position
+    width: int
 
 
 @dataclass
@@ -65,17 +82,18 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if meta.num_padding:
         out[-meta.num_padding:] = 0
 
-    num_heads = query.shape[1]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    _, num_heads, _, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else head_dim ** -0.5
     for group in meta.decode_groups:
-        q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # [G, H, 1, D]
-        k, v = cache.gather(layer, group.tables)
-        k, v = k[:, :, :group.ctx_len], v[:, :, :group.ctx_len]
-        if k.shape[1] != num_heads:  # grouped-query attention: each KV head serves a run of query heads
-            k = k.repeat_interleave(num_heads // k.shape[1], dim=1)
-            v = v.repeat_interleave(num_heads // v.shape[1], dim=1)
-        weights = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1, dtype=torch.float32).to(v.dtype)
-        out[group.rows] = (weights @ v)[:, :, 0]
+        g = group.rows.shape[0]
+        # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].
+        q = query[0, :, group.rows].transpose(0, 1).reshape(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        k, v = cache.gather(layer, group.tables)  # [G, KVH, width, D]
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        weights = torch.softmax(scores.masked_fill_(group.masked, float("-inf")), dim=-1).to(v.dtype)
+        v[group.masked_at[0], :, group.masked_at[1]] = 0  # `gather` made a copy: the cache is untouched
+        out[group.rows] = torch.matmul(weights, v).reshape(g, num_heads, head_dim)
 
     for p in meta.prefills:
         q = query[:, :, p.q_start:p.q_start + p.q_len]

@@ -48,6 +48,14 @@ class RequestHandle:
                 return
 
 
+def runtime_environment() -> dict[str, str]:
+    """The environment for a runtime child process: it imports `runtime` from where this one did."""
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
 class RuntimeClient:
     def __init__(self, options: RuntimeOptions, on_stats: Callable[[RuntimeStats], None] | None = None,
                  on_state: Callable[[str], None] | None = None, max_backoff_s: float = 30.0,
@@ -126,13 +134,9 @@ class RuntimeClient:
         """Run one runtime process until it exits. Returns whether it became ready."""
         self._set_state(LOADING)
         parent, child = socket.socketpair()
-        env = dict(os.environ)
-        # The child imports `runtime` from wherever this process found it.
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.process", "--fd", str(child.fileno())],
-            pass_fds=[child.fileno()], env=env)
+            pass_fds=[child.fileno()], env=runtime_environment())
         child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._send(self.options)

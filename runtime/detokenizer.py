@@ -68,3 +68,25 @@ class IncrementalDetokenizer:
         delta = self.text[self.num_emitted:upto]
         self.num_emitted = upto
         return delta
+
+    def pending_text(self) -> str:
+        """The text of the tokens held back so far (an incomplete character), without settling it."""
+        if self.stopped or self.read_offset >= len(self.ids):
+            return ""
+        tail = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        return tail[len(prefix):] if len(tail) > len(prefix) else ""
+
+
+class StepText:
+    """The text of a sequence's tokens from `start` on, as `tokenizer.decode(ids[start:],
+    skip_special_tokens=True)` gives it, decoded incrementally: each new token costs O(1)."""
+
+    def __init__(self, tokenizer, start: int) -> None:
+        self.start = start
+        self.detok = IncrementalDetokenizer(tokenizer)
+
+    def text(self, token_ids: list[int]) -> str:
+        for token in token_ids[self.start + len(self.detok.ids):]:
+            self.detok.add(token)
+        return self.detok.text + self.detok.pending_text()

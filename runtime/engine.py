@@ -41,7 +41,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.beam_groups)
     speculative_extension: bool = True
-    batch_invariant: bool = True  # pad steps to row counts that keep each row's bits its own
+    batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
 
 
 def kv_shape_of(model_config, block_size: int) -> KVShape:
@@ -78,7 +78,9 @@ class Engine:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.kv = KVManager(self.pool, extra_key=model_key, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, RowPadding.probe(model) if config.batch_invariant else None)
+        padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
+            if config.batch_invariant else None
+        self.runner = ModelRunner(model, self.cache, padding)
         self.planner = StepPlanner(self, config.policy)
         self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
@@ -112,7 +114,7 @@ class Engine:
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
         if self.tiers is not None:
-            self.tiers.persist()
+            self.tiers.close()
 
     def add_verifier_store(self, store) -> None:
         self.scorers[store.name] = store

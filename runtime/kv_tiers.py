@@ -6,17 +6,25 @@ admitted, the blocks of their prompts found in a lower tier are promoted back in
 as cached blocks, so admission sees them as ordinary prefix hits. A block that fails its checksum
 is a miss and is recomputed, never served. On shutdown every named block is written to disk, whose
 index lets the next start find them: the prefix cache survives a restart.
+
+Nothing here blocks the compute stream. A demoted block is copied out on the transfer engine's side
+stream (the compute stream waits for that copy before the slot is written again) and handed to the
+chain on its worker thread, so host copies and disk writes leave the engine loop. A promoted block
+is staged in private pinned memory and copied in asynchronously on the compute stream, ahead of the
+step that reads it. Before any lookup, demotions still in flight are awaited, so whether a block is
+found never depends on timing.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 from scheduler.sequence import Sequence
 from storage.block_hash import hash_blocks
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache
-from storage.tiers import TierChain
+from storage.tiers import TierChain, TransferEngine
 
 log = logging.getLogger("ponder.runtime")
 
@@ -28,15 +36,26 @@ class TieredPrefixCache:
         self.chain = chain
         self.extra_key = extra_key
         self.num_promoted = 0
+        self.transfers = TransferEngine(chain, device=cache.device)
+        self._in_flight: list[Future] = []  # demotions handed to the transfer engine, not yet awaited
         pool.on_evict = self._demote
 
     def _demote(self, block_id: int, block_hash: bytes) -> None:
-        self.chain.demote(block_hash, self.cache.read_block(block_id))
+        self._in_flight.append(self.transfers.offload(block_hash, self.cache.read_block(block_id)))
+
+    def drain(self) -> None:
+        """Wait until every demotion handed out so far is in the chain."""
+        in_flight, self._in_flight = self._in_flight, []
+        for future in in_flight:
+            error = future.exception()
+            if error is not None:  # the block is lost to the lower tiers; it is recomputed when needed
+                log.warning("a KV block could not be demoted: %s", error)
 
     def promote_prefix(self, seq: Sequence, limit: int | None = None) -> int:
         """Bring the blocks of `seq`'s cacheable prefix that live in a lower tier into the compute pool
         as cached blocks, at most `limit` of them. Stops at the first block no tier holds. Returns
         the blocks promoted."""
+        self.drain()
         block_size = self.pool.block_size
         cacheable = (len(seq.token_ids) - 1) // block_size
         held: list[int] = []  # the prefix so far, held so promoting a later block cannot reclaim it
@@ -49,9 +68,11 @@ class TieredPrefixCache:
                             or not self.pool.can_allocate(1):
                         break
                     (block_id,) = self.pool.allocate(1)  # type: ignore[misc]
-                    if self.chain.fetch(block_hash, out=self.cache.kv[block_id]) is None:
+                    staged = self.chain.fetch(block_hash, out=self.cache.staging_block())
+                    if staged is None:
                         self.pool.release([block_id])  # corrupt or gone: recomputed instead
                         break
+                    self.cache.write_block(block_id, staged, is_private=True)
                     self.pool.register(block_id, block_hash)
                     self.num_promoted += 1
                     promoted += 1
@@ -64,6 +85,7 @@ class TieredPrefixCache:
 
     def persist(self) -> None:
         """Write every named block (compute pool and host tier) to disk and flush the disk index."""
+        self.drain()
         if self.chain.disk is None:
             return
         src = self.chain.compute_name
@@ -73,6 +95,13 @@ class TieredPrefixCache:
         lost = self.chain.flush()
         if lost:
             log.warning("%d KV blocks could not be written to the disk tier", len(lost))
+
+    def close(self) -> None:
+        """Persist what outlives the process, then stop the transfer engine."""
+        try:
+            self.persist()
+        finally:
+            self.transfers.close()
 
     def block_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

@@ -70,20 +70,56 @@ def resolve_model(model: str | None, served_name: str | None = None) -> ModelSou
     raise ModelNotFound(f"no model at {model}: pass a model directory, a .gguf file or a cached hub id")
 
 
+class SettingError(ValueError):
+    """A start-up setting this machine cannot honour; the message is one line naming the setting."""
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device")
+        raise SettingError("model.device = cuda, but torch sees no CUDA device "
+                           f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'})")
+    if device not in ("cpu", "cuda"):
+        raise SettingError(f"model.device = {device!r} is not one of auto, cpu, cuda")
     return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def runs_natively(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `device` computes in `dtype` in hardware rather than by emulation."""
+    if dtype == torch.float32:
+        return True
+    if device.type == "cuda":
+        if dtype == torch.bfloat16:
+            # Counting emulation would pick bf16 on pre-Ampere GPUs (T4, V100), where it crawls.
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        return True  # every CUDA GPU torch supports computes in float16
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_amx_fp16_supported()
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.bfloat16 if runs_natively(torch.bfloat16, device) else torch.float16
         return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if dtype not in _DTYPES:
+        raise SettingError(f"model.dtype = {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    chosen = _DTYPES[dtype]
+    if not runs_natively(chosen, device):
+        raise SettingError(f"model.dtype = {dtype}, but {_device_name(device)} has no native {dtype} "
+                           "arithmetic; use dtype auto or float32")
+    return chosen
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"the GPU ({torch.cuda.get_device_name(device)})"
+    return f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata, DecodeGroup, PrefillSlice
+from runtime.attention import AttentionMetadata, DecodeGroup, PrefillSlice, bucket_blocks
 from runtime.row_padding import RowPadding
 from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
@@ -78,56 +78,82 @@ class ModelRunner:
         return out.last_hidden_state[0, torch.tensor(rows, device=self.device, dtype=torch.long)]
 
     def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> "StepInputs":
+        """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""
         self.cache.copy_blocks(list(copies))
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        decode: dict[int, tuple[list[int], list[list[int]]]] = {}  # context length -> (rows, tables)
-        prefills: list[PrefillSlice] = []
-        last_token_index: list[int] = []
-        entry_start: list[int] = []
-
         bs = self.block_size
+        input_ids: list[int] = []
+        tables: list[int] = []  # every entry's block table, one after another
+        starts, counts, splits, table_starts, table_lens = [], [], [], [], []
+        prefills: list[PrefillSlice] = []
+        entry_start: list[int] = []
         for entry in scheduled:
             seq = entry.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + entry.num_new_tokens
-            q_start = len(input_ids)
-            entry_start.append(q_start)
+            entry_start.append(len(input_ids))
             input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            for pos in range(start, end):
-                slot_blocks.append(table[pos // bs])
-                slot_offsets.append(pos % bs)
-            last_token_index.append(len(input_ids) - 1)
             # Prompt tokens are prefilled; generated ones (new, or recomputed) attend one query at a time.
             split = min(max(start, seq.num_prompt_tokens), end)
             if split > start:
-                prefills.append(self._prefill_slice(q_start, start, split, table))
-            for pos in range(split, end):
-                rows, tables = decode.setdefault(pos + 1, ([], []))
-                rows.append(q_start + pos - start)
-                tables.append(table[: pos // bs + 1])
-        num_pad = self.padding.pad(len(input_ids)) - len(input_ids)
+                prefills.append(self._prefill_slice(len(input_ids) - (end - start), start, split, seq.block_table))
+            starts.append(start)
+            counts.append(end - start)
+            splits.append(split)
+            table_starts.append(len(tables))
+            table_lens.append(len(seq.block_table))
+            tables.extend(seq.block_table)
+        num_tokens = len(input_ids)
+        last_token_index = [s + c - 1 for s, c in zip(entry_start, counts)]
+        num_pad = self.padding.pad(num_tokens) - num_tokens
+
+        # Per token: its entry, absolute position, and slot (block, offset).
+        count_t = torch.tensor(counts)
+        entry_of = torch.repeat_interleave(torch.arange(len(counts)), count_t)
+        first_row = torch.tensor(entry_start)[entry_of]
+        positions = torch.tensor(starts)[entry_of] + torch.arange(num_tokens) - first_row
+        table_t = torch.tensor(tables, dtype=torch.long)
+        table_start_t = torch.tensor(table_starts, dtype=torch.long)
+        slot_blocks = table_t[table_start_t[entry_of] + positions // bs]
+        slot_offsets = positions % bs
+        decode_groups = self._decode_groups(positions, entry_of, torch.tensor(splits), table_t, table_start_t,
+                                            torch.tensor(table_lens))
         if num_pad:  # throwaway tokens: keys written to the scratch block, attention output zero
             input_ids.extend([0] * num_pad)
-            positions.extend(range(num_pad))
-            slot_blocks.extend([self.cache.scratch_block] * num_pad)
-            slot_offsets.extend(i % bs for i in range(num_pad))
+            pad_positions = torch.arange(num_pad)
+            positions = torch.cat([positions, pad_positions])
+            slot_blocks = torch.cat([slot_blocks, torch.full((num_pad,), self.cache.scratch_block)])
+            slot_offsets = torch.cat([slot_offsets, pad_positions % bs])
 
-        meta = AttentionMetadata(
-            cache=self.cache,
-            slot_blocks=torch.tensor(slot_blocks, device=self.device),
-            slot_offsets=torch.tensor(slot_offsets, device=self.device),
-            decode_groups=[DecodeGroup(torch.tensor(rows, device=self.device),
-                                       torch.tensor(tables, device=self.device), ctx_len)
-                           for ctx_len, (rows, tables) in sorted(decode.items())],
-            prefills=prefills,
-            num_padding=num_pad,
-        )
-        return StepInputs(torch.tensor([input_ids], device=self.device), torch.tensor([positions], device=self.device),
-                          meta, last_token_index, entry_start)
+        to = self.device
+        meta = AttentionMetadata(cache=self.cache, slot_blocks=slot_blocks.to(to), slot_offsets=slot_offsets.to(to),
+                                 decode_groups=decode_groups, prefills=prefills, num_padding=num_pad)
+        return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
+                          entry_start)
+
+    def _decode_groups(self, positions: torch.Tensor, entry_of: torch.Tensor, splits: torch.Tensor,
+                       tables: torch.Tensor, table_starts: torch.Tensor, table_lens: torch.Tensor) -> list[DecodeGroup]:
+        """The generated tokens grouped by window width (runtime.attention.bucket_blocks of their own
+        context length), each with its window of block ids and the mask of the positions past its context."""
+        rows = torch.nonzero(positions >= splits[entry_of]).flatten()
+        if not len(rows):
+            return []
+        bs = self.block_size
+        ctx = positions[rows] + 1
+        entries = entry_of[rows]
+        needed = (ctx + bs - 1) // bs
+        windows = needed.tolist()
+        widths = {n: bucket_blocks(n) for n in set(windows)}
+        window_t = torch.tensor([widths[n] for n in windows])
+        groups = []
+        for width in sorted(set(widths.values())):
+            sel = torch.nonzero(window_t == width).flatten()
+            # Blocks past a query's own table repeat its last block: read, masked, never used.
+            j = torch.arange(width)[None, :].minimum(table_lens[entries[sel]][:, None] - 1)
+            block_ids = tables[table_starts[entries[sel]][:, None] + j]
+            masked = torch.arange(width * bs)[None, :] >= ctx[sel][:, None]
+            masked_at = tuple(i.to(self.device) for i in torch.nonzero(masked, as_tuple=True))
+            groups.append(DecodeGroup(rows[sel].to(self.device), block_ids.to(self.device),
+                                      masked[:, None, None, :].to(self.device), masked_at, width * bs))
+        return groups
 
     def _prefill_slice(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillSlice:
         q_len = end - start

@@ -25,6 +25,8 @@ from runtime.protocol import (
 
 log = logging.getLogger("ponder.runtime")
 
+DEVICE_FAILURE_EXIT = 70  # EX_SOFTWARE: the runtime ended itself after an unrecoverable device error
+
 
 class Channel:
     def __init__(self, sock: socket.socket) -> None:
@@ -58,8 +60,39 @@ def serve(channel: Channel) -> None:
     log.info("runtime ready: %s", source.name)
     try:
         _loop(channel, engine, options)
-    finally:
+    except DeviceFailure:
+        raise  # the device is gone: closing would touch it again; the server restarts this process
+    except BaseException:
         engine.close()
+        raise
+    engine.close()
+
+
+class DeviceFailure(Exception):
+    """The accelerator failed in a way no later step recovers from: the process must end."""
+
+
+def is_device_failure(exc: BaseException, device) -> bool:
+    """Whether `exc` left the device unusable.
+
+    A CUDA error (an illegal memory access, a device-side assert) is sticky: the context is broken
+    and every later kernel fails too, so failing the running requests and serving on would fail
+    every request after them. Out-of-memory is not sticky and is not counted here. Where the
+    exception alone does not tell, a synchronisation does: it raises again on a broken context.
+    """
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if isinstance(exc, torch.AcceleratorError) or "CUDA error" in str(exc):
+        return True
+    if getattr(device, "type", None) != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return True
+    return False
 
 
 class Stop(Exception):
@@ -86,7 +119,9 @@ def _loop(channel: Channel, engine, options) -> None:
         if engine.has_work:
             try:
                 outputs = engine.step()
-            except Exception:  # noqa: BLE001 - a bug: fail the running requests, keep serving
+            except Exception as exc:  # noqa: BLE001 - a bug: fail the running requests, keep serving
+                if is_device_failure(exc, engine.device):
+                    raise DeviceFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
                 detail = traceback.format_exc()
                 log.error("engine step failed:\n%s", detail)
                 for request_id in [*engine.requests, *engine.searches]:
@@ -118,6 +153,10 @@ def main(argv: list[str] | None = None) -> None:
         serve(Channel(sock))
     except (BrokenPipeError, ConnectionResetError, Stop):
         pass
+    except DeviceFailure as exc:
+        # Exiting closes the socket: the server fails every open request and restarts the runtime.
+        log.critical("the device failed and cannot recover (%s): exiting so the server restarts the runtime", exc)
+        sys.exit(DEVICE_FAILURE_EXIT)
     finally:
         sock.close()
 

@@ -52,6 +52,7 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     select: str = "best"
     answer_pattern: str | None = None
     include_events: bool = False
+    timeout_s: float | None = None  # past this, the search ends at its next step boundary with what it has
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +157,7 @@ class SearchSummary(msgspec.Struct, frozen=True, kw_only=True):
     prefix_hit_tokens: int
     seconds_generating: float
     seconds_verifying: float
+    timed_out: bool = False  # the search ran out of timeout_s and answered with its best path so far
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
@@ -248,7 +250,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     disk_kv_bytes: int = 16 << 30
     scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
     speculative_extension: bool = True
-    batch_invariant: bool = True  # pad steps so results do not depend on the batch (runtime.row_padding)
+    batch_invariant: bool = False  # pad steps so results do not depend on the batch (runtime.row_padding)
     kv_split: str = "static"  # static | roofline
     peak_flops: float | None = None  # FLOP/s; None: measured
     memory_bandwidth: float | None = None  # bytes/s; None: measured

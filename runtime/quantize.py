@@ -21,14 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.loader import SettingError
+
 QUANTIZE_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY = torch.finfo(torch.float32).tiny
 
 
-class QuantizeError(ValueError):
-    pass
+class QuantizeError(SettingError):
+    """A `quantize` setting the model's layers cannot take; the message is one line naming it."""
 
 
 class QuantizedLinear(nn.Module):

@@ -78,14 +78,21 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def _uniform(state: SamplingState, dtype: torch.dtype) -> torch.Tensor:
+    """One draw in [0, 1) from the sequence's generator, made on the generator's own device."""
+    return torch.rand((), generator=state.generator, device=state.generator.device, dtype=dtype)
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: list[tuple[list[int], list[int]]]) -> list[SampleOutput]:
     """Sample one token per row of `logits` `[S, vocab]` (float32).
 
     `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties. Rows are processed
     together; each sampled row takes exactly one uniform draw from its own generator and inverts
-    its cumulative distribution, so a row's token does not depend on the other rows.
+    its cumulative distribution, so a row's token does not depend on the other rows. Tokens,
+    log-probabilities and top log-probabilities of every row come to the host in one transfer.
     """
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.wants_logprob for s in states) else None
+    device = logits.device
+    wants = [i for i, s in enumerate(states) if s.wants_logprob]
     x = logits
     penalised = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0
                  or s.params.presence_penalty or s.params.frequency_penalty]
@@ -93,35 +100,43 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
         x = logits.clone()
         for row in penalised:
             x[row] = _apply_penalties(x[row], states[row].params, *token_histories[row])
-    tokens = torch.argmax(x, dim=-1).tolist()
+    tokens = torch.argmax(x, dim=-1)
     rows = [i for i, s in enumerate(states) if not s.params.is_greedy and s.params.temperature >= MIN_TEMPERATURE]
     if rows:
-        temperatures = torch.tensor([states[i].params.temperature for i in rows], dtype=x.dtype, device=x.device)
+        temperatures = torch.tensor([states[i].params.temperature for i in rows], dtype=x.dtype, device=device)
         y = x[rows] / temperatures[:, None]
+        # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
         overflow = torch.isposinf(y)
-        if overflow.any():
-            # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
-            hit = overflow.any(dim=-1, keepdim=True)
-            y = torch.where(hit, torch.where(overflow, 0.0, float("-inf")), y)
+        hit = overflow.any(dim=-1, keepdim=True)
+        y = torch.where(hit, torch.where(overflow, 0.0, float("-inf")), y)
         for k, row in enumerate(rows):
             p = states[row].params
             if (p.top_k and p.top_k > 0) or p.top_p < 1.0 or p.min_p > 0.0:
                 y[k] = _filter(y[k], p)
         cdf = torch.softmax(y, dim=-1).cumsum_(dim=-1)
-        draws = torch.stack([torch.rand((), generator=states[row].generator, dtype=cdf.dtype) for row in rows])
+        draws = torch.stack([_uniform(states[row], cdf.dtype).to(device) for row in rows])
         picked = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-        picked = picked.clamp_(max=cdf.shape[-1] - 1).tolist()
-        for k, row in enumerate(rows):
-            tokens[row] = picked[k]
-    outputs: list[SampleOutput] = []
-    for row, (state, token) in enumerate(zip(states, tokens)):
-        out = SampleOutput(token)
-        if state.wants_logprob and raw_logprobs is not None:
-            lp = raw_logprobs[row]
-            out.logprob = float(lp[token])
-            if state.params.top_logprobs > 0:
-                values, ids = torch.topk(lp, state.params.top_logprobs)
-                out.top = [(int(i), float(v)) for i, v in zip(ids, values)]
-        outputs.append(out)
+        tokens[torch.tensor(rows, device=device)] = picked.clamp_(max=cdf.shape[-1] - 1)
+    # One transfer: token ids, then per row wanting them its log-probability and top-k (values, ids),
+    # all exact in float64 (ids are integers below 2**53, log-probabilities float32).
+    parts = [tokens.to(torch.float64)]
+    top_k = max((states[i].params.top_logprobs for i in wants), default=0)
+    if wants:
+        want_t = torch.tensor(wants, device=device)
+        raw_logprobs = torch.log_softmax(logits[want_t], dim=-1)
+        parts.append(raw_logprobs.gather(1, tokens[want_t, None]).flatten().to(torch.float64))
+        if top_k:
+            values, ids = torch.topk(raw_logprobs, top_k, dim=-1)
+            parts += [values.flatten().to(torch.float64), ids.flatten().to(torch.float64)]
+    host = torch.cat(parts).tolist()
+    n, w = len(states), len(wants)
+    outputs = [SampleOutput(int(t)) for t in host[:n]]
+    for j, row in enumerate(wants):
+        out = outputs[row]
+        out.logprob = host[n + j]
+        count = states[row].params.top_logprobs
+        if count > 0:
+            values = host[n + w + j * top_k:n + w + j * top_k + count]
+            ids = host[n + w + w * top_k + j * top_k:n + w + w * top_k + j * top_k + count]
+            out.top = [(int(i), v) for i, v in zip(ids, values)]
     return outputs
-

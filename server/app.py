@@ -19,6 +19,7 @@ from server import errors
 from server.config import Settings
 from server.errors import APIError
 from server.generation import Generation
+from server.http_edge import EdgeMetrics, quiet_probe_access_log
 from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -83,11 +84,12 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await client.start(wait=False)
-        try:
-            yield
-        finally:
-            await client.stop()
+        with quiet_probe_access_log(not settings.server.access_log_probes):
+            await client.start(wait=False)
+            try:
+                yield
+            finally:
+                await client.stop()
 
     app = FastAPI(title="ponder", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server with verifier-guided tree search.")
@@ -96,6 +98,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         app.add_middleware(CORSMiddleware, allow_origins=settings.server.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+    app.add_middleware(EdgeMetrics, metrics=metrics, routes=app.router.routes)  # outermost: sees every answer
 
     api_key = settings.server.api_key.get_secret_value().encode() if settings.server.api_key else None
 
@@ -150,11 +153,14 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         options = body.stream_options
         include_events = bool(options and options.include_search_events)
         sampling = body.to_sampling()
-        search = body.search.to_params(include_events) if body.search else None
+        # A stream reports every search step: as chunks when asked for, else as SSE comments.
+        search = body.search.to_params(include_events or body.stream, settings.search.max_timeout_s) \
+            if body.search else None
         wires = [GenerateRequest(request_id=uuid.uuid4().hex, endpoint=endpoint, sampling=sampling, search=search,
                                  **prompt) for prompt in prompts]
         return await Generation(client, metrics, request, model, endpoint, wires, body.n, body.stream,
-                                bool(options and options.include_usage), include_events).run()
+                                bool(options and options.include_usage), include_events,
+                                settings.server.sse_keepalive_s).run()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -191,6 +197,9 @@ def _check_limits(settings: Settings, body, max_model_len: int | None) -> None:
                               ("max_steps", search.max_steps, caps.max_steps)]:
         if value > cap:
             raise APIError(400, f"search.{field} is {value}, over this server's cap of {cap}", f"search.{field}")
+    if search.timeout_s is not None and not 1 <= search.timeout_s <= caps.max_timeout_s:
+        raise APIError(400, f"search.timeout_s is {search.timeout_s}; it must lie between 1 and this server's cap "
+                            f"of {caps.max_timeout_s} seconds", "search.timeout_s")
     per_path = body.max_tokens if isinstance(body, CompletionRequest) else (
         body.max_completion_tokens or body.max_tokens)
     total = search.n * (per_path or max_model_len or 0)

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import ipaddress
 import logging
+import subprocess
 import sys
 
 from pydantic import ValidationError
@@ -23,6 +24,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--quantize", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the model's linear layers, CPU only (default none)")
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="results the same bits however requests are batched (scheduler.batch_invariant; "
+                        "a lone stream decodes about a third slower)")
     p.add_argument("--api-key", dest="api_key", help="require `Authorization: Bearer KEY` on every route but /health")
 
 
@@ -32,21 +36,31 @@ def _bench_parser(sub) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see --help of each)")
 
 
+def settings_from_args(args: argparse.Namespace):
+    """The settings `ponder serve` runs with: its flags over the environment over the config file."""
+    from server.config import Settings
+
+    return Settings.load(
+        args.config,
+        server={"host": args.host, "port": args.port, "api_key": args.api_key},
+        model={"path": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
+               "quantize": args.quantize},
+        scheduler={"batch_invariant": args.deterministic})
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
-    from server.config import Settings
 
     try:
-        settings = Settings.load(
-            args.config,
-            server={"host": args.host, "port": args.port, "api_key": args.api_key},
-            model={"path": args.model, "device": args.device, "dtype": args.dtype,
-                   "max_model_len": args.max_model_len,
-                   "quantize": args.quantize})
+        settings = settings_from_args(args)
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"ponder: invalid settings: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    problem = _preflight(settings)
+    if problem:
+        print(f"ponder: invalid settings: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("ponder")
@@ -67,6 +81,19 @@ def _one_line(exc: Exception) -> str:
     return str(exc)
 
 
+def _preflight(settings) -> str | None:
+    """What the runtime says of the settings only torch can judge (device, dtype); None when fine."""
+    from runtime.client import runtime_environment
+    from runtime.protocol import encode
+
+    result = subprocess.run([sys.executable, "-m", "runtime.preflight"], input=encode(settings.runtime_options()),
+                            capture_output=True, env=runtime_environment())
+    if result.returncode == 0:
+        return None
+    lines = result.stderr.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else f"the settings check exited with status {result.returncode}"
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -76,12 +103,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ponder", description="OpenAI-compatible server with verifier-guided search")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
     module = importlib.import_module(f"bench.{args.name}")

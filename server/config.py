@@ -28,6 +28,8 @@ class ServerSettings(_Section):
     log_level: str = "INFO"
     stats_interval_s: float = Field(1.0, gt=0)  # how often the runtime reports statistics
     public_metrics: bool = False  # serve /metrics without the API key (for a Prometheus on a private network)
+    sse_keepalive_s: float = Field(4.0, gt=0, le=60)  # a comment on every stream at least this often
+    access_log_probes: bool = False  # log GET /health and GET /metrics in the access log too
 
 
 class ModelSettings(_Section):
@@ -64,8 +66,9 @@ class SchedulerSettings(_Section):
     # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
     speculative_extension: bool = True
     # Pad each step to row counts whose matmul results do not depend on the other rows, so a result is
-    # the same bits however requests were batched (costs a lone stream up to a third of its speed on a CPU).
-    batch_invariant: bool = True
+    # the same bits however requests were batched (costs a lone stream about a third of its speed on a
+    # CPU). Off by default; `ponder serve --deterministic` turns it on.
+    batch_invariant: bool = False
 
 
 class DeviceSettings(_Section):
@@ -88,6 +91,7 @@ class SearchSettings(_Section):
     max_beam_width: int = Field(16, ge=1)
     max_steps: int = Field(100, ge=1)
     max_total_tokens: int = Field(262_144, ge=1)  # search.n x max_tokens
+    max_timeout_s: float = Field(600.0, ge=1)  # search.timeout_s cap, and the timeout when a request sets none
 
 
 class VerifierSettings(_Section):

@@ -10,7 +10,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from runtime.client import RequestHandle, RuntimeClient, RuntimeUnavailable
 from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SearchEvent
@@ -22,13 +23,24 @@ from server.responses import (
 
 log = logging.getLogger("ponder.requests")
 
+# SSE comments: every SSE parser (the OpenAI SDKs' included) skips lines starting with ":".
+SEARCH_STARTED = b": search started\n\n"
+
+
+def _keepalive() -> ServerSentEvent:
+    return ServerSentEvent(comment="keep-alive", sep="\n")
+
+
+def _progress_comment(event: SearchEvent) -> bytes:
+    return f": search step {event.step}, {event.live_paths} live paths\n\n".encode()
+
 
 class Generation:
     """One HTTP request: one runtime request per prompt, choices numbered prompt-major."""
 
     def __init__(self, client: RuntimeClient, metrics: Metrics, http: Request, model: str, endpoint: str,
                  requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
-                 include_search_events: bool) -> None:
+                 include_search_events: bool, keepalive_s: float) -> None:
         self.client = client
         self.metrics = metrics
         self.http = http
@@ -39,7 +51,9 @@ class Generation:
         self.n = n
         self.stream = stream
         self.include_usage = include_usage
-        self.include_search_events = include_search_events
+        self.include_search_events = include_search_events  # the client asked for search event chunks
+        self.keepalive_s = keepalive_s
+        self.is_search = any(r.search is not None for r in requests)
         prefix = "chatcmpl-" if self.is_chat else "cmpl-"
         self.response_id = prefix + uuid.uuid4().hex
         self.created = int(time.time())
@@ -68,8 +82,10 @@ class Generation:
             self._account(500)  # a bug: still counted, nothing left in flight
             raise
         if self.stream:
-            return StreamingResponse(self._stream(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            # A comment every keepalive_s, while the body waits on a long search step too, keeps proxies
+            # and clients from timing the connection out.
+            return EventSourceResponse(self._stream(), ping=self.keepalive_s, ping_message_factory=_keepalive,
+                                       sep="\n", headers={"Cache-Control": "no-cache"})
         return await self._collect()
 
     async def _submit_all(self) -> None:
@@ -191,6 +207,8 @@ class Generation:
         returned = 0
         text_offsets: dict[int, int] = {}
         try:
+            if self.is_search:
+                yield SEARCH_STARTED
             if self.is_chat:
                 for index in range(len(self.handles) * self.n):
                     yield writer.role_chunk(index)
@@ -203,6 +221,8 @@ class Generation:
                     elif isinstance(message, SearchEvent) and self.include_search_events:
                         yield writer.chunk([], search={"step": message.step, "live_paths": message.live_paths,
                                                        "scores": list(message.scores)})
+                    elif isinstance(message, SearchEvent):
+                        yield _progress_comment(message)
                     elif isinstance(message, RequestError):
                         status = message.status
                         yield writer.error(message.status, message.message, message.type, message.code)

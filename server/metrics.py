@@ -45,9 +45,20 @@ class Metrics:
         self._lock = threading.Lock()
         r = self.registry
 
-        # HTTP side
+        # HTTP edge: every request, whatever answered it (auth, routing, validation, body limit)
+        self.http_requests = Counter(
+            "ponder_http_requests", "HTTP requests answered, by route template, method and status code.",
+            ["route", "method", "status"], registry=r,
+        )
+        self.http_request_duration = Histogram(
+            "ponder_http_request_duration_seconds", "Time from receiving an HTTP request to its last byte, "
+            "by route template.", ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+
+        # Generation requests (chat and text completions that reached the runtime client)
         self.requests = Counter(
-            "ponder_requests", "HTTP requests answered, by endpoint and status code.",
+            "ponder_requests", "Generation requests answered, by endpoint and status code "
+            "(499: the client went away).",
             ["endpoint", "status"], registry=r,
         )
         self.http_requests_in_flight = Gauge(
@@ -150,6 +161,10 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE
 
     # -- HTTP side ----------------------------------------------------------------------------
+
+    def http_request_finished(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_request_duration.labels(route).observe(seconds)
 
     def request_started(self, endpoint: str) -> None:
         self.http_requests_in_flight.labels(endpoint).inc()

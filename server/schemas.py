@@ -79,9 +79,13 @@ class SearchRequest(_Wire):
     aggregation: Literal["last", "min", "prod", "mean"] = "last"
     select: Literal["best", "majority", "weighted_majority"] = "best"
     answer_pattern: str | None = None
+    # Seconds the search may run before it answers with the best path found so far; None: the server's cap.
+    timeout_s: float | None = None
 
-    def to_params(self, include_events: bool) -> SearchParams:
-        return SearchParams(**self.model_dump(), include_events=include_events)
+    def to_params(self, include_events: bool, default_timeout_s: float) -> SearchParams:
+        fields = self.model_dump()
+        fields["timeout_s"] = default_timeout_s if self.timeout_s is None else self.timeout_s
+        return SearchParams(**fields, include_events=include_events)
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]

@@ -73,5 +73,23 @@ class KVCache:
         """A view of one block's payload `[layers, 2, heads, block_size, dim]` (no copy)."""
         return self.kv[block_id]
 
-    def write_block(self, block_id: int, payload: torch.Tensor) -> None:
-        self.kv[block_id].copy_(payload, non_blocking=True)
+    def staging_block(self) -> torch.Tensor:
+        """A fresh host buffer for one block's payload, pinned when the cache is on a GPU."""
+        return torch.empty(self.shape.block_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def write_block(self, block_id: int, payload: torch.Tensor, *, is_private: bool = False) -> None:
+        """Copy one block's payload in; the caller may reuse `payload`'s memory as soon as this returns.
+
+        From host memory into a GPU cache the copy is asynchronous, queued on the current stream
+        ahead of the work that reads the block. It reads from pinned memory nobody else holds: a
+        `staging_block()` the caller filled and hands over (`is_private`), or a private copy made
+        here. Pinned memory freed while a copy from it is queued is not reused before the copy ends
+        (torch's host allocator records the stream), so no event is needed on this side.
+        """
+        target = self.kv[block_id]
+        if not (target.is_cuda and payload.device.type == "cpu"):
+            target.copy_(payload)
+            return
+        if not (is_private and payload.is_pinned()):
+            payload = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True).copy_(payload)
+        target.copy_(payload, non_blocking=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from runtime.detokenizer import StepText
 from runtime.protocol import Delta, Finished, SamplingParams, SearchEvent, SearchParams, SearchSummary, StepScore
 from runtime.sampler import SamplingState, derive_seed
 from runtime.search.aggregate import aggregate, normalize_step
@@ -62,6 +63,7 @@ class SearchPath:
     spec_outcome: str | None = None  # set when the speculative tokens complete the next step: how it ends
     spec_finish: str | None = None  # and the path's finish reason if it ends there
     next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
+    step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
 
     @property
     def num_speculative(self) -> int:
@@ -95,6 +97,7 @@ class Lookahead:
     start: int  # token index where the look-ahead began
     steps_left: int
     step_start: int
+    step_text: StepText | None = None
 
     @property
     def request_id(self) -> str:
@@ -156,6 +159,15 @@ class SearchController:
         self.stats = dict(paths_explored=0, tokens_generated=0, verifier_tokens_prefilled=0, verifier_calls=0,
                           prefix_hit_tokens=0, seconds_generating=0.0, seconds_verifying=0.0)
         self._phase_started = time.perf_counter()
+        self.deadline = time.monotonic() + search.timeout_s if search.timeout_s is not None else None
+        self.timed_out = False
+
+    def _out_of_time(self) -> bool:
+        """Past `search.timeout_s`, every running step ends at its next token and the search finishes
+        after verifying it, choosing among the paths it has (live ones count as cut short)."""
+        if not self.timed_out and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.timed_out = True
+        return self.timed_out
 
     # -- paths ----------------------------------------------------------------------------------
     def _new_path(self, seq: Sequence, subtree: int) -> SearchPath:
@@ -243,7 +255,7 @@ class SearchController:
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
             path.spec_logprobs.append(out.logprob)
-        reason, ends_step, _ = self._step_outcome(path.seq, out.token_id, path.step_end,
+        reason, ends_step, _ = self._step_outcome(path, out.token_id, path.step_end,
                                                   is_last_step=self.step_index + 1 >= self.search.max_steps - 1)
         if reason is not None or ends_step:
             path.spec_outcome, path.spec_finish = "step", reason
@@ -266,15 +278,18 @@ class SearchController:
         self.spec_tokens["discarded"] += path.num_speculative
         self.engine.release_sequence(path.seq)
 
-    def _step_outcome(self, seq: Sequence, token: int, step_start: int, *,
+    def _step_outcome(self, owner: SearchPath | Lookahead, token: int, step_start: int, *,
                       is_last_step: bool) -> tuple[str | None, bool, str]:
         """After `token`: (the finish reason if the path ends, whether its step ends, the step's text).
 
         A path ends on EOS or a stop token, at the length limit, on a boxed answer (DVTS) or on an
         empty step; a step ends at the delimiter or `max_step_tokens`, except on the last step."""
         params = self.params
-        step_ids = seq.token_ids[step_start:]
-        text = self.engine.tokenizer.decode(step_ids, skip_special_tokens=True)
+        seq = owner.seq
+        if owner.step_text is None or owner.step_text.start != step_start:
+            owner.step_text = StepText(self.engine.tokenizer, step_start)
+        text = owner.step_text.text(seq.token_ids)
+        num_step_tokens = len(seq.token_ids) - step_start
         if token in params.stop_token_ids or (token in self.engine.eos_ids and not params.ignore_eos):
             return "stop", False, text
         if (len(seq.token_ids) - len(self.prompt_ids) >= self.max_tokens
@@ -282,7 +297,7 @@ class SearchController:
             return "length", False, text
         if self.strategy.stops_on_boxed and "\\boxed{" in text and "}" in text.split("\\boxed{")[-1]:
             return "stop", False, text
-        ends = not is_last_step and (self.search.step_delimiter in text or len(step_ids) >= self.search.max_step_tokens)
+        ends = not is_last_step and (self.search.step_delimiter in text or num_step_tokens >= self.search.max_step_tokens)
         if ends and not normalize_step(text, self.search.step_delimiter).strip():
             return "stop", False, text  # an empty step ends the path
         return None, ends, text
@@ -295,8 +310,9 @@ class SearchController:
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
             path.chunk_logprobs.append(out.logprob)
-        reason, ends_step, _ = self._step_outcome(seq, out.token_id, path.step_start,
+        reason, ends_step, _ = self._step_outcome(path, out.token_id, path.step_start,
                                                   is_last_step=self.step_index >= self.search.max_steps - 1)
+        ends_step = ends_step or (reason is None and self._out_of_time())
         if reason is not None:
             path.is_done, path.finish_reason = True, reason
         if not (ends_step or path.is_done):
@@ -387,7 +403,7 @@ class SearchController:
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
             path.lookahead_logprobs.append(out.logprob)
-        reason, ends_step, _ = self._step_outcome(seq, out.token_id, run.step_start, is_last_step=False)
+        reason, ends_step, _ = self._step_outcome(run, out.token_id, run.step_start, is_last_step=False)
         ends = reason is not None
         if ends_step:
             run.steps_left -= 1
@@ -445,7 +461,7 @@ class SearchController:
         self.final.extend(final)
         for path in set(stepped) - set(final) - set(live):
             self._discard(path)  # pruned by settling (DVTS keeps only its best)
-        if self.step_index >= self.search.max_steps or not live:
+        if self.step_index >= self.search.max_steps or not live or self._out_of_time():
             for path in live:
                 path.finish_reason = "length"
                 self._discard(path)
@@ -509,7 +525,7 @@ class SearchController:
             request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
             completion_tokens=returned,
             search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
-                                 **self.stats)))
+                                 timed_out=self.timed_out, **self.stats)))
         self.engine.search_finished(self)
 
     def sequences(self) -> list[Sequence]:

@@ -82,6 +82,7 @@ def test_every_metric_the_dashboard_queries_is_exported():
 def test_dashboard_covers_the_documented_metrics():
     queried = set().union(*(queried_metric_names(e) for e in dashboard_expressions()))
     for name in (
+        "ponder_http_requests_total", "ponder_http_request_duration_seconds",
         "ponder_requests_total", "ponder_requests_running", "ponder_requests_waiting",
         "ponder_request_latency_seconds", "ponder_time_to_first_token_seconds",
         "ponder_inter_token_latency_seconds", "ponder_tokens_total",
@@ -95,9 +96,54 @@ def test_dashboard_covers_the_documented_metrics():
         assert name in queried, name
 
 
-def test_dashboard_is_well_formed_and_uses_the_provisioned_datasource():
-    board = dashboard()
+DATASOURCE_VARIABLE = "${datasource}"
+
+
+def template_variables() -> dict[str, dict]:
+    return {v["name"]: v for v in dashboard()["templating"]["list"]}
+
+
+def test_dashboard_has_datasource_model_and_instance_variables():
+    variables = template_variables()
+    assert list(variables) == ["datasource", "model", "instance"]
     datasource_uids = {d["uid"] for d in yaml.safe_load(DATASOURCES.read_text())["datasources"]}
+    source = variables["datasource"]
+    assert source["type"] == "datasource" and source["query"] == "prometheus"
+    assert source["current"]["value"] in datasource_uids
+    assert variables["model"]["definition"] == "label_values(ponder_model_info, model)"
+    # An instance list narrowed by the chosen models: every panel filters by instance only.
+    assert variables["instance"]["definition"] == 'label_values(ponder_model_info{model=~"$model"}, instance)'
+    for name in ("model", "instance"):
+        assert variables[name]["datasource"]["uid"] == DATASOURCE_VARIABLE
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+
+
+def test_every_query_selects_the_chosen_instances():
+    for expr in dashboard_expressions():
+        selectors = re.findall(r"\bponder_[a-zA-Z0-9_]+(\{[^}]*\})?", expr)
+        assert selectors and all(s.startswith('{instance=~"$instance"') for s in selectors), expr
+
+
+def test_panels_that_count_show_zero_rather_than_no_data():
+    for panel in all_panels(dashboard()["panels"]):
+        if panel["type"] in ("row", "heatmap") or panel["title"] == "Model":
+            continue
+        assert panel["fieldConfig"]["defaults"]["noValue"] == "0", panel["title"]
+        for target in panel["targets"]:
+            if not target["expr"].startswith("histogram_quantile"):
+                assert target["expr"].endswith(" or vector(0)"), target["expr"]
+
+
+def test_error_share_is_counted_at_the_http_edge():
+    (panel,) = [p for p in all_panels(dashboard()["panels"]) if p["title"] == "Error share"]
+    for target, status in zip(panel["targets"], ("5..", "4.."), strict=True):
+        assert "ponder_http_requests_total" in target["expr"] and f'status=~"{status}"' in target["expr"]
+        assert "ponder_requests_total" not in target["expr"]
+
+
+def test_dashboard_is_well_formed_and_uses_the_chosen_datasource():
+    board = dashboard()
+    datasource_uids = {DATASOURCE_VARIABLE}
     assert board["uid"] and board["title"]
     assert 36 <= board["schemaVersion"] <= 41
     panels = list(all_panels(board["panels"]))

@@ -9,7 +9,8 @@ from runtime.protocol import Accepted, Delta, Finished, GenerateRequest, Request
 
 
 def engine_for(path, **options):
-    defaults = dict(model=str(path), device="cpu", num_blocks=128, block_size=4)
+    # Batch invariance on: the tests compare results across schedules, batches and pools bit for bit.
+    defaults = dict(model=str(path), device="cpu", num_blocks=128, block_size=4, batch_invariant=True)
     defaults.update(options)
     engine, _ = build_engine(RuntimeOptions(**defaults))
     return engine

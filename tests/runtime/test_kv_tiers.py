@@ -13,6 +13,7 @@ PROMPT = [1] + list(range(5, 36))  # 32 tokens: 8 full blocks of 4 (7 cacheable)
 
 def tiered_engine(path, tmp_path, host_blocks=0, num_blocks=24):
     engine, _ = build_engine(RuntimeOptions(model=str(path), device="cpu", num_blocks=num_blocks, block_size=4,
+                                            batch_invariant=True,
                                             host_kv_memory_bytes=host_blocks * 2 * 2 * 2 * 4 * 16 * 4,
                                             disk_kv_dir=str(tmp_path / "kv")))
     return engine
@@ -30,6 +31,7 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tiny_llama, tmp_path):
     churn(engine)
     names = hash_blocks(PROMPT[:28], 4, engine.kv.extra_key)
     assert all(engine.pool.lookup(h) is None for h in names)  # all pushed out of the compute tier
+    engine.tiers.drain()
     assert all(engine.tiers.chain.lookup(h) == "host" for h in names)
     moved = engine.tiers.chain.bytes_moved
     assert moved["cpu/host"] > 0 and moved["cpu/host"] % engine.cache.bytes_per_block == 0
@@ -89,3 +91,27 @@ def test_a_full_disk_disables_spilling_and_requests_still_succeed(tiny_llama, tm
     assert all(len(r["choices"][0]) == 3 for r in results.values())
     assert not engine.tiers.chain.disk.is_enabled
     assert any("disabl" in record.message.lower() for record in caplog.records)
+
+
+def test_demotion_leaves_the_engine_loop_and_is_awaited_before_a_lookup(tiny_llama, tmp_path, monkeypatch):
+    import threading
+    import time
+
+    engine = tiered_engine(tiny_llama, tmp_path, host_blocks=64)
+    chain = engine.tiers.chain
+    threads = set()
+    slow_demote = chain.demote
+
+    def demote(block_hash, payload):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)  # a slow disk: the loop must not wait for this, but a lookup must
+        slow_demote(block_hash, payload)
+
+    monkeypatch.setattr(chain, "demote", demote)
+    first = run(engine, [request("a", PROMPT, max_tokens=4)])["a"]
+    churn(engine)
+    assert threads and all(name.startswith("kv-transfer") for name in threads)
+    again = run(engine, [request("b", PROMPT, max_tokens=4)])["b"]
+    assert again["finished"].cached_tokens == 28  # every demoted block was found, however slow
+    assert again["choices"][0] == first["choices"][0]
+    engine.close()

@@ -123,3 +123,12 @@ def test_a_layer_computes_with_the_weights_its_codes_stand_for(mode):
     error = (module[0].dequantized() - linear.weight).abs().max().item()
     step = linear.weight.abs().max().item() * (1 / 127 if mode == "int8" else 2 / 15)  # one code apart
     assert 0 < error <= step
+
+
+def test_the_start_up_check_refuses_an_unknown_mode_before_anything_loads():
+    from runtime.preflight import check
+    from runtime.protocol import RuntimeOptions
+
+    check(RuntimeOptions(device="cpu", quantize="int4"))
+    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int3' is not one of none, int8, int4$"):
+        check(RuntimeOptions(device="cpu", quantize="int3"))

@@ -10,9 +10,45 @@ from tests.runtime.engine_helpers import engine_for
 
 
 def test_pad_goes_up_to_the_next_safe_count():
-    padding = RowPadding([4, 8], 12)
-    assert [padding.pad(n) for n in (1, 3, 4, 5, 8, 9, 11, 12, 13, 100)] == [4, 4, 4, 8, 8, 12, 12, 12, 13, 100]
-    assert [RowPadding.none().pad(n) for n in (1, 2, 7)] == [1, 2, 7]
+    padding = RowPadding([4, 8, 12, 13, 64, 192], 256)
+    assert [padding.pad(n) for n in (1, 3, 4, 5, 8, 9, 11, 12, 13, 14, 100, 192, 193, 256)] == [
+        4, 4, 4, 8, 8, 12, 12, 12, 13, 64, 192, 192, 256, 256]
+    with pytest.raises(ValueError, match="larger than the 256 rows probed"):
+        padding.pad(257)
+    assert [RowPadding.none().pad(n) for n in (1, 2, 7, 5000)] == [1, 2, 7, 5000]
+
+
+def test_the_probe_trusts_no_count_it_did_not_see_agree(monkeypatch):
+    """Counts above the small ones are buckets, each probed; a count whose bits differ is skipped."""
+    import runtime.row_padding as row_padding
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model.config = type("Config", (), {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8})()
+
+    def linear(x, weight, bias=None):
+        out = (x.unsqueeze(1) * weight).sum(-1) + bias  # row by row: no count differs by itself
+        return out + 1e-3 if x.shape[0] in (3, 128) else out  # a kernel that differs at 3 and 128 rows
+
+    monkeypatch.setattr(row_padding.F, "linear", linear)
+    padding = RowPadding.probe(model, max_rows=300)
+    assert padding.safe_counts == [r for r in range(1, 49) if r != 3] + [64, 192, 256, 300]
+    assert padding.pad(3) == 4 and padding.pad(65) == 192 and padding.pad(257) == 300
+
+
+def test_a_device_that_is_not_deterministic_run_to_run_is_refused(monkeypatch):
+    import runtime.row_padding as row_padding
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    calls = []
+    real_linear = F.linear
+
+    def linear(x, weight, bias=None):
+        calls.append(1)
+        return real_linear(x, weight, bias) + len(calls) * 1e-6  # a kernel that is not repeatable
+
+    monkeypatch.setattr(row_padding.F, "linear", linear)
+    with pytest.raises(row_padding.InvarianceUnavailable, match="from one call to the next"):
+        RowPadding.probe(model, max_rows=64)
 
 
 def test_probed_counts_give_every_row_the_bits_of_a_large_call(tiny_llama):
@@ -66,4 +102,4 @@ def test_without_batch_invariance_nothing_is_padded(tiny_llama):
         from runtime.model_runner import ModelRunner
         from storage.kv_cache import KVCache
         ModelRunner(engine.model, KVCache(engine.cache.shape, 4, torch.float32, torch.device("cpu")),
-                    RowPadding([4], 8))
+                    RowPadding([4], 64))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from runtime.protocol import SamplingParams
@@ -40,3 +41,46 @@ def test_penalties_and_logprobs():
     assert out.token_id == 1  # token 0 was already generated: penalised below token 1
     assert out.logprob == torch.log_softmax(logits[0], -1)[1].item()  # from the model's distribution
     assert [t for t, _ in out.top] == [0, 1]
+
+
+def _outputs(logits):
+    states = [state(7, temperature=0.9, logprobs=True, top_logprobs=3), state(9, temperature=1.1, top_k=5),
+              state(2, temperature=0.0, logprobs=True, top_logprobs=1)]
+    return [(o.token_id, o.logprob, o.top) for o in sample(logits, states, [([], [])] * 3)]
+
+
+def test_draws_are_made_on_the_generators_device_not_the_default_one():
+    # Under another default device, a factory call without device= (e.g. a draw from a CUDA
+    # generator made on the default CPU device) fails or lands elsewhere; the sampler's do not.
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    expected = _outputs(logits)
+    with torch.device("meta"):
+        assert _outputs(logits) == expected
+    gen = torch.Generator().manual_seed(11)
+    with torch.device("meta"):
+        draw = torch.rand((), generator=gen, device=gen.device)
+    assert draw.device == gen.device and draw.item() == torch.rand((), generator=torch.Generator().manual_seed(11)).item()
+
+
+def test_logprobs_and_top_logprobs_of_every_row_come_from_the_rows_own_distribution():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    out = _outputs(logits)
+    raw = torch.log_softmax(logits, dim=-1)
+    for row, top_n in ((0, 3), (2, 1)):
+        token, logprob, top = out[row]
+        assert logprob == raw[row, token].item()
+        values, ids = torch.topk(raw[row], top_n)
+        assert top == [(int(i), v.item()) for i, v in zip(ids, values)]
+    assert out[1][1] is None and out[1][2] is None and out[2][0] == int(torch.argmax(logits[2]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampling_on_cuda_draws_from_cuda_generators():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)).cuda()
+    states = [SamplingState(SamplingParams(temperature=0.9, logprobs=True, top_logprobs=2), seed, torch.device("cuda"))
+              for seed in (1, 2, 3)]
+    again = [SamplingState(SamplingParams(temperature=0.9, logprobs=True, top_logprobs=2), seed, torch.device("cuda"))
+             for seed in (1, 2, 3)]
+    first = sample(logits, states, [([], [])] * 3)
+    assert [o.token_id for o in first] == [o.token_id for o in sample(logits, again, [([], [])] * 3)]
+    assert all(0 <= o.token_id < 50 and len(o.top) == 2 for o in first)

@@ -23,11 +23,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, timeout: float = 120.0):
+def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, timeout: float = 120.0,
+                log_path: Path | None = None):
     port = free_port()
     full_env = dict(os.environ, PONDER_SERVER__STATS_INTERVAL_S="0.2", **(env or {}))
     # The server's log goes to a file: a pipe nobody reads would block a chatty server once it fills.
-    log = tempfile.TemporaryFile(mode="w+")
+    log = open(log_path, "w+") if log_path is not None else tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args],
                             cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

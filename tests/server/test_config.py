@@ -14,6 +14,25 @@ def test_example_config_loads_and_equals_the_defaults():
     assert Settings.load(ROOT / "config.example.toml").model_dump() == Settings.load().model_dump()
 
 
+def test_example_config_documents_every_key():
+    """Each key of each section appears in config.example.toml, set or commented out, under its section."""
+    import re
+
+    from server.config import Settings as S
+
+    text = (ROOT / "config.example.toml").read_text()
+    sections = {m.group(1): m.start() for m in re.finditer(r"^\[(\w+)\]", text, re.MULTILINE)}
+    for section, field in S.model_fields.items():
+        if section == "verifiers":
+            assert "[verifiers." in text
+            continue
+        start = sections[section]
+        following = [pos for pos in sections.values() if pos > start]
+        body = text[start:min(following, default=len(text))]
+        for key in field.annotation.model_fields:
+            assert re.search(rf"^#? ?{key} = ", body, re.MULTILINE), f"[{section}] {key} is not documented"
+
+
 def test_precedence_cli_over_env_over_file(tmp_path, monkeypatch):
     config = tmp_path / "c.toml"
     config.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n[cache]\nblock_size = 32\n')
@@ -57,3 +76,16 @@ def test_a_bad_setting_stops_start_up_with_one_line_naming_it(tmp_path):
                          text=True, cwd=ROOT)
     assert out.returncode == 2
     assert out.stderr == ("ponder: invalid settings: model.quantize: Input should be 'none', 'int8' or 'int4'\n")
+
+
+def test_serve_deterministic_turns_batch_invariance_on(tmp_path, monkeypatch):
+    from server.cli import build_parser, settings_from_args
+
+    monkeypatch.delenv("PONDER_SCHEDULER__BATCH_INVARIANT", raising=False)
+    fast = settings_from_args(build_parser().parse_args(["serve"]))
+    assert fast.scheduler.batch_invariant is False and fast.runtime_options().batch_invariant is False
+    exact = settings_from_args(build_parser().parse_args(["serve", "--deterministic"]))
+    assert exact.scheduler.batch_invariant is True and exact.runtime_options().batch_invariant is True
+    config = tmp_path / "c.toml"
+    config.write_text("[scheduler]\nbatch_invariant = true\n")
+    assert settings_from_args(build_parser().parse_args(["serve", "--config", str(config)])).scheduler.batch_invariant

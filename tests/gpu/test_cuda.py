@@ -1,0 +1,182 @@
+"""Checks that need a CUDA GPU: `make test-gpu` (pytest -m cuda) runs them on one.
+
+Each test runs on the device named by PONDER_TEST_DEVICE (default cuda) and is skipped where that
+device is missing. The same tests run on the CPU with PONDER_TEST_DEVICE=cpu, which checks their
+logic but not the GPU's behaviour: pinned memory, the copy stream and cuBLAS's kernel choice only
+show on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import httpx
+import pytest
+import torch
+
+from runtime.protocol import Delta, SamplingParams
+from runtime.row_padding import RowPadding
+from runtime.sampler import SamplingState, sample
+from storage.host_tier import HostTier
+from storage.kv_cache import KVCache, KVShape
+from storage.tiers import TierChain, TransferEngine
+from tests.runtime.engine_helpers import engine_for, request, run
+from tests.server.live import live_server
+
+DEVICE = torch.device(os.environ.get("PONDER_TEST_DEVICE", "cuda"))
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+
+# -- sampling -------------------------------------------------------------------------------------
+def draw(logits: torch.Tensor, seeds: list[int], temperature: float = 1.0) -> list[int]:
+    params = SamplingParams(temperature=temperature)
+    states = [SamplingState(params, seed, DEVICE) for seed in seeds]
+    return [out.token_id for out in sample(logits, states, [([], [])] * len(seeds))]
+
+
+def test_seeded_sampling_repeats_and_ignores_its_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500, device=DEVICE) * 3
+    together = draw(logits, [11, 12, 13, 14, 15, 16])
+    assert together == draw(logits, [11, 12, 13, 14, 15, 16])
+    alone = [draw(logits[i:i + 1], [seed])[0] for i, seed in enumerate([11, 12, 13, 14, 15, 16])]
+    assert alone == together
+    reordered = draw(logits[[5, 4, 3, 2, 1, 0]], [16, 15, 14, 13, 12, 11])
+    assert reordered == together[::-1]
+
+
+def test_sampled_tokens_follow_the_distribution():
+    """Frequencies over 4000 seeds match the softmax: a check that needs no CPU reference draw."""
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    logits = probs.log().to(DEVICE).expand(4000, -1).contiguous()
+    tokens = draw(logits, list(range(4000)))
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).double()
+    expected = probs.double() * 4000
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.5  # 4 degrees of freedom: p < 0.001 for a correct sampler
+
+
+def test_greedy_rows_take_the_argmax_and_logprobs_come_back():
+    logits = torch.randn(3, 50, device=DEVICE)
+    states = [SamplingState(SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2), 0, DEVICE)] * 3
+    outs = sample(logits, states, [([], [])] * 3)
+    assert [o.token_id for o in outs] == logits.argmax(-1).tolist()
+    reference = torch.log_softmax(logits.double(), -1)
+    for row, out in enumerate(outs):
+        assert math.isclose(out.logprob, float(reference[row, out.token_id]), abs_tol=1e-4)
+        assert [t for t, _ in out.top] == reference[row].topk(2).indices.tolist()
+
+
+# -- attention: decode against prefill ------------------------------------------------------------
+# Decode attends over the paged cache one query at a time; prefill uses SDPA. In low precision the
+# two differ by rounding; scores and softmax in float32 keep that to these bounds on the chosen
+# token's log-probability (tiny model, sharpened head).
+TOLERANCE = {torch.bfloat16: 0.25, torch.float16: 0.05}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_agrees_with_a_full_prefill_in_low_precision(tiny_llama, dtype):
+    from transformers import AutoModelForCausalLM
+
+    if DEVICE.type == "cpu" and dtype == torch.float16:
+        pytest.skip("float16 is not native on this CPU")
+    name = str(dtype).removeprefix("torch.")
+    engine = engine_for(tiny_llama, device=DEVICE.type, dtype=name)
+    prompt = [1] + list(range(5, 40))
+    engine.add_request(request("a", prompt, max_tokens=24, logprobs=True))
+    tokens, served = [], []
+    while engine.has_work:
+        for message in engine.step():
+            if isinstance(message, Delta):
+                tokens.extend(message.token_ids)
+                served.extend(lp.logprob for lp in message.logprobs or ())
+    assert len(tokens) == len(served) == 24
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dtype, attn_implementation="sdpa").to(DEVICE)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens], device=DEVICE)).logits[0].float()
+    reference = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    chosen = reference[torch.arange(len(tokens)), torch.tensor(tokens, device=DEVICE)]
+    top = reference.max(-1).values
+    # Every served token is the prefill's choice, or within the tolerance of it.
+    assert float((top - chosen).max()) <= TOLERANCE[dtype]
+    assert max(abs(a - float(b)) for a, b in zip(served, chosen)) <= TOLERANCE[dtype]
+
+
+# -- tiers through pinned memory on the copy stream ------------------------------------------------
+def test_tier_round_trip_through_pinned_memory_keeps_every_byte():
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    cache = KVCache(shape, 4, torch.float16, DEVICE)
+    cache.kv.copy_(torch.randn(cache.kv.shape, device=DEVICE).to(torch.float16))
+    original = cache.kv.clone()
+    host = HostTier(shape.block_shape, torch.float16, 8 * cache.bytes_per_block, pin_memory=True)
+    assert host.is_pinned == (DEVICE.type == "cuda")
+    chain = TierChain(host, None, compute_name="gpu")
+    transfers = TransferEngine(chain, device=DEVICE)
+    names = [bytes([i]) * 16 for i in range(4)]
+    for i, name in enumerate(names):
+        transfers.offload(name, cache.kv[i])
+    cache.kv.zero_()  # ordered after the copies out: they must have read the old contents
+    transfers.close()
+    transfers = TransferEngine(chain, device=DEVICE)
+    handle = transfers.prefetch(names[::-1], out={name: cache.kv[3 - i] for i, name in enumerate(names)})
+    for name in names:
+        assert handle.wait(name) is not None
+    torch.cuda.synchronize() if DEVICE.type == "cuda" else None
+    assert torch.equal(cache.kv, original.flip(0))
+    assert chain.bytes_moved["gpu/cpu"] == chain.bytes_moved["cpu/gpu"] == 4 * cache.bytes_per_block
+    transfers.close()
+
+
+def test_write_block_may_reuse_its_source_at_once():
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+    cache = KVCache(shape, 2, torch.float16, DEVICE)
+    source = torch.empty(shape.block_shape, dtype=torch.float16, pin_memory=DEVICE.type == "cuda")
+    for value in (1.0, 2.0):
+        source.fill_(value)
+        cache.write_block(int(value) - 1, source)
+    source.fill_(7.0)  # a host slab slot reused right away must not reach the blocks
+    staged = cache.staging_block().fill_(3.0)
+    cache.write_block(0, staged, is_private=True)
+    assert cache.kv[0].eq(3.0).all() and cache.kv[1].eq(2.0).all()
+
+
+# -- batch invariance ------------------------------------------------------------------------------
+def test_batch_invariance_probe_covers_the_serving_row_counts(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).to(DEVICE)
+    padding = RowPadding.probe(model)
+    assert all(padding.pad(rows) >= rows for rows in range(1, 300))
+
+
+def test_a_sequence_decodes_to_the_same_bits_alone_or_beside_others(tiny_llama):
+    engine = engine_for(tiny_llama, device=DEVICE.type, batch_invariant=True)
+    prompt = [1] + list(range(5, 20))
+    alone = run(engine, [request("alone", prompt, max_tokens=16, temperature=1.0, seed=3, logprobs=True)])
+    crowd = [request("crowd", prompt, max_tokens=16, temperature=1.0, seed=3, logprobs=True)] + [
+        request(f"other{i}", [1] + [7 + i] * (5 + 3 * i), max_tokens=20, temperature=1.0, seed=i) for i in range(6)]
+    beside = run(engine, crowd)
+    assert beside["crowd"]["choices"] == alone["alone"]["choices"]
+
+
+# -- one served request, plain and with search -----------------------------------------------------
+def test_a_served_request_end_to_end_plain_and_with_search(tiny_llama):
+    env = {"PONDER_CACHE__NUM_BLOCKS": "1024", "PONDER_CACHE__BLOCK_SIZE": "4"}
+    with live_server("--model", str(tiny_llama), "--device", DEVICE.type, env=env) as (base, _):
+        body = {"model": "x", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 8, "seed": 1}
+        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        plain = httpx.post(base + "/v1/chat/completions", json={**body, "model": model}, timeout=120)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["completion_tokens"] == 8 or plain.json()["choices"][0]["finish_reason"] == "stop"
+        search = {"strategy": "beam", "n": 4, "beam_width": 2, "max_steps": 3, "max_step_tokens": 4,
+                  "verifier": "confidence"}
+        found = httpx.post(base + "/v1/chat/completions", json={**body, "model": model, "search": search},
+                           timeout=300)
+        assert found.status_code == 200, found.text
+        assert found.json()["search"]["paths_explored"] >= 4
+        assert f'device="{DEVICE.type}' in httpx.get(base + "/metrics").text

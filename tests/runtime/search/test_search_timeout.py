@@ -1,0 +1,72 @@
+"""A search past its timeout ends the step it is in, verifies it, and answers with the best path so far."""
+
+import time
+import types
+
+import pytest
+
+from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
+from runtime.search import controller as controller_module
+from tests.runtime.engine_helpers import engine_for
+
+MESSAGES = ({"role": "user", "content": "w1 w2 w3"},)
+
+
+def request(request_id: str, timeout_s: float | None) -> GenerateRequest:
+    search = SearchParams(strategy="beam", n=4, beam_width=2, max_steps=8, max_step_tokens=3, verifier="confidence",
+                          timeout_s=timeout_s)
+    return GenerateRequest(request_id=request_id, endpoint="chat", messages=MESSAGES, search=search,
+                           sampling=SamplingParams(max_tokens=40, temperature=1.0, seed=4, ignore_eos=True))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(controller_module, "time",
+                        types.SimpleNamespace(monotonic=clock.monotonic, perf_counter=time.perf_counter))
+    return clock
+
+
+def run(engine, req, clock: Clock, jump_after_step: int | None):
+    """Step the engine; once the search has verified `jump_after_step` steps and decoded a token of the
+    next, move the clock an hour on."""
+    assert not isinstance(engine.add_request(req)[0], RequestError)
+    messages = []
+    while engine.has_work:
+        search = engine.searches.get(req.request_id)
+        if (jump_after_step is not None and search is not None and search.step_index == jump_after_step
+                and search.generating):
+            clock.now += 3600
+        messages += engine.step()
+        engine.check_integrity()
+    deltas = [m for m in messages if isinstance(m, Delta) and m.finish_reason is not None]
+    (finished,) = [m for m in messages if isinstance(m, Finished)]
+    return deltas, finished.search
+
+
+def test_a_search_that_runs_out_of_time_answers_with_its_best_path(tiny_llama, clock):
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    _, full = run(engine, request("full", timeout_s=60), clock, jump_after_step=None)
+    assert full.steps == 8 and full.timed_out is False
+    deltas, summary = run(engine, request("cut", timeout_s=60), clock, jump_after_step=2)
+    # The third step ends at the token after the deadline, is verified, and the search ends there.
+    assert summary.steps == 3 and summary.timed_out is True
+    assert [d.finish_reason for d in deltas] == ["length"]
+    assert len(deltas[0].search.step_scores) == 3
+    assert summary.tokens_generated < full.tokens_generated
+    assert engine.searches == {}
+
+
+def test_no_timeout_means_none(tiny_llama, clock):
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    clock.now += 10**9
+    _, summary = run(engine, request("untimed", timeout_s=None), clock, jump_after_step=None)
+    assert summary.steps == 8 and summary.timed_out is False

@@ -1,0 +1,141 @@
+"""The runtime process's step loop: a bug in a step fails the running requests and serving goes on;
+a sticky device error (CUDA's illegal memory access, a device-side assert) ends the process, so the
+server's supervisor restarts it instead of every later step failing the same way."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runtime import process
+from runtime.framing import recv_frame, send_frame
+from runtime.protocol import (
+    GenerateRequest, Ready, RequestError, RuntimeOptions, SamplingParams, decode_from_runtime, encode,
+)
+
+
+class FakeEngine:
+    """Two running requests; every step raises `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.requests = {"a": object(), "b": object()}
+        self.searches: dict = {}
+        self.aborted: list[str] = []
+        self.device = torch.device("cpu")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def step(self):
+        raise self.error
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.requests.pop(request_id, None)
+
+    def runtime_stats(self):
+        return RuntimeOptions()  # any wire message will do
+
+
+class Recorder:
+    """A channel that records what is sent and ends the loop once the engine is idle."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    def poll(self, timeout: float) -> bool:
+        if not self.engine.has_work:
+            raise process.Stop()  # the loop went back to waiting: it kept serving
+        return False
+
+
+def test_a_failing_step_fails_the_running_requests_and_serving_goes_on():
+    engine = FakeEngine(RuntimeError("shape mismatch in a bug"))
+    channel = Recorder(engine)
+    with pytest.raises(process.Stop):
+        process._loop(channel, engine, SimpleNamespace(stats_interval_s=1e9))
+    errors = [m for m in channel.sent if isinstance(m, RequestError)]
+    assert [(e.request_id, e.status) for e in errors] == [("a", 500), ("b", 500)]
+    assert engine.aborted == ["a", "b"]
+
+
+@pytest.mark.parametrize("error", [
+    torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+    RuntimeError("CUDA error: device-side assert triggered"),
+])
+def test_a_sticky_device_error_ends_the_loop(error):
+    engine = FakeEngine(error)
+    channel = Recorder(engine)
+    with pytest.raises(process.DeviceFailure, match="CUDA error"):
+        process._loop(channel, engine, SimpleNamespace(stats_interval_s=1e9))
+    assert not [m for m in channel.sent if isinstance(m, RequestError)]  # the server fails them on exit
+
+
+def test_out_of_memory_is_not_a_device_failure():
+    assert not process.is_device_failure(torch.OutOfMemoryError("CUDA out of memory"), torch.device("cuda"))
+    assert not process.is_device_failure(RuntimeError("index out of range"), torch.device("cpu"))
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from types import SimpleNamespace
+    import runtime.bootstrap
+    from runtime import process
+
+    class Engine:
+        device = torch.device("cpu")
+        config = SimpleNamespace(max_model_len=64, num_blocks=4, block_size=16)
+        cache = SimpleNamespace(dtype=torch.float32)
+        scorers = {}
+        requests = {}
+        searches = {}
+        closed = False
+        @property
+        def has_work(self):
+            return bool(self.requests)
+        def add_request(self, request):
+            self.requests[request.request_id] = request
+            return []
+        def step(self):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        def close(self):
+            print("closed", file=sys.stderr)
+        def runtime_stats(self):
+            raise AssertionError("no statistics are due")
+
+    runtime.bootstrap.build_engine = lambda options: (Engine(), SimpleNamespace(name="fake"))
+    process.main(sys.argv[1:])
+""")
+
+
+def test_the_process_exits_with_a_clear_line_on_a_device_failure():
+    parent, child = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "--fd", str(child.fileno())],
+                            pass_fds=[child.fileno()], stderr=subprocess.PIPE)
+    child.close()
+    try:
+        send_frame(parent, encode(RuntimeOptions(stats_interval_s=1e9)))
+        assert isinstance(decode_from_runtime(recv_frame(parent)), Ready)
+        send_frame(parent, encode(GenerateRequest(request_id="r", endpoint="completion", prompt_token_ids=(1, 2),
+                                                  sampling=SamplingParams(max_tokens=4))))
+        assert recv_frame(parent) is None  # the process ended: the server sees the socket close
+        assert proc.wait(timeout=60) == process.DEVICE_FAILURE_EXIT
+        stderr = proc.stderr.read().decode()
+    finally:
+        parent.close()
+        if proc.poll() is None:
+            proc.kill()
+    assert "the device failed and cannot recover (CUDA error: an illegal memory access" in stderr
+    assert "closed" not in stderr  # nothing touches the broken device on the way out
