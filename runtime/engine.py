@@ -70,7 +70,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.device = next(model.parameters()).device
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()  # a quantized head's weight is packed: ask its out_features
+        self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         self.eos_ids = eos_token_ids(model, tokenizer)
         shape = kv_shape_of(model.config, config.block_size)
         self.cache = KVCache(shape, config.num_blocks, next(model.parameters()).dtype, self.device, scratch=True)

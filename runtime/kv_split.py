@@ -16,6 +16,7 @@ import torch
 
 from runtime.device_profile import measure_bandwidth, measure_flops
 from runtime.engine import kv_shape_of
+from runtime.quantize import QuantizedLinear
 from scheduler.roofline import BatchCaps, DevicePeaks, KVSplit, ModelCost, Workload, choose_batches, choose_split
 
 # The load the start-up split is chosen for: 16 search paths (beam search n=16, or two searches of
@@ -47,11 +48,15 @@ def model_cost(model: torch.nn.Module, block_size: int, *, with_head: bool) -> M
     head = {id(p) for p in head_module.parameters()} if head_module is not None else set()
     skip = (embedding - head) if with_head else (embedding | head)
     counted = [p for p in model.parameters() if id(p) not in skip]
+    # Quantized layers keep their weights as buffers: their bytes as stored, their FLOPs as a matmul's.
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    quantized_bytes = sum(b.numel() * b.element_size() for m in quantized for b in m.buffers())
+    quantized_flops = 2 * sum(m.in_features * m.out_features for m in quantized)
     dtype = next(model.parameters()).dtype
     shape = kv_shape_of(model.config, block_size)
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return ModelCost(weight_bytes=sum(p.numel() * p.element_size() for p in counted),
-                     flops_per_token=2 * sum(p.numel() for p in counted),
+    return ModelCost(weight_bytes=sum(p.numel() * p.element_size() for p in counted) + quantized_bytes,
+                     flops_per_token=2 * sum(p.numel() for p in counted) + quantized_flops,
                      attention_flops_per_context_token=4 * shape.num_layers * text_config.num_attention_heads
                      * shape.head_dim,
                      block_bytes=shape.bytes_per_block(dtype), block_size=block_size)

@@ -13,11 +13,17 @@ import sys
 
 from runtime.loader import SettingError, pick_device, pick_dtype
 from runtime.protocol import RuntimeOptions, decode_options
+from runtime.quantize import check_mode
 
 
 def check(options: RuntimeOptions) -> None:
     """Raise `SettingError` for the first setting this machine cannot honour."""
-    pick_dtype(options.dtype, pick_device(options.device))
+    device = pick_device(options.device)
+    pick_dtype(options.dtype, device)
+    check_mode(options.quantize)
+    if options.quantize != "none" and device.type != "cpu":
+        raise SettingError(f"model.quantize = {options.quantize!r} runs on the CPU only, and model.device is "
+                           f"{device.type}; set model.quantize = \"none\" or model.device = \"cpu\"")
 
 
 def main() -> int:

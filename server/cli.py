@@ -21,6 +21,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantize", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the model's linear layers, CPU only (default none)")
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="results the same bits however requests are batched (scheduler.batch_invariant; "
@@ -30,7 +32,7 @@ def _serve_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark (prints JSON and a table)")
-    p.add_argument("name", choices=["decode", "search", "accuracy", "kv", "headwise", "serving", "load"])
+    p.add_argument("name", choices=["decode", "search", "accuracy", "kv", "headwise", "serving", "load", "quantize"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see --help of each)")
 
 
@@ -41,7 +43,8 @@ def settings_from_args(args: argparse.Namespace):
     return Settings.load(
         args.config,
         server={"host": args.host, "port": args.port, "api_key": args.api_key},
-        model={"path": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len},
+        model={"path": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
+               "quantize": args.quantize},
         scheduler={"batch_invariant": args.deterministic})
 
 
@@ -53,7 +56,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except (ValidationError, FileNotFoundError, ValueError) as exc:
-        print(f"ponder: invalid settings: {exc}", file=sys.stderr)
+        print(f"ponder: invalid settings: {_one_line(exc)}", file=sys.stderr)
         return 2
     problem = _preflight(settings)
     if problem:
@@ -69,6 +72,13 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=host, port=settings.server.port, log_level=settings.server.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def _one_line(exc: Exception) -> str:
+    """A settings error as one line naming each bad key, e.g. `model.quantize: Input should be ...`."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
+    return str(exc)
 
 
 def _preflight(settings) -> str | None:

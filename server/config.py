@@ -39,6 +39,8 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(None, ge=16)
     trust_remote_code: bool = False
+    # Weight-only quantization of the generator's linear layers on a CPU (runtime.quantize).
+    quantize: Literal["none", "int8", "int4"] = "none"
 
 
 class CacheSettings(_Section):
@@ -141,7 +143,7 @@ class Settings(BaseSettings):
         return RuntimeOptions(
             model=self.model.path, served_model_name=self.model.served_name, device=self.model.device,
             dtype=self.model.dtype, max_model_len=self.model.max_model_len,
-            trust_remote_code=self.model.trust_remote_code, block_size=self.cache.block_size,
+            trust_remote_code=self.model.trust_remote_code, quantize=self.model.quantize, block_size=self.cache.block_size,
             kv_memory_bytes=int(self.cache.compute_memory_gib * (1 << 30)), num_blocks=self.cache.num_blocks,
             verifier_kv_memory_bytes=int(self.cache.verifier_memory_gib * (1 << 30)),
             host_kv_memory_bytes=int(self.cache.host_memory_gib * (1 << 30)), disk_kv_dir=self.cache.disk_dir,

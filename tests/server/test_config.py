@@ -64,8 +64,18 @@ def test_the_http_process_does_not_import_torch():
 def test_cli_help_lists_the_documented_flags():
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
-    for flag in ["--model", "--config", "--host", "--port", "--device", "--dtype", "--max-model-len", "--api-key"]:
+    for flag in ["--model", "--config", "--host", "--port", "--device", "--dtype", "--quantize", "--max-model-len",
+                 "--api-key"]:
         assert flag in out
+
+
+def test_a_bad_setting_stops_start_up_with_one_line_naming_it(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nquantize = "int3"\n')
+    out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(bad)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr == ("ponder: invalid settings: model.quantize: Input should be 'none', 'int8' or 'int4'\n")
 
 
 def test_serve_deterministic_turns_batch_invariance_on(tmp_path, monkeypatch):
