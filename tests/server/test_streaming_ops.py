@@ -63,7 +63,8 @@ def test_a_long_streamed_search_is_never_silent(server):
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert not any("search" in c and "step" in c["search"] for c in chunks)  # events only when asked for
     finish = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
-    assert finish == ["length"]
+    # Cut short by the deadline: "length"; a path that had ended by itself before it keeps "stop".
+    assert len(finish) == 1 and finish[0] in ("length", "stop")
     assert chunks[-1]["search"]["timed_out"] is True
 
 
@@ -85,7 +86,8 @@ def test_a_search_past_its_timeout_returns_the_best_answer_so_far(server):
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["search"]["timed_out"] is True and answer["search"]["steps"] < LONG["max_steps"]
-    assert answer["choices"][0]["finish_reason"] == "length" and answer["choices"][0]["message"]["content"]
+    assert answer["choices"][0]["finish_reason"] in ("length", "stop")  # "stop": the path ended by itself
+    assert answer["choices"][0]["message"]["content"]
     assert 1 <= elapsed < 1 + 5
 
 
