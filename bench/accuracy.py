@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.problems import LEVELS, Problem, problem_set
-from bench.report import emit
+from bench.report import emit, plot_path
 from bench.threads import torch_threads
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
@@ -341,14 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     problems = problem_set(args.seed, per_level, LEVELS)
     with torch_threads(args.threads):
         results = run(args.model, configs, problems, setup)
-    if args.plot_path:
-        plot_path = Path(args.plot_path)
-    elif args.json_path:
-        plot_path = Path(args.json_path).with_suffix(".png")
-    else:
-        plot_path = OUT_DIR / ("accuracy-quick.png" if args.quick else "accuracy.png")
-    results["plot"] = str(plot_path)
-    plot(results, plot_path)
+    path = plot_path(args.plot_path, args.json_path, OUT_DIR / ("accuracy-quick.png" if args.quick else "accuracy.png"))
+    results["plot"] = str(path)
+    plot(results, path)
     emit(results, table(results), args.json_path)
     return 0
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import emit
+from bench.report import emit, plot_path
 from bench.threads import torch_threads
 from runtime.offload import POLICIES, RunReport, SearchSpec, TierSpec, run_offloaded
 
@@ -260,14 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs per policy, interleaved; the fastest is reported")
     args = parser.parse_args(argv)
     results = run(args)
-    if args.plot_path:
-        plot_path = Path(args.plot_path)
-    elif args.json_path:
-        plot_path = Path(args.json_path).with_suffix(".png")
-    else:
-        plot_path = OUT_DIR / ("kv-quick.png" if args.quick else "kv.png")
-    results["plot"] = str(plot_path)
-    plot(results, plot_path)
+    path = plot_path(args.plot_path, args.json_path, OUT_DIR / ("kv-quick.png" if args.quick else "kv.png"))
+    results["plot"] = str(path)
+    plot(results, path)
     emit(results, table(results), args.json_path, {k: v for k, v in results.items() if k != "final_tokens"})
     return 0
 

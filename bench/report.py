@@ -14,3 +14,12 @@ def emit(results: dict, table: str, json_path: str | None, line: dict | None = N
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def plot_path(plot_arg: str | None, json_path: str | None, default: Path) -> Path:
+    """Where a benchmark's plot goes: `--plot` if given, else beside `--json`, else `default`."""
+    if plot_arg:
+        return Path(plot_arg)
+    if json_path:
+        return Path(json_path).with_suffix(".png")
+    return default

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.deploy.test_deploy_files import DEPLOY, all_panels, dashboard, template_variables
-from tests.server.live import free_port, live_server
+from tests.server.live import free_port, live_server, stop
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -80,11 +80,7 @@ def prometheus(ponder, tmp_path_factory):
             time.sleep(0.2)
         yield base, target
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
 
 

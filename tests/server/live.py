@@ -22,6 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @contextmanager
 def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, timeout: float = 120.0,
                 log_path: Path | None = None):
@@ -49,11 +58,7 @@ def live_server(*args: str, env: dict | None = None, wait_healthy: bool = True, 
             time.sleep(0.2)
         yield base, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
 
 
