@@ -41,15 +41,24 @@ class TieredPrefixCache:
         pool.on_evict = self._demote
 
     def _demote(self, block_id: int, block_hash: bytes) -> None:
+        if len(self._in_flight) >= 256:  # with no lookups for a while: forget the finished ones
+            self._reap(wait=False)
         self._in_flight.append(self.transfers.offload(block_hash, self.cache.read_block(block_id)))
 
     def drain(self) -> None:
         """Wait until every demotion handed out so far is in the chain."""
-        in_flight, self._in_flight = self._in_flight, []
-        for future in in_flight:
+        self._reap(wait=True)
+
+    def _reap(self, wait: bool) -> None:
+        pending = []
+        for future in self._in_flight:
+            if not wait and not future.done():
+                pending.append(future)
+                continue
             error = future.exception()
             if error is not None:  # the block is lost to the lower tiers; it is recomputed when needed
                 log.warning("a KV block could not be demoted: %s", error)
+        self._in_flight = pending
 
     def promote_prefix(self, seq: Sequence, limit: int | None = None) -> int:
         """Bring the blocks of `seq`'s cacheable prefix that live in a lower tier into the compute pool
@@ -64,6 +73,7 @@ class TieredPrefixCache:
             for block_hash in hash_blocks(seq.token_ids[:cacheable * block_size], block_size, self.extra_key):
                 block_id = self.pool.lookup(block_hash)
                 if block_id is None:
+                    self.drain()  # an allocation above may have just demoted this very block
                     if (limit is not None and promoted >= limit) or self.chain.lookup(block_hash) is None \
                             or not self.pool.can_allocate(1):
                         break

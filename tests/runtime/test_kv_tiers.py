@@ -115,3 +115,16 @@ def test_demotion_leaves_the_engine_loop_and_is_awaited_before_a_lookup(tiny_lla
     assert again["finished"].cached_tokens == 28  # every demoted block was found, however slow
     assert again["choices"][0] == first["choices"][0]
     engine.close()
+
+
+def test_finished_demotions_are_not_held_without_lookups(tiny_llama, tmp_path):
+    engine = tiered_engine(tiny_llama, tmp_path, host_blocks=512)
+    tiers = engine.tiers
+    for i in range(300):
+        tiers._demote(i % engine.config.num_blocks, i.to_bytes(16, "little"))
+        if i == 255:
+            tiers.transfers.offload(b"x" * 16, engine.cache.read_block(0)).result()  # the queue before it is done
+    assert len(tiers._in_flight) <= 300 - 256 + 1
+    tiers.drain()
+    assert not tiers._in_flight and tiers.chain.host.num_blocks == 301
+    engine.close()
