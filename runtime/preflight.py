@@ -13,7 +13,7 @@ import sys
 
 from runtime.loader import SettingError, pick_device, pick_dtype
 from runtime.protocol import RuntimeOptions, decode_options
-from runtime.quantize import check_mode
+from runtime.quantize import check_device, check_mode
 
 
 def check(options: RuntimeOptions) -> None:
@@ -21,9 +21,7 @@ def check(options: RuntimeOptions) -> None:
     device = pick_device(options.device)
     pick_dtype(options.dtype, device)
     check_mode(options.quantize)
-    if options.quantize != "none" and device.type != "cpu":
-        raise SettingError(f"model.quantize = {options.quantize!r} runs on the CPU only, and model.device is "
-                           f"{device.type}; set model.quantize = \"none\" or model.device = \"cpu\"")
+    check_device(options.quantize, device)
 
 
 def main() -> int:

@@ -52,7 +52,7 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     select: str = "best"
     answer_pattern: str | None = None
     include_events: bool = False
-    timeout_s: float | None = None  # past this, the search ends at its next step boundary with what it has
+    timeout_s: float | None = None  # past this, running steps end at their next token and the best path answers
 
 
 # ---------------------------------------------------------------------------------------------

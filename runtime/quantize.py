@@ -10,8 +10,9 @@ quantized weight and calls one torch kernel:
 
 Both are weight-only: the activations enter the kernel rounded to bfloat16, whose kernels are the
 vectorized ones on a CPU with AVX512-BF16 (with float32 input they ran up to 40x slower there).
-Both kernels compute each output row from its own input row only (tested), so batching never changes a row's bits, and the engine's greedy tokens equal
-transformers' `generate` on the same quantized model. A model whose layers a mode cannot take stops
+Both kernels compute each output row from its own input row only (tested), so batching never
+changes a row's bits, and the engine's greedy tokens equal transformers' `generate` on the same
+quantized model. A model whose layers a mode cannot take stops
 start-up with a `QuantizeError` naming the setting; nothing falls back to float weights silently.
 """
 
@@ -121,15 +122,20 @@ def check_mode(mode: str) -> None:
         raise QuantizeError(f"model.quantize = {mode!r} is not one of {', '.join(QUANTIZE_MODES)}")
 
 
+def check_device(mode: str, device: torch.device, where: str = "model.device is") -> None:
+    """Raise `QuantizeError` unless `mode` can run on `device` (the quantized kernels are the CPU's)."""
+    if mode != "none" and device.type != "cpu":
+        raise QuantizeError(f"model.quantize = {mode!r} runs on the CPU only, and {where} {device.type}; "
+                            "set model.quantize = \"none\" or model.device = \"cpu\"")
+
+
 def check_quantizable(model: nn.Module, mode: str) -> None:
     """Raise `QuantizeError` (one line, naming the setting) unless every linear layer can take `mode`."""
     check_mode(mode)
     if mode == "none":
         return
     for name, _, _, layer in linear_layers(model):
-        if layer.weight.device.type != "cpu":
-            raise QuantizeError(f"model.quantize = {mode!r} runs on the CPU only, and {name} is on "
-                                f"{layer.weight.device.type}; set model.quantize = \"none\" or model.device = \"cpu\"")
+        check_device(mode, layer.weight.device, f"{name} is on")
         if layer.weight.dtype not in _SUPPORTED_DTYPES:
             raise QuantizeError(f"model.quantize = {mode!r} cannot take {name}: its weights are "
                                 f"{str(layer.weight.dtype).removeprefix('torch.')}")

@@ -126,7 +126,8 @@ def test_tier_round_trip_through_pinned_memory_keeps_every_byte():
     handle = transfers.prefetch(names[::-1], out={name: cache.kv[3 - i] for i, name in enumerate(names)})
     for name in names:
         assert handle.wait(name) is not None
-    torch.cuda.synchronize() if DEVICE.type == "cuda" else None
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     assert torch.equal(cache.kv, original.flip(0))
     assert chain.bytes_moved["gpu/cpu"] == chain.bytes_moved["cpu/gpu"] == 4 * cache.bytes_per_block
     transfers.close()

@@ -132,3 +132,15 @@ def test_the_start_up_check_refuses_an_unknown_mode_before_anything_loads():
     check(RuntimeOptions(device="cpu", quantize="int4"))
     with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int3' is not one of none, int8, int4$"):
         check(RuntimeOptions(device="cpu", quantize="int3"))
+
+
+def test_the_start_up_check_refuses_quantization_off_the_cpu(monkeypatch):
+    import runtime.preflight as preflight
+    from runtime.protocol import RuntimeOptions
+
+    monkeypatch.setattr(preflight, "pick_device", lambda device: torch.device(device))  # as on a GPU machine
+    monkeypatch.setattr(preflight, "pick_dtype", lambda dtype, device: torch.bfloat16)
+    preflight.check(RuntimeOptions(device="cuda", quantize="none"))
+    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int8' runs on the CPU only, and model\.device "
+                                            r"is cuda; set model\.quantize = \"none\" or model\.device = \"cpu\"$"):
+        preflight.check(RuntimeOptions(device="cuda", quantize="int8"))
