@@ -8,16 +8,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from runtime.detokenizer import IncrementalDetokenizer
 from runtime.beam_groups import StepPlanner
 from runtime.kv_tiers import TieredPrefixCache
 from runtime.model_runner import ModelRunner
-from runtime.protocol import Accepted, Delta, Finished, FromRuntime, GenerateRequest, RequestError, RuntimeStats
+from runtime.admission import admit
+from runtime.plain import PlainRequests
+from runtime.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.row_padding import RowPadding
-from runtime.requests import (
-    ChoiceState, InvalidRequest, RequestState, prompt_token_ids, question_of, token_logprob,
-)
-from runtime.sampler import SamplingState, derive_seed, sample
+from runtime.requests import InvalidRequest, RequestState, question_of
+from runtime.sampler import sample
 from runtime.search.controller import SearchController
 from runtime.search.scoring import ConfidenceScorer, JudgeScorer
 from runtime.search.verifiers.judge import JudgeVerifier
@@ -84,7 +83,8 @@ class Engine:
         self.planner = StepPlanner(self, config.policy)
         self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
-        self.requests: dict[str, RequestState] = {}
+        self.plain = PlainRequests(self)
+        self.requests: dict[str, RequestState] = self.plain.requests
         self.searches: dict[str, SearchController] = {}
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
         self.scorers: dict[str, object] = {"confidence": ConfidenceScorer()}
@@ -94,7 +94,6 @@ class Engine:
             log.warning("the judge verifier is unavailable for this model: %s", exc)
         self.verifier_stores: list = []
         self.tiers: TieredPrefixCache | None = None
-        self.touched: dict[str, RequestState] = {}
         self.outbox: list[FromRuntime] = []
         self.deferred: list = []  # callbacks to run once a step's sampled tokens are all handed out
         self.verifier_samples: list[float] = []
@@ -122,60 +121,17 @@ class Engine:
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
-            ids, max_tokens = self._validate(request)
+            ids, max_tokens = admit(self, request)
             if request.search is not None:
                 controller = self._make_search(request, ids, max_tokens)
                 self.searches[request.request_id] = controller
                 self.scheduler.add(controller.root)
             else:
-                state = self._make_request(request, ids, max_tokens)
-                self.requests[state.request_id] = state
-                self.scheduler.add(state.choices[0].seq)
+                self.plain.add(request, ids, max_tokens)
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
         self.stats["tokens_prompt"] += len(ids)
         return [Accepted(request_id=request.request_id, prompt_tokens=len(ids))]
-
-    def _validate(self, request: GenerateRequest) -> tuple[list[int], int]:
-        if request.request_id in self.requests or request.request_id in self.searches:
-            raise InvalidRequest(f"request id {request.request_id} is already running")
-        ids = prompt_token_ids(request, self.tokenizer)
-        params = request.sampling
-        if not ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequest(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
-        room = self.config.max_model_len - len(ids)
-        if room <= 0:
-            raise InvalidRequest(
-                f"this model's maximum context length is {self.config.max_model_len} tokens, and the prompt "
-                f"has {len(ids)} tokens", "messages" if request.messages is not None else "prompt",
-                code="context_length_exceeded")
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise InvalidRequest(
-                f"this model's maximum context length is {self.config.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens is {max_tokens}, {len(ids) + max_tokens} in all",
-                "max_tokens", code="context_length_exceeded")
-        if self.kv.num_blocks_for(len(ids) + max_tokens) > self.config.num_blocks:
-            raise InvalidRequest(
-                f"the prompt and max_tokens need {len(ids) + max_tokens} tokens of KV cache, more than the "
-                f"{self.config.num_blocks * self.config.block_size} this server holds", "max_tokens")
-        if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must lie in [0, {self.vocab_size})", "stop_token_ids")
-        if params.top_logprobs > 20:
-            raise InvalidRequest("top_logprobs must be at most 20", "top_logprobs")
-        return ids, max_tokens
-
-    def _make_request(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> RequestState:
-        params = request.sampling
-        state = RequestState(request.request_id, params, ids, max_tokens)
-        for index in range(params.n):
-            sampling = SamplingState(params, derive_seed(params.seed, index), self.device)
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-            state.choices.append(ChoiceState(state, index, sampling, detok))
-        state.choices[0].seq = Sequence(ids, owner=state.choices[0])
-        return state
 
     def _make_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> SearchController:
         search = request.search
@@ -196,11 +152,7 @@ class Engine:
         return controller
 
     def abort(self, request_id: str) -> None:
-        state = self.requests.pop(request_id, None)
-        if state is not None:
-            for choice in state.choices:
-                if choice.seq is not None and not choice.seq.is_finished:
-                    self.scheduler.finish(choice.seq)
+        self.plain.abort(request_id)
         controller = self.searches.pop(request_id, None)
         if controller is not None:
             controller.is_finished = True
@@ -315,7 +267,7 @@ class Engine:
         return self._drain()
 
     def _drain(self) -> list[FromRuntime]:
-        messages = self._emit_plain()
+        messages = self.plain.emit()
         messages.extend(self.outbox)
         self.outbox = []
         return messages
@@ -331,67 +283,6 @@ class Engine:
         request_id = self.scheduler.waiting[0].owner.request_id
         self.fail_request(request_id, f"the KV cache is exhausted: {reason}")
         return self._drain()
-
-    def on_choice_sampled(self, choice: ChoiceState, out) -> None:
-        seq = choice.seq
-        params = choice.request.params
-        choice.pending_token_ids.append(out.token_id)
-        if params.logprobs and out.logprob is not None:
-            choice.pending_logprobs.append(token_logprob(self.tokenizer, out.token_id, out.logprob, out.top))
-        is_stop_token = out.token_id in params.stop_token_ids or (
-            out.token_id in self.eos_ids and not params.ignore_eos)
-        if not is_stop_token:
-            choice.detok.add(out.token_id)
-        if is_stop_token or choice.detok.stopped:
-            choice.finish_reason = "stop"
-        elif seq.num_output_tokens >= choice.request.max_tokens or len(seq) >= self.config.max_model_len:
-            choice.finish_reason = "length"
-        if choice.finish_reason is not None:
-            self.scheduler.finish(seq)
-        self.touched[choice.request.request_id] = choice.request
-
-    def on_choice_logits(self, choice: ChoiceState, seq: Sequence) -> list[Sequence]:
-        """The first logits of a request fork its other choices, which sample from the same row."""
-        request = choice.request
-        if request.is_forked:
-            return [seq]
-        request.is_forked = True
-        request.num_cached_tokens = seq.num_cached_tokens
-        self.stats["tokens_cached"] += seq.num_cached_tokens
-        targets = []
-        for other in request.choices[1:]:
-            child = Sequence(seq.token_ids, seq.num_prompt_tokens, owner=other)
-            self.kv.fork(seq, child)
-            self.scheduler.add_running(child)
-            other.seq = child
-            targets.append(child)
-        return targets + [seq]
-
-    def _emit_plain(self) -> list[FromRuntime]:
-        messages: list[FromRuntime] = []
-        touched, self.touched = self.touched, {}
-        for request in touched.values():
-            if request.request_id not in self.requests:
-                continue  # aborted during this step
-            for choice in request.choices:
-                if not choice.pending_token_ids:
-                    continue
-                finished = choice.finish_reason is not None
-                text = choice.detok.finish() if finished else choice.detok.flush()
-                messages.append(Delta(
-                    request_id=request.request_id, index=choice.index, text=text,
-                    token_ids=tuple(choice.pending_token_ids),
-                    logprobs=tuple(choice.pending_logprobs) if request.params.logprobs else None,
-                    finish_reason=choice.finish_reason))
-                choice.pending_token_ids.clear()
-                choice.pending_logprobs.clear()
-            if request.is_finished:
-                del self.requests[request.request_id]
-                messages.append(Finished(
-                    request_id=request.request_id, prompt_tokens=len(request.prompt_ids),
-                    cached_tokens=request.num_cached_tokens,
-                    completion_tokens=sum(c.num_output_tokens for c in request.choices)))
-        return messages
 
     # -- introspection --------------------------------------------------------------------------
     def runtime_stats(self) -> RuntimeStats:

@@ -42,10 +42,10 @@ class ChoiceState:
         return self.request.request_id
 
     def on_logits(self, engine, seq: Sequence, row) -> list[Sequence]:
-        return engine.on_choice_logits(self, seq)
+        return engine.plain.on_logits(self, seq)
 
     def on_sampled(self, engine, seq: Sequence, out) -> None:
-        engine.on_choice_sampled(self, out)
+        engine.plain.on_sampled(self, out)
 
 
 @dataclass
