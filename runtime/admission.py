@@ -30,10 +30,11 @@ def admit(engine, request: GenerateRequest) -> tuple[list[int], int]:
             f"this model's maximum context length is {config.max_model_len} tokens; the prompt has "
             f"{len(ids)} tokens and max_tokens is {max_tokens}, {len(ids) + max_tokens} in all",
             "max_tokens", code="context_length_exceeded")
-    if engine.kv.num_blocks_for(len(ids) + max_tokens) > config.num_blocks:
+    num_blocks = engine.pool.num_blocks  # under token with tiers: what the tiers hold
+    if engine.kv.num_blocks_for(len(ids) + max_tokens) > num_blocks:
         raise InvalidRequest(
             f"the prompt and max_tokens need {len(ids) + max_tokens} tokens of KV cache, more than the "
-            f"{config.num_blocks * config.block_size} this server holds", "max_tokens")
+            f"{num_blocks * config.block_size} this server holds", "max_tokens")
     if any(not 0 <= t < engine.vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must lie in [0, {engine.vocab_size})", "stop_token_ids")
     if params.top_logprobs > 20:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from runtime.beam_groups import StepPlanner
 from runtime.kv_tiers import TieredPrefixCache
+from runtime.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
 from runtime.model_runner import ModelRunner
 from runtime.admission import admit
 from runtime.plain import PlainRequests
@@ -72,15 +73,11 @@ class Engine:
         head = model.get_output_embeddings()  # a quantized head's weight is packed: ask its out_features
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         self.eos_ids = eos_token_ids(model, tokenizer)
-        shape = kv_shape_of(model.config, config.block_size)
-        self.cache = KVCache(shape, config.num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
-        self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.kv = KVManager(self.pool, extra_key=model_key, enable_prefix_cache=config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
-            if config.batch_invariant else None
-        self.runner = ModelRunner(model, self.cache, padding)
         self.planner = StepPlanner(self, config.policy)
+        self.model_key = model_key
+        self.padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
+            if config.batch_invariant else None
+        self._build_pool(config.num_blocks)
         self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
         self.plain = PlainRequests(self)
@@ -93,7 +90,8 @@ class Engine:
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
             log.warning("the judge verifier is unavailable for this model: %s", exc)
         self.verifier_stores: list = []
-        self.tiers: TieredPrefixCache | None = None
+        self.tiers: TieredPrefixCache | None = None  # lbs, lbs_no_prefix: whole blocks below compute
+        self.layers: LayerwiseResidency | None = None  # token: layer pieces below compute
         self.outbox: list[FromRuntime] = []
         self.deferred: list = []  # callbacks to run once a step's sampled tokens are all handed out
         self.verifier_samples: list[float] = []
@@ -106,14 +104,40 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores)
 
+    def _build_pool(self, num_blocks: int) -> None:
+        """The compute tensor, the block pool over it, and what allocates from and runs on them."""
+        config = self.config
+        shape = kv_shape_of(self.model.config, config.block_size)
+        self.cache = KVCache(shape, num_blocks, next(self.model.parameters()).dtype, self.device, scratch=True)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.padding)
+
+    @property
+    def tier_payload_shape(self) -> tuple[int, ...]:
+        """The shape the host tier must hold under this policy: a whole block, or (token) one layer
+        of one."""
+        shape = self.cache.shape.block_shape
+        return shape[1:] if self.config.policy == "token" else shape
+
     def attach_tiers(self, chain) -> None:
-        """Extend the prefix cache over lower tiers (see runtime.kv_tiers)."""
-        self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+        """Put host and disk tiers below the compute pool, before any request: the prefix cache
+        extends over them (runtime.kv_tiers), or under `token` the paths' KV may outgrow the compute
+        budget, its layers over the budget reloaded for every token (runtime.layer_offload)."""
+        if self.config.policy != "token":
+            self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+            return
+        self._build_pool(logical_blocks(self, chain))
+        self.layers = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
+        self.runner.layer_provider = self.layers.begin_step
 
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.layers is not None:
+            self.layers.close()
 
     def add_verifier_store(self, store) -> None:
         self.scorers[store.name] = store
@@ -245,7 +269,12 @@ class Engine:
         if plan.is_empty:
             return self._drain()
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
-        logits = self.runner.execute(plan.scheduled, plan.copies, sampled)
+        try:
+            logits = self.runner.execute(plan.scheduled, plan.copies, sampled)
+        except BlockLost as lost:  # nothing was computed from it: its holders recompute it
+            log.warning("%s; recomputing it", lost)
+            recompute_lost(self, lost)
+            return self._drain()
         for entry in plan.scheduled:
             self.kv.commit_computed(entry.seq, entry.seq.num_computed_tokens + entry.num_new_tokens)
         rows: list[int] = []
@@ -293,7 +322,8 @@ class Engine:
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
                        **(self.tiers.block_counts() if self.tiers else {})},
-            kv_transfer_bytes=self.tiers.chain.bytes_moved if self.tiers else {},
+            kv_transfer_bytes=self.transfer_bytes(),
+            prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_prompt=self.stats["tokens_prompt"],
@@ -305,6 +335,16 @@ class Engine:
             speculative_tokens=dict(self.stats["speculative_tokens"]),
             verifier_seconds=tuple(self._take_verifier_samples()),
         )
+
+    def transfer_bytes(self) -> dict[str, int]:
+        """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
+        residency = self.tiers or self.layers
+        return residency.chain.bytes_moved if residency is not None else {}
+
+    def transfer_stall_seconds(self) -> float:
+        """Seconds the engine loop was blocked on transfers between tiers."""
+        residency = self.tiers or self.layers
+        return residency.stall_seconds if residency is not None else 0.0
 
     def _take_verifier_samples(self) -> list[float]:
         samples, self.verifier_samples = self.verifier_samples, []
