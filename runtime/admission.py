@@ -3,8 +3,12 @@ model and the KV cache before anything is scheduled."""
 
 from __future__ import annotations
 
+from runtime.loader import SettingError
 from runtime.protocol import GenerateRequest
 from runtime.requests import InvalidRequest, prompt_token_ids
+from runtime.streamed import StreamedRequests
+
+GRANULARITIES = ("block", "head")
 
 
 def admit(engine, request: GenerateRequest) -> tuple[list[int], int]:
@@ -32,11 +36,45 @@ def admit(engine, request: GenerateRequest) -> tuple[list[int], int]:
             "max_tokens", code="context_length_exceeded")
     num_blocks = engine.pool.num_blocks  # under token with tiers: what the tiers hold
     if engine.kv.num_blocks_for(len(ids) + max_tokens) > num_blocks:
-        raise InvalidRequest(
-            f"the prompt and max_tokens need {len(ids) + max_tokens} tokens of KV cache, more than the "
-            f"{num_blocks * config.block_size} this server holds", "max_tokens")
+        _check_streamed(engine, request, len(ids) + max_tokens)
     if any(not 0 <= t < engine.vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must lie in [0, {engine.vocab_size})", "stop_token_ids")
     if params.top_logprobs > 20:
         raise InvalidRequest("top_logprobs must be at most 20", "top_logprobs")
     return ids, max_tokens
+
+
+def _check_streamed(engine, request: GenerateRequest, num_tokens: int) -> None:
+    """A request over the compute pool may stream head-wise (one choice, no search) if the host and
+    disk tiers hold its KV; otherwise it is refused, saying how many tokens would fit."""
+    held = engine.pool.num_blocks * engine.config.block_size
+    streamed = engine.streamed
+    if streamed is None or request.search is not None or request.sampling.n > 1:
+        raise InvalidRequest(
+            f"the prompt and max_tokens need {num_tokens} tokens of KV cache, more than the {held} this "
+            f"server holds" + ("" if streamed is None else " for a search or several choices"), "max_tokens")
+    if not streamed.fits(num_tokens - 1):  # the last token is sampled, never fed back
+        fit = max(held, streamed.max_tokens() + 1)
+        raise InvalidRequest(
+            f"the prompt and max_tokens need {num_tokens} tokens of KV cache; streamed head by head through "
+            f"the compute tier, the host and disk tiers hold at most {fit} tokens", "max_tokens")
+
+
+def check_granularity(engine):
+    """The head-wise server of requests over the compute pool, when `kv_granularity = head` (None
+    for block); a name that does not exist, or a compute budget that cannot stream one sequence of
+    `max_model_len` tokens, is a `SettingError` naming the setting."""
+    config = engine.config
+    if config.kv_granularity not in GRANULARITIES:
+        raise SettingError(f"scheduler.kv_granularity = {config.kv_granularity!r} is not one of "
+                           f"{', '.join(GRANULARITIES)}")
+    if config.kv_granularity == "block":
+        return None
+    streamed = StreamedRequests(engine)
+    try:
+        streamed.plan(config.max_model_len)
+    except MemoryError as exc:
+        raise SettingError(f"scheduler.kv_granularity = head: a compute budget of {config.num_blocks} blocks "
+                           f"cannot stream one sequence of max_model_len {config.max_model_len} tokens: "
+                           f"{exc}") from None
+    return streamed

@@ -45,6 +45,7 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                           max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
                           enable_prefix_cache=options.enable_prefix_cache, policy=options.scheduler_policy,
+                          kv_granularity=options.kv_granularity,
                           speculative_extension=options.speculative_extension,
                           batch_invariant=options.batch_invariant)
     model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()

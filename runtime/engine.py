@@ -12,7 +12,7 @@ from runtime.beam_groups import StepPlanner
 from runtime.kv_tiers import TieredPrefixCache
 from runtime.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
 from runtime.model_runner import ModelRunner
-from runtime.admission import admit
+from runtime.admission import admit, check_granularity
 from runtime.plain import PlainRequests
 from runtime.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.row_padding import RowPadding
@@ -40,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.beam_groups)
+    kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.streamed)
     speculative_extension: bool = True
     batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
 
@@ -78,6 +79,7 @@ class Engine:
         self.padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
             if config.batch_invariant else None
         self._build_pool(config.num_blocks)
+        self.streamed = check_granularity(self)
         self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
         self.plain = PlainRequests(self)
@@ -102,7 +104,8 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores)
+        return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores) \
+            or (self.streamed is not None and self.streamed.has_work)
 
     def _build_pool(self, num_blocks: int) -> None:
         """The compute tensor, the block pool over it, and what allocates from and runs on them."""
@@ -113,6 +116,12 @@ class Engine:
         self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.padding)
+
+    @property
+    def tier_chain(self):
+        """The host and disk tiers attached below the compute pool, or None."""
+        residency = self.tiers or self.layers
+        return residency.chain if residency is not None else None
 
     @property
     def tier_payload_shape(self) -> tuple[int, ...]:
@@ -151,7 +160,8 @@ class Engine:
                 self.searches[request.request_id] = controller
                 self.scheduler.add(controller.root)
             else:
-                self.plain.add(request, ids, max_tokens)
+                self.plain.add(request, ids, max_tokens,
+                               streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks)
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
         self.stats["tokens_prompt"] += len(ids)
@@ -251,6 +261,8 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
+        if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
+            return self._drain()
         for store in self.verifier_stores:
             if store.has_work:
                 store.step()
@@ -338,13 +350,16 @@ class Engine:
 
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
-        residency = self.tiers or self.layers
-        return residency.chain.bytes_moved if residency is not None else {}
+        moved = dict(self.tier_chain.bytes_moved) if self.tier_chain is not None else {}
+        for pair, n in (self.streamed.bytes_moved() if self.streamed is not None else {}).items():
+            moved[pair] = moved.get(pair, 0) + n
+        return moved
 
     def transfer_stall_seconds(self) -> float:
         """Seconds the engine loop was blocked on transfers between tiers."""
         residency = self.tiers or self.layers
-        return residency.stall_seconds if residency is not None else 0.0
+        seconds = residency.stall_seconds if residency is not None else 0.0
+        return seconds + (self.streamed.stall_seconds if self.streamed is not None else 0.0)
 
     def _take_verifier_samples(self) -> list[float]:
         samples, self.verifier_samples = self.verifier_samples, []
