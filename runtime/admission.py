@@ -3,6 +3,7 @@ model and the KV cache before anything is scheduled."""
 
 from __future__ import annotations
 
+from runtime.head_pieces import plan_pieces
 from runtime.loader import SettingError
 from runtime.protocol import GenerateRequest
 from runtime.requests import InvalidRequest, prompt_token_ids
@@ -60,21 +61,28 @@ def _check_streamed(engine, request: GenerateRequest, num_tokens: int) -> None:
             f"the compute tier, the host and disk tiers hold at most {fit} tokens", "max_tokens")
 
 
-def check_granularity(engine):
-    """The head-wise server of requests over the compute pool, when `kv_granularity = head` (None
-    for block); a name that does not exist, or a compute budget that cannot stream one sequence of
-    `max_model_len` tokens, is a `SettingError` naming the setting."""
+def check_budget(shape, num_blocks: int, max_model_len: int, granularity: str) -> None:
+    """Raise `SettingError`, naming the setting, for a granularity that does not exist or a compute
+    budget below one path's working set: the block it writes and a copy-on-write copy of it, or
+    (head) one sequence of `max_model_len` tokens streamed through the compute tier."""
+    if granularity not in GRANULARITIES:
+        raise SettingError(f"scheduler.kv_granularity = {granularity!r} is not one of {', '.join(GRANULARITIES)}")
+    if num_blocks < 2:
+        raise SettingError(f"cache.num_blocks = {num_blocks}: one path needs at least 2 blocks (the block it "
+                           f"writes and a copy-on-write copy of it)")
+    if granularity == "head":
+        try:
+            plan_pieces(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, group_heads=1,
+                        head_dim=shape.head_dim, block_size=shape.block_size, max_tokens=max_model_len,
+                        budget_pieces=num_blocks * shape.num_layers * shape.num_kv_heads, prefetch=True)
+        except MemoryError as exc:
+            raise SettingError(f"scheduler.kv_granularity = head: a compute budget of {num_blocks} blocks cannot "
+                               f"stream one sequence of max_model_len {max_model_len} tokens: {exc}") from None
+
+
+def check_granularity(engine) -> StreamedRequests | None:
+    """The head-wise server of requests over the compute pool when `kv_granularity = head`, after
+    `check_budget`."""
     config = engine.config
-    if config.kv_granularity not in GRANULARITIES:
-        raise SettingError(f"scheduler.kv_granularity = {config.kv_granularity!r} is not one of "
-                           f"{', '.join(GRANULARITIES)}")
-    if config.kv_granularity == "block":
-        return None
-    streamed = StreamedRequests(engine)
-    try:
-        streamed.plan(config.max_model_len)
-    except MemoryError as exc:
-        raise SettingError(f"scheduler.kv_granularity = head: a compute budget of {config.num_blocks} blocks "
-                           f"cannot stream one sequence of max_model_len {config.max_model_len} tokens: "
-                           f"{exc}") from None
-    return streamed
+    check_budget(engine.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)
+    return StreamedRequests(engine) if config.kv_granularity == "head" else None

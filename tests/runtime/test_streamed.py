@@ -86,3 +86,17 @@ def test_bad_granularity_or_budget_stops_start_up(deep_llama):
         engine_for(deep_llama, kv_granularity="layer")
     with pytest.raises(SettingError, match="^scheduler.kv_granularity = head: a compute budget of 2 blocks"):
         engine_for(deep_llama, num_blocks=2, kv_granularity="head")
+
+
+def test_the_start_up_check_names_the_budget_setting(deep_llama):
+    from runtime.preflight import check
+    from runtime.protocol import RuntimeOptions
+
+    check(RuntimeOptions(model=str(deep_llama), device="cpu", block_size=4, num_blocks=8, max_model_len=160, kv_granularity="head"))
+    with pytest.raises(SettingError, match=r"^scheduler\.kv_granularity = head: a compute budget of 8 blocks cannot "
+                                           r"stream one sequence of max_model_len 512 tokens: "):
+        check(RuntimeOptions(model=str(deep_llama), device="cpu", block_size=4, num_blocks=8, kv_granularity="head"))
+    with pytest.raises(SettingError, match=r"^cache\.num_blocks = 1: one path needs at least 2 blocks"):
+        check(RuntimeOptions(model=str(deep_llama), device="cpu", block_size=4, num_blocks=1, scheduler_policy="token"))
+    with pytest.raises(SettingError, match=r"^scheduler\.kv_granularity = 'layers' is not one of block, head$"):
+        check(RuntimeOptions(model=str(deep_llama), device="cpu", block_size=4, kv_granularity="layers"))
