@@ -125,7 +125,9 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-def register() -> str:
-    AttentionInterface.register(ATTENTION_NAME, paged_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-    return ATTENTION_NAME
+def register(name: str = ATTENTION_NAME, function=paged_attention) -> str:
+    """Register an attention function (this module's by default) under `name`, with no mask: each
+    builds its own from the positions it is given."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, _no_mask)
+    return name

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
-
+from runtime import attention
 from runtime.head_pieces import HeadwiseStore, PiecePlan
 from storage.piece_transfers import PiecePipeline
 from storage.tiers import TierChain
@@ -74,14 +72,8 @@ def headwise_attention(module, query, key, value, attention_mask, scaling=None, 
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args, **kwargs):
-    return None
-
-
 def register() -> str:
-    AttentionInterface.register(HEADWISE_ATTENTION, headwise_attention)
-    AttentionMaskInterface.register(HEADWISE_ATTENTION, _no_mask)
-    return HEADWISE_ATTENTION
+    return attention.register(HEADWISE_ATTENTION, headwise_attention)
 
 
 class HeadwiseDecoder:

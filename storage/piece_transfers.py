@@ -10,15 +10,14 @@ fails its disk checksum (the disk tier drops it and reports a miss), raises `Pie
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from storage.block_hash import BlockHash
-from storage.tiers import TierChain
+from storage.tiers import TierChain, TransferEngine
 
 
 class PieceLost(RuntimeError):
@@ -29,24 +28,11 @@ class PieceLost(RuntimeError):
         self.name = name
 
 
-class PiecePipeline:
+class PiecePipeline(TransferEngine):
+    """The transfer engine's worker, stream and stall count, moving named pieces in batches."""
+
     def __init__(self, chain: TierChain, device: torch.device) -> None:
-        self.chain = chain
-        self.device = device
-        self._is_cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._is_cuda else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-pieces")
-        self._lock = threading.Lock()
-        self._stall_seconds = 0.0
-
-    @property
-    def stall_seconds(self) -> float:
-        with self._lock:
-            return self._stall_seconds
-
-    def add_stall(self, seconds: float) -> None:
-        with self._lock:
-            self._stall_seconds += seconds
+        super().__init__(chain, device=device)
 
     def load(self, pieces: Sequence[tuple[BlockHash, torch.Tensor]]) -> Future:
         """Copy each named piece into its tensor (a compute slot or a staging buffer)."""
@@ -70,15 +56,12 @@ class PiecePipeline:
             try:
                 future.exception()
             finally:
-                self.add_stall(time.perf_counter() - start)
+                self._add_stall(time.perf_counter() - start)
         future.result()
 
     def drain(self) -> None:
         """Wait until everything submitted so far is done."""
         self._executor.submit(lambda: None).result()
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
 
     # ---- worker side ---------------------------------------------------------------------------
     def _load(self, pieces: list[tuple[BlockHash, torch.Tensor]], ready) -> None:
