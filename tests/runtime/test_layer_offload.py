@@ -17,10 +17,10 @@ def expected(tiny_llama):
     return engine_choices(run_search(engine, search_request("resident", **SEARCH)))
 
 
-@pytest.mark.parametrize("num_blocks", [4, 8, 24])
-def test_layerwise_offload_gives_the_resident_search(tiny_llama, expected, num_blocks):
-    engine = engine_for(tiny_llama, num_blocks=num_blocks, scheduler_policy="token", speculative_extension=False,
-                        host_kv_memory_bytes=4 << 20)
+@pytest.mark.parametrize("num_blocks, speculative", [(4, False), (8, False), (24, False), (8, True)])
+def test_layerwise_offload_gives_the_resident_search(tiny_llama, expected, num_blocks, speculative):
+    engine = engine_for(tiny_llama, num_blocks=num_blocks, scheduler_policy="token",
+                        speculative_extension=speculative, host_kv_memory_bytes=4 << 20)
     assert engine.pool.num_blocks > num_blocks and engine.layers.budget_blocks == num_blocks
     assert engine_choices(run_search(engine, search_request("offloaded", **SEARCH))) == expected
     engine.layers.pipeline.drain()
