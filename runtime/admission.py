@@ -3,8 +3,13 @@ model and the KV cache before anything is scheduled."""
 
 from __future__ import annotations
 
+from runtime.head_pieces import plan_pieces
+from runtime.loader import SettingError
 from runtime.protocol import GenerateRequest
 from runtime.requests import InvalidRequest, prompt_token_ids
+from runtime.streamed import StreamedRequests
+
+GRANULARITIES = ("block", "head")
 
 
 def admit(engine, request: GenerateRequest) -> tuple[list[int], int]:
@@ -30,12 +35,54 @@ def admit(engine, request: GenerateRequest) -> tuple[list[int], int]:
             f"this model's maximum context length is {config.max_model_len} tokens; the prompt has "
             f"{len(ids)} tokens and max_tokens is {max_tokens}, {len(ids) + max_tokens} in all",
             "max_tokens", code="context_length_exceeded")
-    if engine.kv.num_blocks_for(len(ids) + max_tokens) > config.num_blocks:
-        raise InvalidRequest(
-            f"the prompt and max_tokens need {len(ids) + max_tokens} tokens of KV cache, more than the "
-            f"{config.num_blocks * config.block_size} this server holds", "max_tokens")
+    num_blocks = engine.pool.num_blocks  # under token with tiers: what the tiers hold
+    if engine.kv.num_blocks_for(len(ids) + max_tokens) > num_blocks:
+        _check_streamed(engine, request, len(ids) + max_tokens)
     if any(not 0 <= t < engine.vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must lie in [0, {engine.vocab_size})", "stop_token_ids")
     if params.top_logprobs > 20:
         raise InvalidRequest("top_logprobs must be at most 20", "top_logprobs")
     return ids, max_tokens
+
+
+def _check_streamed(engine, request: GenerateRequest, num_tokens: int) -> None:
+    """A request over the compute pool may stream head-wise (one choice, no search) if the host and
+    disk tiers hold its KV; otherwise it is refused, saying how many tokens would fit."""
+    held = engine.pool.num_blocks * engine.config.block_size
+    streamed = engine.streamed
+    if streamed is None or request.search is not None or request.sampling.n > 1:
+        raise InvalidRequest(
+            f"the prompt and max_tokens need {num_tokens} tokens of KV cache, more than the {held} this "
+            f"server holds" + ("" if streamed is None else " for a search or several choices"), "max_tokens")
+    if not streamed.fits(num_tokens - 1):  # the last token is sampled, never fed back
+        fit = max(held, streamed.max_tokens() + 1)
+        raise InvalidRequest(
+            f"the prompt and max_tokens need {num_tokens} tokens of KV cache; streamed head by head through "
+            f"the compute tier, the host and disk tiers hold at most {fit} tokens", "max_tokens")
+
+
+def check_budget(shape, num_blocks: int, max_model_len: int, granularity: str) -> None:
+    """Raise `SettingError`, naming the setting, for a granularity that does not exist or a compute
+    budget below one path's working set: the block it writes and a copy-on-write copy of it, or
+    (head) one sequence of `max_model_len` tokens streamed through the compute tier."""
+    if granularity not in GRANULARITIES:
+        raise SettingError(f"scheduler.kv_granularity = {granularity!r} is not one of {', '.join(GRANULARITIES)}")
+    if num_blocks < 2:
+        raise SettingError(f"cache.num_blocks = {num_blocks}: one path needs at least 2 blocks (the block it "
+                           f"writes and a copy-on-write copy of it)")
+    if granularity == "head":
+        try:
+            plan_pieces(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, group_heads=1,
+                        head_dim=shape.head_dim, block_size=shape.block_size, max_tokens=max_model_len,
+                        budget_pieces=num_blocks * shape.num_layers * shape.num_kv_heads, prefetch=True)
+        except MemoryError as exc:
+            raise SettingError(f"scheduler.kv_granularity = head: a compute budget of {num_blocks} blocks cannot "
+                               f"stream one sequence of max_model_len {max_model_len} tokens: {exc}") from None
+
+
+def check_granularity(engine) -> StreamedRequests | None:
+    """The head-wise server of requests over the compute pool when `kv_granularity = head`, after
+    `check_budget`."""
+    config = engine.config
+    check_budget(engine.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)
+    return StreamedRequests(engine) if config.kv_granularity == "head" else None

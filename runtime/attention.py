@@ -70,11 +70,23 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSlice]
     num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.row_padding)
+    # A per-layer KV provider for the step (runtime.layer_offload.LayerStep): `before(layer)` runs
+    # ahead of the layer's cache reads and writes, `after(layer)` once the layer is done with them.
+    layers: object | None = None
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     meta: AttentionMetadata = kwargs["ponder_attention"]
     layer = module.layer_idx
+    if meta.layers is not None:
+        meta.layers.before(layer)
+    out = _paged_attention(meta, layer, query, key, value, scaling)
+    if meta.layers is not None:
+        meta.layers.after(layer)
+    return out, None
+
+
+def _paged_attention(meta: AttentionMetadata, layer: int, query, key, value, scaling):
     cache = meta.cache
     # query [1, H, T, D]; key/value [1, KVH, T, D]
     cache.write(layer, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
@@ -106,14 +118,16 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             k, v = k[:, :, :p.ctx_len], v[:, :, :p.ctx_len]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=True)
         out[p.q_start:p.q_start + p.q_len] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def _no_mask(*args, **kwargs):
     return None
 
 
-def register() -> str:
-    AttentionInterface.register(ATTENTION_NAME, paged_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
-    return ATTENTION_NAME
+def register(name: str = ATTENTION_NAME, function=paged_attention) -> str:
+    """Register an attention function (this module's by default) under `name`, with no mask: each
+    builds its own from the positions it is given."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, _no_mask)
+    return name

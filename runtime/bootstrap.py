@@ -45,6 +45,7 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                           max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
                           enable_prefix_cache=options.enable_prefix_cache, policy=options.scheduler_policy,
+                          kv_granularity=options.kv_granularity,
                           speculative_extension=options.speculative_extension,
                           batch_invariant=options.batch_invariant)
     model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
@@ -96,15 +97,15 @@ def _roofline_splitter(options: RuntimeOptions, model, verifiers: dict, max_mode
 
 
 def _tier_chain(options: RuntimeOptions, engine: Engine, model_key: bytes) -> TierChain:
-    shape, dtype = engine.cache.shape, engine.cache.dtype
+    payload, dtype = engine.tier_payload_shape, engine.cache.dtype
     compute = "gpu" if engine.device.type == "cuda" else "cpu"
     host = None
     if options.host_kv_memory_bytes > 0:
-        host = HostTier(shape.block_shape, dtype, options.host_kv_memory_bytes, pin_memory=True, name="host")
+        host = HostTier(payload, dtype, options.host_kv_memory_bytes, pin_memory=True, name="host")
     disk = None
     if options.disk_kv_dir:
         # Blocks of another model, dtype or layout must never be read: the namespace names all three.
-        namespace = f"{model_key.decode(errors='replace')}|{shape.block_shape}|{dtype}"
+        namespace = f"{model_key.decode(errors='replace')}|{payload}|{dtype}"
         disk = DiskTier(options.disk_kv_dir, namespace, options.disk_kv_bytes, name="disk")
         log.info("disk KV tier at %s: %d blocks found", disk.path, disk.num_blocks)
     return TierChain(host, disk, compute_name=compute)

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from runtime.beam_groups import StepPlanner
 from runtime.kv_tiers import TieredPrefixCache
+from runtime.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
 from runtime.model_runner import ModelRunner
-from runtime.admission import admit
+from runtime.admission import admit, check_granularity
 from runtime.plain import PlainRequests
 from runtime.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.row_padding import RowPadding
@@ -39,6 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.beam_groups)
+    kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.streamed)
     speculative_extension: bool = True
     batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
 
@@ -72,15 +74,12 @@ class Engine:
         head = model.get_output_embeddings()  # a quantized head's weight is packed: ask its out_features
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         self.eos_ids = eos_token_ids(model, tokenizer)
-        shape = kv_shape_of(model.config, config.block_size)
-        self.cache = KVCache(shape, config.num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
-        self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.kv = KVManager(self.pool, extra_key=model_key, enable_prefix_cache=config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
-            if config.batch_invariant else None
-        self.runner = ModelRunner(model, self.cache, padding)
         self.planner = StepPlanner(self, config.policy)
+        self.model_key = model_key
+        self.padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
+            if config.batch_invariant else None
+        self._build_pool(config.num_blocks)
+        self.streamed = check_granularity(self)
         self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
         self.plain = PlainRequests(self)
@@ -93,7 +92,8 @@ class Engine:
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
             log.warning("the judge verifier is unavailable for this model: %s", exc)
         self.verifier_stores: list = []
-        self.tiers: TieredPrefixCache | None = None
+        self.tiers: TieredPrefixCache | None = None  # lbs, lbs_no_prefix: whole blocks below compute
+        self.layers: LayerwiseResidency | None = None  # token: layer pieces below compute
         self.outbox: list[FromRuntime] = []
         self.deferred: list = []  # callbacks to run once a step's sampled tokens are all handed out
         self.verifier_samples: list[float] = []
@@ -104,16 +104,49 @@ class Engine:
     # -- requests -------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores)
+        return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores) \
+            or (self.streamed is not None and self.streamed.has_work)
+
+    def _build_pool(self, num_blocks: int) -> None:
+        """The compute tensor, the block pool over it, and what allocates from and runs on them."""
+        config = self.config
+        shape = kv_shape_of(self.model.config, config.block_size)
+        self.cache = KVCache(shape, num_blocks, next(self.model.parameters()).dtype, self.device, scratch=True)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.padding)
+
+    @property
+    def tier_chain(self):
+        """The host and disk tiers attached below the compute pool, or None."""
+        residency = self.tiers or self.layers
+        return residency.chain if residency is not None else None
+
+    @property
+    def tier_payload_shape(self) -> tuple[int, ...]:
+        """The shape the host tier must hold under this policy: a whole block, or (token) one layer
+        of one."""
+        shape = self.cache.shape.block_shape
+        return shape[1:] if self.config.policy == "token" else shape
 
     def attach_tiers(self, chain) -> None:
-        """Extend the prefix cache over lower tiers (see runtime.kv_tiers)."""
-        self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+        """Put host and disk tiers below the compute pool, before any request: the prefix cache
+        extends over them (runtime.kv_tiers), or under `token` the paths' KV may outgrow the compute
+        budget, its layers over the budget reloaded for every token (runtime.layer_offload)."""
+        if self.config.policy != "token":
+            self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+            return
+        self._build_pool(logical_blocks(self, chain))
+        self.layers = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
+        self.runner.layer_provider = self.layers.begin_step
 
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.layers is not None:
+            self.layers.close()
 
     def add_verifier_store(self, store) -> None:
         self.scorers[store.name] = store
@@ -127,7 +160,8 @@ class Engine:
                 self.searches[request.request_id] = controller
                 self.scheduler.add(controller.root)
             else:
-                self.plain.add(request, ids, max_tokens)
+                self.plain.add(request, ids, max_tokens,
+                               streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks)
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
         self.stats["tokens_prompt"] += len(ids)
@@ -227,6 +261,8 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
+        if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
+            return self._drain()
         for store in self.verifier_stores:
             if store.has_work:
                 store.step()
@@ -245,7 +281,12 @@ class Engine:
         if plan.is_empty:
             return self._drain()
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
-        logits = self.runner.execute(plan.scheduled, plan.copies, sampled)
+        try:
+            logits = self.runner.execute(plan.scheduled, plan.copies, sampled)
+        except BlockLost as lost:  # nothing was computed from it: its holders recompute it
+            log.warning("%s; recomputing it", lost)
+            recompute_lost(self, lost)
+            return self._drain()
         for entry in plan.scheduled:
             self.kv.commit_computed(entry.seq, entry.seq.num_computed_tokens + entry.num_new_tokens)
         rows: list[int] = []
@@ -293,7 +334,8 @@ class Engine:
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
                        **(self.tiers.block_counts() if self.tiers else {})},
-            kv_transfer_bytes=self.tiers.chain.bytes_moved if self.tiers else {},
+            kv_transfer_bytes=self.transfer_bytes(),
+            prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_prompt=self.stats["tokens_prompt"],
@@ -305,6 +347,19 @@ class Engine:
             speculative_tokens=dict(self.stats["speculative_tokens"]),
             verifier_seconds=tuple(self._take_verifier_samples()),
         )
+
+    def transfer_bytes(self) -> dict[str, int]:
+        """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
+        moved = dict(self.tier_chain.bytes_moved) if self.tier_chain is not None else {}
+        for pair, n in (self.streamed.bytes_moved() if self.streamed is not None else {}).items():
+            moved[pair] = moved.get(pair, 0) + n
+        return moved
+
+    def transfer_stall_seconds(self) -> float:
+        """Seconds the engine loop was blocked on transfers between tiers."""
+        residency = self.tiers or self.layers
+        seconds = residency.stall_seconds if residency is not None else 0.0
+        return seconds + (self.streamed.stall_seconds if self.streamed is not None else 0.0)
 
     def _take_verifier_samples(self) -> list[float]:
         samples, self.verifier_samples = self.verifier_samples, []

@@ -18,6 +18,7 @@ found never depends on timing.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 
 from scheduler.sequence import Sequence
@@ -36,6 +37,7 @@ class TieredPrefixCache:
         self.chain = chain
         self.extra_key = extra_key
         self.num_promoted = 0
+        self.stall_seconds = 0.0  # the engine loop blocked on demotions and promotions
         self.transfers = TransferEngine(chain, device=cache.device)
         self._in_flight: list[Future] = []  # demotions handed to the transfer engine, not yet awaited
         pool.on_evict = self._demote
@@ -47,7 +49,9 @@ class TieredPrefixCache:
 
     def drain(self) -> None:
         """Wait until every demotion handed out so far is in the chain."""
+        began = time.perf_counter()
         self._reap(wait=True)
+        self.stall_seconds += time.perf_counter() - began
 
     def _reap(self, wait: bool) -> None:
         pending = []
@@ -78,7 +82,9 @@ class TieredPrefixCache:
                             or not self.pool.can_allocate(1):
                         break
                     (block_id,) = self.pool.allocate(1)  # type: ignore[misc]
+                    began = time.perf_counter()
                     staged = self.chain.fetch(block_hash, out=self.cache.staging_block())
+                    self.stall_seconds += time.perf_counter() - began
                     if staged is None:
                         self.pool.release([block_id])  # corrupt or gone: recomputed instead
                         break

@@ -43,6 +43,9 @@ class ModelRunner:
         self.device = cache.device
         self.block_size = cache.block_size
         self.padding = padding or RowPadding.none()
+        # Called with a step's (scheduled, copies) after the copies: a per-layer KV provider for the
+        # attention, or None (runtime.layer_offload). None: every layer of every block is resident.
+        self.layer_provider = None
 
     def padded_rows(self, rows: list[int]) -> list[int]:
         """`rows` with the last repeated up to a row count that keeps each row's bits its own."""
@@ -124,8 +127,10 @@ class ModelRunner:
             slot_offsets = torch.cat([slot_offsets, pad_positions % bs])
 
         to = self.device
+        layers = self.layer_provider(scheduled, copies) if self.layer_provider is not None else None
         meta = AttentionMetadata(cache=self.cache, slot_blocks=slot_blocks.to(to), slot_offsets=slot_offsets.to(to),
-                                 decode_groups=decode_groups, prefills=prefills, num_padding=num_pad)
+                                 decode_groups=decode_groups, prefills=prefills, num_padding=num_pad,
+                                 layers=layers)
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
 

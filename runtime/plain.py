@@ -16,7 +16,8 @@ class PlainRequests:
         self.requests: dict[str, RequestState] = {}
         self.touched: dict[str, RequestState] = {}
 
-    def add(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> RequestState:
+    def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, streamed: bool = False) -> RequestState:
+        """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.streamed)."""
         params = request.sampling
         state = RequestState(request.request_id, params, ids, max_tokens)
         for index in range(params.n):
@@ -25,7 +26,10 @@ class PlainRequests:
             state.choices.append(ChoiceState(state, index, sampling, detok))
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])
         self.requests[state.request_id] = state
-        self.engine.scheduler.add(state.choices[0].seq)
+        if streamed:
+            self.engine.streamed.add(state.choices[0].seq)
+        else:
+            self.engine.scheduler.add(state.choices[0].seq)
         return state
 
     def abort(self, request_id: str) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import sys
 
-from runtime.loader import SettingError, pick_device, pick_dtype
+from runtime.admission import GRANULARITIES, check_budget
+from runtime.engine import kv_shape_of
+from runtime.loader import SettingError, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions, decode_options
 from runtime.quantize import check_device, check_mode
 
@@ -19,9 +21,29 @@ from runtime.quantize import check_device, check_mode
 def check(options: RuntimeOptions) -> None:
     """Raise `SettingError` for the first setting this machine cannot honour."""
     device = pick_device(options.device)
-    pick_dtype(options.dtype, device)
+    dtype = pick_dtype(options.dtype, device)
     check_mode(options.quantize)
     check_device(options.quantize, device)
+    if options.kv_granularity not in GRANULARITIES:
+        check_budget(None, 0, 0, options.kv_granularity)
+    if options.kv_split != "roofline":  # the roofline split sizes the pool once every model is loaded
+        _check_budget(options, dtype)
+
+
+def _check_budget(options: RuntimeOptions, dtype) -> None:
+    """The compute budget against one path's working set, from the model's config alone."""
+    from transformers import AutoConfig
+
+    try:
+        source = resolve_model(options.model, options.served_model_name)
+        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+        config = AutoConfig.from_pretrained(source.directory, trust_remote_code=options.trust_remote_code, **kwargs)
+    except Exception:  # noqa: BLE001 - a model that cannot be read is reported when it loads
+        return
+    shape = kv_shape_of(config, options.block_size)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None) or 2048
+    num_blocks = options.num_blocks or max(1, options.kv_memory_bytes // shape.bytes_per_block(dtype))
+    check_budget(shape, num_blocks, min(options.max_model_len or limit, limit), options.kv_granularity)
 
 
 def main() -> int:

@@ -249,6 +249,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     disk_kv_dir: str | None = None  # the disk tier (None: none)
     disk_kv_bytes: int = 16 << 30
     scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
+    kv_granularity: str = "block"  # block | head (a lone request over the compute pool streams head-wise)
     speculative_extension: bool = True
     batch_invariant: bool = False  # pad steps so results do not depend on the batch (runtime.row_padding)
     kv_split: str = "static"  # static | roofline

@@ -107,6 +107,15 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def give_up_blocks(self, seq: Sequence) -> None:
+        """Free a sequence's blocks (their KV is lost): a running one waits to be recomputed, a
+        parked one is recomputed when resumed."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._preempt(seq, SchedulerOutput())
+        elif seq.block_table:
+            self.kv.free(seq)
+            seq.num_preemptions += 1
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens

@@ -63,6 +63,9 @@ class SchedulerSettings(_Section):
     # How a search step's paths share the compute tier: lbs (locality-aware beam groups, shared blocks
     # once), lbs_no_prefix (groups that ignore sharing) or token (every path advances token by token).
     policy: Literal["lbs", "lbs_no_prefix", "token"] = "lbs"
+    # block: a request whose KV exceeds the compute tier is refused. head: a lone such request (one
+    # choice, no search) streams (layer, KV-head group) pieces through it from the host and disk tiers.
+    kv_granularity: Literal["block", "head"] = "block"
     # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
     speculative_extension: bool = True
     # Pad each step to row counts whose matmul results do not depend on the other rows, so a result is
@@ -150,7 +153,8 @@ class Settings(BaseSettings):
             disk_kv_bytes=int(self.cache.disk_gib * (1 << 30)),
             enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            scheduler_policy=self.scheduler.policy, speculative_extension=self.scheduler.speculative_extension,
+            scheduler_policy=self.scheduler.policy, kv_granularity=self.scheduler.kv_granularity,
+            speculative_extension=self.scheduler.speculative_extension,
             batch_invariant=self.scheduler.batch_invariant,
             kv_split=self.cache.kv_split,
             peak_flops=self.device.peak_tflops * 1e12 if self.device.peak_tflops else None,

@@ -33,6 +33,9 @@ class BlockPool:
         # keep its contents (the block's KV is still intact at that moment).
         self.on_evict: Callable[[int, BlockHash], None] | None = None
         self.num_evictions = 0
+        # Bumped each time a block is allocated: (id, generation) names one incarnation of a block,
+        # so a record kept about a block's contents can tell it still describes them.
+        self.generations = [0] * num_blocks
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -82,6 +85,7 @@ class BlockPool:
                 self._forget_hash(block_id)
                 self.num_evictions += 1
             self.ref_counts[block_id] = 1
+            self.generations[block_id] += 1
             blocks.append(block_id)
         return blocks
 
@@ -138,6 +142,13 @@ class BlockPool:
             self.num_evictions += 1
             count += 1
         return count
+
+    def forget_name(self, block_id: int) -> None:
+        """Drop a block's name (its contents are lost): no later prefix finds it."""
+        self._forget_hash(block_id)
+        self._cached.pop(block_id, None)
+        if self.ref_counts[block_id] == 0:
+            self._free[block_id] = None
 
     def reset_prefix_cache(self) -> int:
         return self.evict_cached(len(self._cached))

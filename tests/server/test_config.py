@@ -89,3 +89,16 @@ def test_serve_deterministic_turns_batch_invariance_on(tmp_path, monkeypatch):
     config = tmp_path / "c.toml"
     config.write_text("[scheduler]\nbatch_invariant = true\n")
     assert settings_from_args(build_parser().parse_args(["serve", "--config", str(config)])).scheduler.batch_invariant
+
+
+@pytest.mark.parametrize("section, line, message", [
+    ("scheduler", 'policy = "fastest"', "scheduler.policy: Input should be 'lbs', 'lbs_no_prefix' or 'token'"),
+    ("scheduler", 'kv_granularity = "layer"', "scheduler.kv_granularity: Input should be 'block' or 'head'"),
+])
+def test_an_unknown_policy_or_granularity_stops_start_up(tmp_path, section, line, message):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f"[{section}]\n{line}\n")
+    out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(bad)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr == f"ponder: invalid settings: {message}\n"

@@ -1,37 +1,41 @@
-"""The layer-wise policy's transfer worker: per-layer piece loads, write-backs and discards on one
-background thread, in submission order, through the tier chain (which counts the bytes).
+"""Moves KV pieces (one layer, or one (layer, KV-head group), of a block) between the compute tier
+and the tier chain on one background thread, in submission order.
 
 One worker keeps a piece written back before it is loaded again findable, and keeps disk reads
-sequential. Loads run in batches (one per layer), so the per-piece cost is a chain call, not a
-future. Time the caller spends blocked in `wait` is stall.
+sequential. Loads run in batches (one per layer or slice), so the per-piece cost is a chain call,
+not a future. Time the caller spends blocked in `wait` is stall. A piece no tier holds, or one that
+fails its disk checksum (the disk tier drops it and reports a miss), raises `PieceLost` from
+`wait`: nothing is ever computed from it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
-from runtime.offload.block_store import BlockLost
 from storage.block_hash import BlockHash
-from storage.tiers import TierChain
+from storage.tiers import TierChain, TransferEngine
 
 
-class LayerPipeline:
+class PieceLost(RuntimeError):
+    """A piece the compute needs is in no tier (or failed its checksum); `name` says which."""
+
+    def __init__(self, name: BlockHash) -> None:
+        super().__init__(f"KV piece {name.hex()} is in no tier")
+        self.name = name
+
+
+class PiecePipeline(TransferEngine):
+    """The transfer engine's worker, stream and stall count, moving named pieces in batches."""
+
     def __init__(self, chain: TierChain, device: torch.device) -> None:
-        self.chain = chain
-        self.device = device
-        self._is_cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._is_cuda else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-layers")
-        self._lock = threading.Lock()
-        self.stall_seconds = 0.0
+        super().__init__(chain, device=device)
 
     def load(self, pieces: Sequence[tuple[BlockHash, torch.Tensor]]) -> Future:
-        """Copy each named piece into its tensor (a staging row or a compute slot)."""
+        """Copy each named piece into its tensor (a compute slot or a staging buffer)."""
         ready = None
         if self._is_cuda:  # the destinations may still be read by work queued on the compute stream
             ready = torch.cuda.Event()
@@ -46,17 +50,18 @@ class LayerPipeline:
         return self._executor.submit(self._discard, list(names))
 
     def wait(self, future: Future) -> None:
+        """Block until `future` is done (the time counts as stall); raise what it raised."""
         if not future.done():
             start = time.perf_counter()
             try:
-                future.result()
+                future.exception()
             finally:
-                with self._lock:
-                    self.stall_seconds += time.perf_counter() - start
+                self._add_stall(time.perf_counter() - start)
         future.result()
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    def drain(self) -> None:
+        """Wait until everything submitted so far is done."""
+        self._executor.submit(lambda: None).result()
 
     # ---- worker side ---------------------------------------------------------------------------
     def _load(self, pieces: list[tuple[BlockHash, torch.Tensor]], ready) -> None:
@@ -71,7 +76,7 @@ class LayerPipeline:
     def _fetch_all(self, pieces: list[tuple[BlockHash, torch.Tensor]]) -> None:
         for name, out in pieces:
             if self.chain.fetch(name, out) is None:
-                raise BlockLost(f"piece {name.hex()} is in no tier")
+                raise PieceLost(name)
 
     def _write_back(self, pieces: list[tuple[BlockHash, torch.Tensor]]) -> None:
         for name, payload in pieces:

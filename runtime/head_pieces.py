@@ -20,6 +20,7 @@ start at position `start`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -27,15 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.offload.block_store import BlockLost
-from runtime.offload.pipeline import LayerPipeline
 from storage.block_hash import BlockHash, hash_block
+from storage.piece_transfers import PieceLost, PiecePipeline
 from storage.tiers import piece_key
-
-
-class PieceLost(BlockLost):
-    """A piece the compute needs is in no tier, or failed its checksum on disk; it is never served
-    (no result is computed from it), and the sequence must be prefilled again."""
 
 
 @dataclass(frozen=True)
@@ -106,17 +101,27 @@ class HeadwiseStore:
     partial block in the tail.
     """
 
-    def __init__(self, plan: PiecePlan, dtype: torch.dtype, device: torch.device,
-                 pipeline: LayerPipeline, extra_key: bytes) -> None:
+    def __init__(self, plan: PiecePlan, arena: torch.Tensor, pipeline: PiecePipeline,
+                 extra_key: bytes) -> None:
+        """`arena`: the flat compute-tier memory the store's tensors are carved from (the engine's
+        KV tensor, lent whole while the sequence runs)."""
         self.plan = plan
         self.pipeline = pipeline
         self.extra_key = extra_key
         bs, gh, d = plan.block_size, plan.group_heads, plan.head_dim
-        self.resident = [torch.zeros((2, gh, q * bs, d), dtype=dtype, device=device)
-                         for q in plan.quotas]
-        self.tail = torch.zeros((plan.num_slices, 2, gh, bs, d), dtype=dtype, device=device)
-        self.staging = [torch.zeros((2, gh, plan.staging_pieces * bs, d), dtype=dtype, device=device)
-                        for _ in range(plan.num_buffers)]
+        free = arena.view(-1)
+
+        def carve(*shape: int) -> torch.Tensor:
+            nonlocal free
+            n = math.prod(shape)
+            if n > free.numel():
+                raise MemoryError(f"the compute tier has {free.numel()} elements left, {n} are needed")
+            out, free = free[:n].view(shape), free[n:]
+            return out.zero_()
+
+        self.resident = [carve(2, gh, q * bs, d) for q in plan.quotas]
+        self.tail = carve(plan.num_slices, 2, gh, bs, d)
+        self.staging = [carve(2, gh, plan.staging_pieces * bs, d) for _ in range(plan.num_buffers)]
         self.piece_bytes = 2 * gh * bs * d * self.tail.element_size()
         self.block_names: list[BlockHash] = []  # chained names of the full blocks, in order
         self.num_loaded = 0
@@ -156,10 +161,9 @@ class HeadwiseStore:
             self._submit(s + 1)  # its buffer was last read by slice s - 1, released already
         try:
             self.pipeline.wait(self._futures.pop(s))
-        except BlockLost as exc:
-            layer, group = divmod(s, self.plan.num_groups)
-            raise PieceLost(f"layer {layer}, KV-head group {group}: {exc}; nothing was computed "
-                            "from it") from exc
+        except PieceLost:
+            self.abandon()
+            raise
         buf = self.staging[s % self.plan.num_buffers]
         bs, start = self.plan.block_size, self._start
         full = start // bs
@@ -199,6 +203,12 @@ class HeadwiseStore:
                   for j in range(min(self.plan.quotas[s], full), full)]
         self.num_loaded += len(pieces)
         self._futures[s] = self.pipeline.load(pieces)
+
+    def abandon(self) -> None:
+        """The forward stops: let the loads in flight finish."""
+        for future in self._futures.values():
+            future.exception()
+        self._futures.clear()
 
     def check_integrity(self) -> None:
         plan = self.plan
