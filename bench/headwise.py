@@ -18,15 +18,12 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from bench import served
 from bench.report import columns, emit
-from bench.threads import torch_threads
 from runtime.protocol import GenerateRequest, SamplingParams
 
 
@@ -52,10 +49,7 @@ def greedy(prompt: list[int], tokens: int, request_id: str) -> GenerateRequest:
 
 
 def run(args) -> dict:
-    with torch_threads(args.threads), tempfile.TemporaryDirectory(prefix="ponder-bench-headwise-",
-                                                                  dir=args.disk_dir) as workdir:
-        loaded = served.tiny_random(Path(workdir) / "model") if args.quick else served.load(args.model, args.device)
-        return measure(loaded, args, workdir)
+    return served.with_model(args, "headwise", measure)
 
 
 def measure(loaded: served.Loaded, args, workdir: str) -> dict:
@@ -130,21 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ponder bench headwise", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a random 4-layer llama, 512-token prompt")
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (2048; quick 512)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens to decode (32; quick 16)")
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--pool-fraction", type=float, default=0.25,
                         help="compute pool as a share of the request's blocks")
     parser.add_argument("--host-fraction", type=float, default=0.5,
                         help="host tier as a share of the request's blocks; the rest goes to disk")
-    parser.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: the temp dir)")
-    parser.add_argument("--page-cache-reads", action="store_true",
-                        help="read the disk tier through the page cache (default: past it)")
-    parser.add_argument("--threads", type=int, default=served.cpu_threads_default(),
-                        help="compute threads (default: all cores but one, left to transfers)")
+    served.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.prompt is None:
         args.prompt = 512 if args.quick else 2048

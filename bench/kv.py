@@ -18,24 +18,18 @@ import argparse
 import math
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 from bench import served
 from bench.report import columns, emit
-from bench.threads import torch_threads
 from bench.transfer_model import KVLayout, beam_request_bytes, layerwise_request_bytes
 from runtime.beam_groups import POLICIES
 from runtime.engine import kv_shape_of
 
 
 def run(args) -> dict:
-    with torch_threads(args.threads), tempfile.TemporaryDirectory(prefix="ponder-bench-kv-",
-                                                                  dir=args.disk_dir) as workdir:
-        loaded = served.tiny_random(Path(workdir) / "model") if args.quick else served.load(args.model, args.device)
-        return measure(loaded, args, workdir)
+    return served.with_model(args, "kv", measure)
 
 
 def measure(loaded: served.Loaded, args, workdir: str) -> dict:
@@ -165,27 +159,19 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a random 4-layer llama, 8 paths, 3 steps of 16 tokens (about a minute)")
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--paths", type=int, default=None, help="paths kept (16; quick 8)")
     parser.add_argument("--width", type=int, default=2, help="children per kept path")
     parser.add_argument("--step", type=int, default=None, help="tokens per search step (32; quick 16)")
     parser.add_argument("--steps", type=int, default=None, help="search steps (8; quick 3)")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (128; quick 64)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--budget-fraction", type=float, default=0.25,
                         help="compute pool as a share of the search's distinct KV")
     parser.add_argument("--host-fraction", type=float, default=0.25,
                         help="host tier as a share of the distinct KV; what it cannot hold goes to disk")
-    parser.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: the temp dir)")
-    parser.add_argument("--page-cache-reads", action="store_true",
-                        help="read the disk tier through the page cache (default: past it)")
-    parser.add_argument("--threads", type=int, default=served.cpu_threads_default(),
-                        help="compute threads (default: all cores but one, left to transfers)")
     parser.add_argument("--policies", nargs="+", default=["token", "lbs_no_prefix", "lbs"], choices=POLICIES)
     parser.add_argument("--repeat", type=int, default=1, help="runs per policy, interleaved; the fastest is reported")
+    served.add_arguments(parser)
     args = parser.parse_args(argv)
     quick = dict(paths=8, step=16, steps=3, prompt=64)
     full = dict(paths=16, step=32, steps=8, prompt=128)

@@ -8,7 +8,9 @@ or a budget is a setting of `EngineConfig`, never a second executor.
 
 from __future__ import annotations
 
+import argparse
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench.threads import torch_threads
 from runtime import attention
 from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
@@ -215,5 +218,23 @@ def drive(engine: Engine, request: GenerateRequest, on_step=None) -> Run:
                stall, source, finished, error)
 
 
-def cpu_threads_default() -> int:
-    return max(1, (os.cpu_count() or 2) - 1)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every engine benchmark takes: the model, where the disk tier goes and how it reads."""
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--disk-dir", default=None, help="where the disk tier's files go (default: the temp dir)")
+    parser.add_argument("--page-cache-reads", action="store_true",
+                        help="read the disk tier through the page cache (default: past it)")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="compute threads (default: all cores but one, left to transfers)")
+
+
+def with_model(args, name: str, measure):
+    """`measure(loaded, args, workdir)` with the model loaded (`--quick`: a random llama) and a private
+    working directory under `--disk-dir` for the disk tiers, removed afterwards."""
+    with torch_threads(args.threads), tempfile.TemporaryDirectory(prefix=f"ponder-bench-{name}-",
+                                                                  dir=args.disk_dir) as workdir:
+        loaded = tiny_random(Path(workdir) / "model") if args.quick else load(args.model, args.device)
+        return measure(loaded, args, workdir)
