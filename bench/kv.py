@@ -24,7 +24,6 @@ import torch
 from bench import served
 from bench.report import columns, emit
 from bench.transfer_model import KVLayout, beam_request_bytes, layerwise_request_bytes
-from runtime.beam_groups import POLICIES
 from runtime.engine import kv_shape_of
 
 
@@ -169,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute pool as a share of the search's distinct KV")
     parser.add_argument("--host-fraction", type=float, default=0.25,
                         help="host tier as a share of the distinct KV; what it cannot hold goes to disk")
-    parser.add_argument("--policies", nargs="+", default=["token", "lbs_no_prefix", "lbs"], choices=POLICIES)
+    parser.add_argument("--policies", nargs="+", default=["token", "lbs_no_prefix", "lbs"],
+                        help="`[scheduler] policy` values to run (the engine refuses one it does not have)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per policy, interleaved; the fastest is reported")
     served.add_arguments(parser)
     args = parser.parse_args(argv)

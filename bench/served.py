@@ -146,6 +146,13 @@ def _chain(engine: Engine, loaded: Loaded, tiers: Tiers) -> TimedTierChain:
     return TimedTierChain(host, disk, compute_name="gpu" if engine.device.type == "cuda" else "cpu")
 
 
+def transfer_bytes(engine: Engine) -> dict[str, int]:
+    """Bytes the engine has moved per ordered tier pair ("src/dst"), as it counts them: its
+    `RuntimeStats.kv_transfer_bytes`. Every policy's figures come from here, so a transfer the engine
+    counts there (a layer-wise reload, a head-wise piece) is reported without a change to the benchmarks."""
+    return dict(engine.runtime_stats().kv_transfer_bytes)
+
+
 def transfer_stall_seconds(engine: Engine) -> tuple[float, str]:
     """(seconds the engine loop stalled on KV transfers, who counted them).
 
@@ -191,6 +198,7 @@ class Run:
 def drive(engine: Engine, request: GenerateRequest, on_step=None) -> Run:
     """Add `request`, step until the engine is idle; `on_step(engine)` after every step."""
     before = engine.runtime_stats()
+    bytes_before = transfer_bytes(engine)
     used_key = ("gpu" if engine.device.type == "cuda" else "cpu") + "/used"
     peak = 0
     started = time.perf_counter()
@@ -211,7 +219,7 @@ def drive(engine: Engine, request: GenerateRequest, on_step=None) -> Run:
             finished = m
         elif isinstance(m, RequestError):
             error = m
-    moved = {k: v - before.kv_transfer_bytes.get(k, 0) for k, v in after.kv_transfer_bytes.items()}
+    moved = {k: v - bytes_before.get(k, 0) for k, v in transfer_bytes(engine).items()}
     stall, source = transfer_stall_seconds(engine)
     return Run(seconds, tuple(tuple(outputs[i]) for i in sorted(outputs)),
                after.tokens_generated - before.tokens_generated, peak, {k: v for k, v in moved.items() if v},
