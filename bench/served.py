@@ -13,7 +13,7 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -192,7 +192,6 @@ class Run:
     stall_source: str
     finished: Finished | None = None
     error: RequestError | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def drive(engine: Engine, request: GenerateRequest, on_step=None) -> Run:
