@@ -1,13 +1,15 @@
-"""KV offloading under step-wise beam search: layer-wise offload (`token`) against locality-aware beam
-scheduling without (`lbs_no_prefix`) and with prefix sharing (`lbs`), one workload, one process.
+"""KV offloading under step-wise beam search, measured on the served engine: every `[scheduler]
+policy` runs the same search in a fresh engine whose compute pool is too small for its KV.
 
-    ponder bench kv [--quick] [--json PATH] [--plot PATH] [--beams N] [--steps N] ...
+    ponder bench kv [--quick] [--json PATH] [--paths N] [--steps N] [--step T] ...
 
-The compute tier gets a quarter of the search's total KV, counted as the paper counts it (every
-final beam's KV, a shared prefix once per beam: what a per-beam cache holds). On CPU the compute
-tier is a RAM pool and, by default, there is no host tier: what is not resident goes to the disk
-tier in a temporary directory. Prints one JSON line, then a table, and writes a PNG plot next to
-the JSON (or to bench/out/). `--quick` runs a tiny random llama built in a temporary directory.
+First the search runs with a roomy pool and no tiers: the reference tokens, and the peak blocks the
+pool held, which is the search's distinct KV (shared prefixes counted once). Each policy then gets
+a compute pool of `--budget-fraction` of that (default 25%), a host tier of `--host-fraction`
+(default 25%), and a disk tier for the rest, read past the page cache (O_DIRECT where the file
+system allows it). Reports per policy: bytes moved between each pair of tiers, seconds, tokens/s,
+the share of time the engine loop stalled on transfers, and whether the tokens are identical to
+the reference run. `--quick` runs a small random llama with the embedded tokenizer.
 """
 
 from __future__ import annotations
@@ -16,254 +18,168 @@ import argparse
 import math
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-from bench.report import emit, plot_path
-from bench.threads import torch_threads
-from runtime.offload import POLICIES, RunReport, SearchSpec, TierSpec, run_offloaded
-
-OUT_DIR = Path(__file__).resolve().parent / "out"
-QUESTION = (
-    "A bakery sells muffins for $3 and cookies for $1.50. On Monday it sold 48 muffins and twice "
-    "as many cookies. On Tuesday it sold 25% fewer muffins and 30 more cookies than on Monday. "
-    "A muffin costs $1.20 to make, a cookie $0.40, and rent and wages are $95 a day. What was the "
-    "profit over the two days? Think step by step and end with 'The answer is: X'.")
-
-
-def tiny_llama(directory: Path, seed: int = 0):
-    """A random 8-layer llama saved as safetensors and loaded the way ponder loads models."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from runtime import attention
-    from runtime.loader import ModelSource, load_causal_lm
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # sharper than uniform, like a trained model's logits
-    model.save_pretrained(directory, safe_serialization=True)
-    return load_causal_lm(ModelSource("tiny-llama", str(directory)), torch.device("cpu"),
-                          torch.float32, attention.register()), "tiny-llama (random, 8 layers)"
-
-
-def default_model(device: str):
-    from runtime.bootstrap import build_engine
-    from runtime.protocol import RuntimeOptions
-
-    engine, source = build_engine(RuntimeOptions(device=device, num_blocks=1))
-    return engine.model, source.name, engine.tokenizer
-
-
-def prompt_ids(tokenizer, vocab: int, length: int) -> list[int]:
-    """A chat-formatted question, its last `length` tokens (the template's system text is what a
-    cut drops; repeated if too short), or seeded random ids for a model without a tokenizer."""
-    if tokenizer is None:
-        g = torch.Generator().manual_seed(7)
-        return torch.randint(3, vocab, (length,), generator=g).tolist()
-    messages = [{"role": "user", "content": QUESTION}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    while len(ids) < length:
-        ids = ids + ids
-    return ids[-length:]
-
-
-def paper_model_bytes(spec: SearchSpec, num_layers: int, block_bytes: int, block_size: int,
-                      budget_bytes: int) -> dict[str, float]:
-    """The paper's transfer-volume model for this workload: Eq. 1-3 (layer-wise, token by token)
-    and Eq. 4-5 (beam scheduling, every beam's KV once per step), in bytes."""
-    kv = block_bytes / (num_layers * block_size)  # one layer, one beam, one token
-    prompt, generated = len(spec.prompt_ids), spec.step_tokens * spec.num_steps
-    token = 0.0
-    for i in range(generated):
-        kv_layer = spec.num_beams * (i + prompt) * kv
-        resident = min(num_layers, math.floor(budget_bytes / kv_layer))
-        token += (num_layers - resident) * kv_layer
-    beam = sum(spec.num_beams * (i * spec.step_tokens + prompt) * kv * num_layers
-               for i in range(generated // spec.step_tokens))
-    return {"token_eq3": token, "beam_eq5": beam, "ratio": beam / token if token else 0.0}
+from bench import served
+from bench.report import columns, emit
+from bench.transfer_model import KVLayout, beam_request_bytes, layerwise_request_bytes
+from runtime.engine import kv_shape_of
 
 
 def run(args) -> dict:
-    with torch_threads(args.threads), tempfile.TemporaryDirectory(prefix="ponder-bench-kv-") as workdir:
-        return _run(args, workdir)
+    return served.with_model(args, "kv", measure)
 
 
-def _run(args, workdir: str) -> dict:
-    if args.quick:
-        (model, model_name), tokenizer = tiny_llama(Path(workdir) / "model"), None
-    else:
-        model, model_name, tokenizer = default_model(args.device)
-    device = next(model.parameters()).device
-    vocab = model.get_output_embeddings().weight.shape[0]
-    prompt = prompt_ids(tokenizer, vocab, args.prompt)
-    spec = SearchSpec(prompt_ids=tuple(prompt), num_beams=args.beams, beam_width=args.width,
-                      step_tokens=args.step, num_steps=args.steps, seed=args.seed)
-    config = model.config.get_text_config()
-    num_layers = config.num_hidden_layers
-    probe = run_offloaded(model, SearchSpec(prompt_ids=spec.prompt_ids[:args.block_size + 1],
-                                            num_beams=2, step_tokens=2, num_steps=1),
-                          TierSpec(budget_blocks=16, block_size=args.block_size))  # warm-up
-    block_bytes = probe.block_bytes
-    blocks_per_beam = -(-spec.num_computed_tokens // args.block_size)
-    total_blocks = spec.num_beams * blocks_per_beam
-    budget = args.budget_blocks or max(1, int(total_blocks * args.budget_fraction))
-    host_fraction = args.host_fraction if args.host_fraction is not None else \
-        (1.0 if device.type == "cuda" else 0.0)
-    tiers = TierSpec(budget_blocks=budget, block_size=args.block_size,
-                     host_bytes=int(total_blocks * host_fraction * block_bytes),
-                     disk_dir=workdir, disk_bytes=max(64 << 20, 4 * total_blocks * block_bytes))
-    reports: dict[str, RunReport] = {}
-    times: dict[str, list[float]] = {p: [] for p in args.policies}
-    outputs: set[tuple] = set()  # the final tokens of every run
+def measure(loaded: served.Loaded, args, workdir: str) -> dict:
+    prompt = served.prompt_ids(loaded.tokenizer, args.prompt)
+    request = served.fixed_step_search(prompt, paths=args.paths, width=args.width, steps=args.steps,
+                                       step_tokens=args.step, seed=args.seed)
+    path_tokens = len(prompt) + args.steps * args.step
+    path_blocks = -(-path_tokens // args.block_size) + 1  # one path's working set, its copied tail too
+    roomy = args.paths * path_blocks + path_blocks
+    warm = served.fixed_step_search(prompt[:2 * args.block_size], paths=2, width=2, steps=1, step_tokens=4)
+    served.drive(served.make_engine(loaded, policy="lbs", num_blocks=roomy, block_size=args.block_size), warm)
     load_before = os.getloadavg()[0]
-    for _ in range(args.repeat):  # interleaved, so a burst of load elsewhere hits every policy
+    reference = served.drive(served.make_engine(loaded, policy="lbs", num_blocks=roomy, block_size=args.block_size),
+                             request)
+    if reference.error is not None:
+        raise SystemExit(f"the resident run failed: {reference.error.message}")
+    print(f"# resident: {reference.seconds:.1f} s, peak {reference.peak_used_blocks} blocks", file=sys.stderr)
+    distinct = reference.peak_used_blocks
+    block_bytes = served.block_bytes(loaded, args.block_size)
+    budget = max(math.ceil(distinct * args.budget_fraction), path_blocks)
+    host_bytes = int(distinct * args.host_fraction) * block_bytes
+    runs: dict[str, list[served.Run]] = {p: [] for p in args.policies}
+    read_paths: dict[str, str] = {}
+    extras: dict[str, dict] = {}
+    for repeat in range(args.repeat):  # interleaved, so a burst of load elsewhere hits every policy
         for policy in args.policies:
-            report = run_offloaded(model, spec, tiers, policy)
-            times[policy].append(report.seconds)
-            outputs.add(report.tokens)
-            print(f"# {policy}: {report.seconds:.1f} s", file=sys.stderr)
-            if policy not in reports or report.seconds < reports[policy].seconds:
-                reports[policy] = report  # bytes and tokens are the same in every repeat
-    first = next(iter(reports.values()))
+            tiers = served.Tiers(host_bytes=host_bytes, disk_dir=os.path.join(workdir, f"disk-{policy}-{repeat}"),
+                                 uncached_reads=not args.page_cache_reads)
+            engine = served.make_engine(loaded, policy=policy, num_blocks=budget, block_size=args.block_size,
+                                        tiers=tiers)
+            result = served.drive(engine, request)
+            if result.error is not None:
+                raise SystemExit(f"{policy}: the search failed: {result.error.message}")
+            disk = engine.tiers.chain.disk
+            read_paths[policy] = disk.read_path
+            extras.setdefault(policy, {"groups": engine.planner.num_groups, "preemptions": engine.stats["preemptions"],
+                                       "disk_group_reads": disk.num_group_reads})
+            engine.tiers.transfers.close()
+            runs[policy].append(result)
+            print(f"# {policy}: {result.seconds:.1f} s", file=sys.stderr)
+    compute = "gpu" if loaded.device.type == "cuda" else "cpu"
+    policies = {p: summary(rs, compute, reference.outputs) | extras[p] for p, rs in runs.items()}
+    config = loaded.model.config.get_text_config()
+    shape = kv_shape_of(loaded.model.config, args.block_size)
+    layout = KVLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                      torch.tensor([], dtype=next(loaded.model.parameters()).dtype).element_size())
+    generated = args.steps * args.step
     results = {
-        "model": model_name, "device": str(device), "threads": args.threads,
+        "model": loaded.name, "device": str(loaded.device), "threads": args.threads,
         "repeat": args.repeat, "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "workload": {"beams": spec.num_beams, "beam_width": spec.beam_width,
-                     "step_tokens": spec.step_tokens, "prompt_tokens": len(spec.prompt_ids),
-                     "steps": spec.num_steps,
-                     "generated_tokens_per_beam": 1 + spec.step_tokens * spec.num_steps,
-                     "block_size": args.block_size, "layers": num_layers},
-        "total_kv_blocks": total_blocks, "total_kv_bytes": total_blocks * block_bytes,
-        "distinct_kv_blocks": first.distinct_blocks,
+        "workload": {"paths": args.paths, "beam_width": args.width, "step_tokens": args.step, "steps": args.steps,
+                     "prompt_tokens": len(prompt), "block_size": args.block_size, "layers": config.num_hidden_layers},
+        "block_bytes": block_bytes,
+        "resident": {"seconds": round(reference.seconds, 3), "tokens_per_s": _rate(reference),
+                     "peak_blocks": distinct},
+        "distinct_kv_blocks": distinct, "distinct_kv_bytes": distinct * block_bytes,
         "budget_blocks": budget, "budget_bytes": budget * block_bytes,
-        "host_bytes": tiers.host_bytes, "disk_tier": True,
-        "policies": {name: {**_summary(r), "seconds_each": [round(t, 3) for t in times[name]]}
-                     for name, r in reports.items()},
-        "paper_model_bytes": paper_model_bytes(spec, num_layers, block_bytes, args.block_size,
-                                               budget * block_bytes),
+        "budget_fraction": round(budget / distinct, 4), "budget_fraction_asked": args.budget_fraction,
+        "budget_raised_to_one_path": budget == path_blocks and budget > distinct * args.budget_fraction,
+        "host_bytes": host_bytes, "host_blocks": host_bytes // block_bytes,
+        "disk_read_path": sorted(set(read_paths.values())),
+        "disk_in_play": any(p["bytes_moved"].get(f"{src}->disk") for p in policies.values() for src in ("host", "compute")),
+        "policies": policies,
+        "outputs_identical": all(p["outputs_identical"] for p in policies.values()),
+        "paper_model_bytes": {
+            "token_eq3": layerwise_request_bytes(layout, args.paths, len(prompt), generated, budget * block_bytes),
+            "beam_eq5": beam_request_bytes(layout, args.paths, len(prompt), generated, args.step)},
     }
-    if "token" in reports and "lbs" in reports:
-        token, lbs = reports["token"], reports["lbs"]
-        results["ratio_bytes"] = lbs.bytes_in / token.bytes_in if token.bytes_in else None
-        results["speedup"] = token.seconds / lbs.seconds
-    if "token" in reports and "lbs_no_prefix" in reports:
-        token, ablation = reports["token"], reports["lbs_no_prefix"]
-        results["ratio_bytes_no_prefix"] = ablation.bytes_in / token.bytes_in if token.bytes_in else None
-        results["speedup_no_prefix"] = token.seconds / ablation.seconds
-    results["outputs_identical"] = len(outputs) == 1  # every run of every policy
-    results["max_score_difference"] = max(abs(a - b) for r in reports.values()
-                                          for a, b in zip(r.scores, first.scores))
-    results["final_tokens"] = [list(t) for t in first.tokens]
+    for name, suffix in (("lbs", ""), ("lbs_no_prefix", "_no_prefix")):
+        if "token" in policies and name in policies:
+            token, other = policies["token"], policies[name]
+            results[f"ratio_bytes{suffix}"] = (other["bytes_into_compute"] / token["bytes_into_compute"]
+                                               if token["bytes_into_compute"] else None)
+            results[f"speedup{suffix}"] = round(token["seconds"] / other["seconds"], 3)
     return results
 
 
-def _summary(r: RunReport) -> dict:
-    return {"bytes_in": r.bytes_in, "bytes_out": r.bytes_out, "bytes_prefetched": r.bytes_prefetched,
-            "bytes_moved": {k: v for k, v in r.bytes_moved.items() if v},
-            "seconds": round(r.seconds, 3), "stall_seconds": round(r.stall_seconds, 3),
-            "stall_share": round(r.stall_share, 4), "groups_per_step": list(r.groups_per_step),
-            "group_sizes": [list(g) for g in r.group_sizes], "forwards": r.num_forwards,
-            "max_resident_blocks": r.max_resident_blocks, "resident_layers": list(r.resident_layers)}
+def summary(runs: list[served.Run], compute: str, reference: tuple) -> dict:
+    """The fastest repeat's figures (bytes and tokens are the same in every repeat)."""
+    best = min(runs, key=lambda r: r.seconds)
+    moved = {_pair(k, compute): v for k, v in best.transfer_bytes.items()}
+    return {"seconds": round(best.seconds, 3), "seconds_each": [round(r.seconds, 3) for r in runs],
+            "tokens_per_s": _rate(best), "bytes_moved": moved,
+            "bytes_into_compute": sum(v for k, v in moved.items() if k.endswith("->compute")),
+            "stall_seconds": round(best.stall_seconds, 4), "stall_share": round(best.stall_seconds / best.seconds, 4),
+            "stall_counted_by": best.stall_source,
+            "outputs_identical": all(r.outputs == reference for r in runs)}
 
 
-def table(results: dict) -> str:
-    w = results["workload"]
-    rows = [f"kv offload benchmark: {results['model']} on {results['device']} ({results['threads']} "
-            f"compute threads, load average {results['load_average'][0]}, fastest of "
-            f"{results['repeat']}), {w['beams']} beams (width {w['beam_width']}), prompt "
-            f"{w['prompt_tokens']}, {w['steps']} steps of {w['step_tokens']} tokens",
-            f"compute tier {results['budget_blocks']} of {results['total_kv_blocks']} blocks "
-            f"({results['budget_bytes'] / 2**20:.1f} of {results['total_kv_bytes'] / 2**20:.1f} MiB; "
-            f"{results['distinct_kv_blocks']} distinct blocks at the end), host tier "
-            f"{results['host_bytes'] / 2**20:.1f} MiB, the rest on disk",
-            f"{'policy':<15} {'MiB in':>11} {'vs token':>9} {'seconds':>9} {'speedup':>8} "
-            f"{'stall':>6} {'groups/step':>13}"]
-    policies = results["policies"]
-    base = policies.get("token")
-    for name, p in policies.items():
-        ratio = p["bytes_in"] / base["bytes_in"] if base and base["bytes_in"] else float("nan")
-        speed = base["seconds"] / p["seconds"] if base else float("nan")
-        groups = p["groups_per_step"]
-        rows.append(f"{name:<15} {p['bytes_in'] / 2**20:>11.1f} {ratio:>9.4f} {p['seconds']:>9.2f} "
-                    f"{speed:>7.2f}x {p['stall_share']:>6.1%} {min(groups):>6}-{max(groups):<6}")
-    rows.append(f"outputs identical across policies: {results['outputs_identical']} (largest score "
-                f"difference {results['max_score_difference']:.2e})")
+def _pair(key: str, compute: str) -> str:
+    src, dst = key.split("/")
+    return f"{'compute' if src == compute else src}->{'compute' if dst == compute else dst}"
+
+
+def _rate(run: served.Run) -> float:
+    return round(run.tokens_generated / run.seconds, 2) if run.seconds else 0.0
+
+
+def table(r: dict) -> str:
+    w, mib = r["workload"], 2 ** 20
+    rows = [f"kv offload benchmark (served engine): {r['model']} on {r['device']} ({r['threads']} threads, "
+            f"load average {r['load_average'][0]}, fastest of {r['repeat']}), beam search of {w['paths']} paths "
+            f"(width {w['beam_width']}), prompt {w['prompt_tokens']}, {w['steps']} steps of {w['step_tokens']} tokens",
+            f"distinct KV {r['distinct_kv_blocks']} blocks ({r['distinct_kv_bytes'] / mib:.1f} MiB, the resident "
+            f"run's peak); compute pool {r['budget_blocks']} blocks ({r['budget_fraction']:.0%}), host tier "
+            f"{r['host_blocks']} blocks, the rest on disk (reads: {', '.join(r['disk_read_path'])})"]
+    pairs = sorted({k for p in r["policies"].values() for k in p["bytes_moved"]})
+    body = []
+    for name, p in r["policies"].items():
+        body.append([name, *(f"{p['bytes_moved'].get(k, 0) / mib:.2f}" for k in pairs), f"{p['seconds']:.2f}",
+                     f"{p['tokens_per_s']:.1f}", f"{p['stall_share']:.1%}", p["groups"], str(p["outputs_identical"])])
+    body.append(["resident", *("-" for _ in pairs), f"{r['resident']['seconds']:.2f}",
+                 f"{r['resident']['tokens_per_s']:.1f}", "-", "-", "reference"])
+    rows += columns(["policy", *(f"MiB {k}" for k in pairs), "seconds", "tok/s", "stall", "groups", "same tokens"],
+                    body)
+    if "ratio_bytes" in r:
+        ratio = "n/a (token moved nothing)" if r["ratio_bytes"] is None else f"{r['ratio_bytes']:.2%}"
+        rows.append(f"lbs vs token: bytes into compute {ratio}, {r['speedup']:.2f}x faster")
+    stall_by = sorted({p["stall_counted_by"] for p in r["policies"].values()})
+    rows.append(f"stall counted by: {'; '.join(stall_by)}")
+    rows.append(f"outputs identical across policies and the resident run: {r['outputs_identical']}")
     return "\n".join(rows)
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    policies = results["policies"]
-    names = list(policies)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    axes[0].bar(names, [max(policies[n]["bytes_in"], 1) / 2**20 for n in names], color="#4477aa")
-    axes[0].set_yscale("log")
-    axes[0].set_title("KV moved into the compute tier (MiB)")
-    stall = [policies[n]["stall_seconds"] for n in names]
-    busy = [policies[n]["seconds"] - s for n, s in zip(names, stall)]
-    axes[1].bar(names, busy, label="compute and other", color="#66aa55")
-    axes[1].bar(names, stall, bottom=busy, label="stalled on transfers", color="#cc6677")
-    axes[1].set_title("seconds")
-    axes[1].legend()
-    for n in names:
-        axes[2].plot(range(1, len(policies[n]["groups_per_step"]) + 1),
-                     policies[n]["groups_per_step"], marker="o", label=n)
-    axes[2].set_title("beam groups per search step")
-    axes[2].yaxis.get_major_locator().set_params(integer=True)
-    axes[2].set_xlabel("step")
-    axes[2].legend()
-    w = results["workload"]
-    fig.suptitle(f"{results['model']}: {w['beams']} beams, step {w['step_tokens']}, compute tier "
-                 f"{results['budget_blocks']}/{results['total_kv_blocks']} blocks")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ponder bench kv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a tiny random llama (under two minutes)")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
-    parser.add_argument("--plot", dest="plot_path", default=None,
-                        help="PNG path (default: next to --json, else bench/out/kv.png)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    parser.add_argument("--beams", type=int, default=16)
-    parser.add_argument("--width", type=int, default=2, help="children per kept beam")
-    parser.add_argument("--step", type=int, default=32, help="tokens per search step")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true",
+                        help="a random 4-layer llama, 8 paths, 3 steps of 16 tokens (about a minute)")
+    parser.add_argument("--paths", type=int, default=None, help="paths kept (16; quick 8)")
+    parser.add_argument("--width", type=int, default=2, help="children per kept path")
+    parser.add_argument("--step", type=int, default=None, help="tokens per search step (32; quick 16)")
+    parser.add_argument("--steps", type=int, default=None, help="search steps (8; quick 3)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (128; quick 64)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--budget-fraction", type=float, default=0.25,
-                        help="compute tier as a share of the total KV")
-    parser.add_argument("--budget-blocks", type=int, default=None,
-                        help="compute tier in blocks (overrides --budget-fraction)")
-    parser.add_argument("--host-fraction", type=float, default=None,
-                        help="host tier as a share of the total KV (default: 0 on CPU, 1 on CUDA)")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="compute threads (default: all cores but one, left to transfers)")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="runs per policy, interleaved; the fastest is reported")
+                        help="compute pool as a share of the search's distinct KV")
+    parser.add_argument("--host-fraction", type=float, default=0.25,
+                        help="host tier as a share of the distinct KV; what it cannot hold goes to disk")
+    parser.add_argument("--policies", nargs="+", default=["token", "lbs_no_prefix", "lbs"],
+                        help="`[scheduler] policy` values to run (the engine refuses one it does not have)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per policy, interleaved; the fastest is reported")
+    served.add_arguments(parser)
     args = parser.parse_args(argv)
+    quick = dict(paths=8, step=16, steps=3, prompt=64)
+    full = dict(paths=16, step=32, steps=8, prompt=128)
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     results = run(args)
-    path = plot_path(args.plot_path, args.json_path, OUT_DIR / ("kv-quick.png" if args.quick else "kv.png"))
-    results["plot"] = str(path)
-    plot(results, path)
-    emit(results, table(results), args.json_path, {k: v for k, v in results.items() if k != "final_tokens"})
+    emit(results, table(results), args.json_path)
     return 0
 
 

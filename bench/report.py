@@ -23,3 +23,13 @@ def plot_path(plot_arg: str | None, json_path: str | None, default: Path) -> Pat
     if json_path:
         return Path(json_path).with_suffix(".png")
     return default
+
+
+def columns(header: list[str], rows: list[list], first_width: int = 15) -> list[str]:
+    """A header and rows as aligned text: the first column left-aligned, the rest right-aligned,
+    each as wide as its widest cell."""
+    cells = [[str(c) for c in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    widths[0] = max(widths[0], first_width)
+    return [" ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in cells]

@@ -17,11 +17,11 @@ import time
 
 import torch
 
+from bench import served
 from bench.report import emit
 from bench.threads import torch_threads
 from bench.search import PROBLEMS, messages_for
-from runtime.bootstrap import build_engine
-from runtime.protocol import Delta, Finished, GenerateRequest, RuntimeOptions, SamplingParams, SearchParams
+from runtime.protocol import GenerateRequest, SamplingParams, SearchParams
 
 
 def search(engine, problem: str, n: int, steps: int, step_tokens: int, seed: int) -> dict:
@@ -32,61 +32,49 @@ def search(engine, problem: str, n: int, steps: int, step_tokens: int, seed: int
                             step_delimiter="\n\n", verifier="judge"))
     before = dict(engine.stats, speculative_tokens=dict(engine.stats["speculative_tokens"]))
     groups_before = engine.planner.num_groups
-    moved_before = sum(engine.tiers.chain.bytes_moved.values()) if engine.tiers else 0
-    peak = 0
-    started = time.perf_counter()
-    messages = list(engine.add_request(request))
-    while engine.has_work:
-        messages += engine.step()
-        peak = max(peak, engine.pool.num_used)
-    seconds = time.perf_counter() - started
-    finished = messages[-1]
-    if not isinstance(finished, Finished) or finished.search is None:
-        raise RuntimeError(f"the search did not finish: {finished}")
-    tokens: dict[int, list[int]] = {}
-    for m in messages:
-        if isinstance(m, Delta) and m.token_ids:
-            tokens.setdefault(m.index, []).extend(m.token_ids)
+    run = served.drive(engine, request)
+    finished = run.finished
+    if finished is None or finished.search is None:
+        raise RuntimeError(f"the search did not finish: {run.error}")
     spec = {k: v - before["speculative_tokens"].get(k, 0) for k, v in engine.stats["speculative_tokens"].items()}
-    return {"seconds": round(seconds, 2), "peak_blocks": peak, "prompt_tokens": finished.prompt_tokens,
+    return {"seconds": round(run.seconds, 2), "peak_blocks": run.peak_used_blocks,
+            "prompt_tokens": finished.prompt_tokens,
             "blocks_taken": engine.stats["preemptions"] - before["preemptions"],
             "groups": engine.planner.num_groups - groups_before, "steps": finished.search.steps,
             "tokens_generated": finished.search.tokens_generated,
             "speculative_used": spec.get("used", 0), "speculative_discarded": spec.get("discarded", 0),
-            "tier_bytes": (sum(engine.tiers.chain.bytes_moved.values()) if engine.tiers else 0) - moved_before,
-            "output": [tokens[i] for i in sorted(tokens)]}
+            "tier_bytes": sum(run.transfer_bytes.values()), "output": [list(o) for o in run.outputs]}
 
 
 def run(model: str | None, quick: bool, pool_fraction: float, block_size: int = 16, seed: int = 0) -> dict:
     n, steps, step_tokens = (8, 3, 16) if quick else (16, 4, 32)
     problem = PROBLEMS[0]
+    loaded = served.load(model)
 
-    def engine_with(**options):
-        engine, source = build_engine(RuntimeOptions(model=model, device="cpu", block_size=block_size,
-                                                     batch_invariant=True, **options))
+    def engine_with(num_blocks: int, policy: str, speculative: bool, host_bytes: int = 0):
+        tiers = served.Tiers(host_bytes=host_bytes, disk_dir=None) if host_bytes else None
+        engine = served.make_engine(loaded, policy=policy, num_blocks=num_blocks, block_size=block_size,
+                                    tiers=tiers, speculative_extension=speculative)
         search(engine, "What is 2 + 3?", 2, 1, 4, seed)  # warm-up
-        return engine, source
+        return engine
 
-    roomy, source = engine_with(num_blocks=4096, scheduler_policy="lbs", speculative_extension=False)
+    roomy = engine_with(4096, "lbs", False)
     reference = search(roomy, problem, n, steps, step_tokens, seed)
     # At least what one path and its judge question need (the server refuses less).
     path_blocks = roomy.kv.num_blocks_for(reference["prompt_tokens"] + steps * step_tokens)
     pool = max(2 * path_blocks, int(reference["peak_blocks"] * pool_fraction))
-    host = 4 * reference["peak_blocks"] * roomy.cache.shape.bytes_per_block(roomy.cache.dtype)
+    host = 4 * reference["peak_blocks"] * served.block_bytes(loaded, block_size)
     del roomy
     runs = {"lbs roomy": dict(reference)}
     for policy in ("token", "lbs_no_prefix", "lbs"):
-        engine, _ = engine_with(num_blocks=pool, host_kv_memory_bytes=host, scheduler_policy=policy,
-                                speculative_extension=False)
-        runs[f"{policy} pool"] = search(engine, problem, n, steps, step_tokens, seed)
-    engine, _ = engine_with(num_blocks=4096, scheduler_policy="lbs", speculative_extension=True)
-    runs["lbs roomy +spec"] = search(engine, problem, n, steps, step_tokens, seed)
+        runs[f"{policy} pool"] = search(engine_with(pool, policy, False, host), problem, n, steps, step_tokens, seed)
+    runs["lbs roomy +spec"] = search(engine_with(4096, "lbs", True), problem, n, steps, step_tokens, seed)
     for r in runs.values():
         output = r.pop("output")
         r["identical"] = output == reference["output"]
         r["same_paths"] = sorted(output) == sorted(reference["output"])  # the same texts, in any order
     identical = all(r["identical"] for r in runs.values())
-    return {"model": source.name, "threads": torch.get_num_threads(), "n": n, "beam_width": 4, "steps": steps,
+    return {"model": loaded.name, "threads": torch.get_num_threads(), "n": n, "beam_width": 4, "steps": steps,
             "step_tokens": step_tokens, "pool_blocks": pool, "peak_blocks": reference["peak_blocks"],
             "runs": runs, "outputs_identical": identical,
             "lbs_vs_token": round(runs["token pool"]["seconds"] / runs["lbs pool"]["seconds"], 2),

@@ -18,6 +18,9 @@ The byte budget counts what is on disk (whole group files, including the dead by
 blocks) plus the group being filled. Eviction drops whole groups, least recently used first.
 Any OSError on a write (ENOSPC above all) disables spilling with a warning; reads go on.
 
+With `uncached_reads`, group files are read past the page cache (`storage.uncached_io`: O_DIRECT
+where the file system allows it, else dropping the file's pages); `read_path` says which.
+
 Not thread-safe: the tier chain that owns it serialises access.
 """
 
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 from storage.block_hash import BlockHash
+from storage.uncached_io import best_read_path, drop_written, read_file
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +86,8 @@ class DiskTier:
 
     def __init__(self, directory: str | os.PathLike, namespace: str, capacity_bytes: int, *,
                  blocks_per_group: int = 8, reuse_buffer_groups: int = 4,
-                 index_interval_groups: int = 16, name: str = "disk") -> None:
+                 index_interval_groups: int = 16, name: str = "disk",
+                 uncached_reads: bool = False) -> None:
         if blocks_per_group < 1 or reuse_buffer_groups < 0 or index_interval_groups < 1:
             raise ValueError("blocks_per_group and index_interval_groups must be >= 1, "
                              "reuse_buffer_groups >= 0")
@@ -94,6 +99,7 @@ class DiskTier:
         self.index_interval_groups = index_interval_groups
         self.is_enabled = True
         self.num_group_reads = 0  # group files read from disk (reuse-buffer hits excluded)
+        self.read_path = best_read_path(uncached_reads)  # storage.uncached_io: how groups are read
         digest = blake2b(namespace.encode(), digest_size=8).hexdigest()
         self.path = Path(directory) / f"ns-{digest}"
         self._entries: dict[BlockHash, _Entry] = {}
@@ -239,17 +245,14 @@ class DiskTier:
         if data is not None:
             return data
         expected = self._groups[group_id].file_nbytes
-        data = bytearray(expected)
         try:
-            with open(self._group_path(group_id), "rb", buffering=0) as f:
-                n = f.readinto(data)
+            data, self.read_path = read_file(self._group_path(group_id), expected, self.read_path)
         except OSError as exc:
             logger.warning("disk tier: group %d unreadable (%s); its blocks are dropped",
                            group_id, exc)
             self._evict_group(group_id)
             return None
         self.num_group_reads += 1
-        del data[n or 0:]
         if self.reuse_buffer_groups:
             self._reuse[group_id] = data
             if len(self._reuse) > self.reuse_buffer_groups:
@@ -288,6 +291,7 @@ class DiskTier:
             try:
                 os.fchmod(fd, 0o600)
                 _write_all(fd, data)
+                drop_written(fd, self.read_path)
             finally:
                 os.close(fd)
         except OSError as exc:
