@@ -68,7 +68,7 @@ def measure(loaded: served.Loaded, args, workdir: str) -> dict:
     tiers = served.Tiers(host_bytes=host_bytes, disk_dir=os.path.join(workdir, "disk"),
                          uncached_reads=not args.page_cache_reads)
     engine = served.make_engine(loaded, policy="lbs", num_blocks=pool, block_size=args.block_size, tiers=tiers,
-                                max_num_seqs=1)
+                                max_num_seqs=1, kv_granularity="head", max_model_len=len(prompt) + args.tokens)
     offloaded = served.drive(engine, greedy(prompt, args.tokens, "offloaded"))
     if offloaded.error is not None:
         raise SystemExit(
@@ -84,7 +84,7 @@ def measure(loaded: served.Loaded, args, workdir: str) -> dict:
         "prompt_tokens": len(prompt), "new_tokens": args.tokens, "block_size": args.block_size,
         "block_bytes": block_bytes, "request_blocks": request_blocks, "pool_blocks": pool,
         "pool_fraction": round(pool / request_blocks, 4), "host_bytes": host_bytes,
-        "disk_read_path": engine.tiers.chain.disk.read_path,
+        "disk_read_path": engine.tier_chain.disk.read_path,
         "offloaded": _summary(offloaded, compute), "resident": _summary(resident, compute),
         "transformers_generate": {k: v for k, v in reference.items() if k != "tokens"},
         "outputs_identical": tokens == list(resident.outputs[0]) == reference["tokens"],

@@ -62,11 +62,11 @@ def measure(loaded: served.Loaded, args, workdir: str) -> dict:
             result = served.drive(engine, request)
             if result.error is not None:
                 raise SystemExit(f"{policy}: the search failed: {result.error.message}")
-            disk = engine.tiers.chain.disk
+            disk = engine.tier_chain.disk
             read_paths[policy] = disk.read_path
             extras.setdefault(policy, {"groups": engine.planner.num_groups, "preemptions": engine.stats["preemptions"],
                                        "disk_group_reads": disk.num_group_reads})
-            engine.tiers.transfers.close()
+            served.release(engine)
             runs[policy].append(result)
             print(f"# {policy}: {result.seconds:.1f} s", file=sys.stderr)
     compute = "gpu" if loaded.device.type == "cuda" else "cpu"

@@ -102,14 +102,16 @@ def block_bytes(loaded: Loaded, block_size: int) -> int:
 
 
 def make_engine(loaded: Loaded, *, policy: str, num_blocks: int, block_size: int = 16, tiers: Tiers | None = None,
-                max_num_seqs: int = 64, batch_invariant: bool = True, speculative_extension: bool = False) -> Engine:
+                max_num_seqs: int = 64, batch_invariant: bool = True, speculative_extension: bool = False,
+                kv_granularity: str = "block", max_model_len: int | None = None) -> Engine:
     """A fresh engine over the loaded model. Batch invariance is on by default: tokens must not depend
     on how a policy batches the paths, so that outputs can be compared across policies with `==`."""
     text_config = loaded.model.config.get_text_config()
-    config = EngineConfig(max_model_len=getattr(text_config, "max_position_embeddings", None) or 2048,
+    config = EngineConfig(max_model_len=max_model_len or getattr(text_config, "max_position_embeddings", None) or 2048,
                           num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max(2048, block_size), policy=policy,
-                          speculative_extension=speculative_extension, batch_invariant=batch_invariant)
+                          speculative_extension=speculative_extension, batch_invariant=batch_invariant,
+                          kv_granularity=kv_granularity)
     engine = Engine(loaded.model, loaded.tokenizer, config, loaded.key)
     if tiers is not None:
         engine.attach_tiers(_chain(engine, loaded, tiers))
@@ -136,12 +138,12 @@ class TimedTierChain(TierChain):
 
 
 def _chain(engine: Engine, loaded: Loaded, tiers: Tiers) -> TimedTierChain:
-    shape, dtype = engine.cache.shape, engine.cache.dtype
-    host = HostTier(shape.block_shape, dtype, tiers.host_bytes, pin_memory=engine.device.type == "cuda",
+    payload, dtype = engine.tier_payload_shape, engine.cache.dtype  # a block, or under `token` a layer of one
+    host = HostTier(payload, dtype, tiers.host_bytes, pin_memory=engine.device.type == "cuda",
                     name="host") if tiers.host_bytes > 0 else None
     disk = None
     if tiers.disk_dir is not None:
-        namespace = f"{loaded.key.decode(errors='replace')}|{shape.block_shape}|{dtype}"
+        namespace = f"{loaded.key.decode(errors='replace')}|{payload}|{dtype}"
         disk = DiskTier(tiers.disk_dir, namespace, tiers.disk_bytes, name="disk", uncached_reads=tiers.uncached_reads)
     return TimedTierChain(host, disk, compute_name="gpu" if engine.device.type == "cuda" else "cpu")
 
@@ -153,6 +155,14 @@ def transfer_bytes(engine: Engine) -> dict[str, int]:
     return dict(engine.runtime_stats().kv_transfer_bytes)
 
 
+def release(engine: Engine) -> None:
+    """Stop the engine's transfer worker without persisting its blocks (a benchmark's disk is
+    thrown away)."""
+    residency = engine.tiers if engine.tiers is not None else engine.layers
+    if residency is not None:
+        (residency.transfers if engine.tiers is not None else residency).close()
+
+
 def transfer_stall_seconds(engine: Engine) -> tuple[float, str]:
     """(seconds the engine loop stalled on KV transfers, who counted them).
 
@@ -162,7 +172,7 @@ def transfer_stall_seconds(engine: Engine) -> tuple[float, str]:
     counted = engine.runtime_stats().prefetch_stall_seconds
     if counted:
         return counted, "engine counter (prefetch_stall_seconds)"
-    chain = engine.tiers.chain if engine.tiers is not None else None
+    chain = engine.tier_chain
     if isinstance(chain, TimedTierChain):
         return chain.loop_fetch_seconds, "bench timer around the engine loop's tier fetches"
     return 0.0, "no tiers"

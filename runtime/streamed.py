@@ -154,7 +154,8 @@ class StreamedRequests:
         compute = chain.compute_name if chain is not None else ("gpu" if engine.device.type == "cuda" else "cpu")
         if disk_bytes > 0:
             self._workdir = tempfile.mkdtemp(prefix="streamed-", dir=chain.disk.path.parent)
-            disk = DiskTier(self._workdir, f"streamed|{self.piece_shape}", disk_bytes, name=chain.disk.name)
+            disk = DiskTier(self._workdir, f"streamed|{self.piece_shape}", disk_bytes, name=chain.disk.name,
+                            uncached_reads=chain.disk.read_path != "page_cache")
         # A streamed context is read once per token in order: promoting disk hits into a host
         # tier too small for it would only evict what the next slice reads.
         pieces = TierChain(host, disk, compute_name=compute, promote_disk_hits=False)
