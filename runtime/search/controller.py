@@ -27,6 +27,7 @@ from runtime.search.answers import compile_answer_pattern
 from runtime.search.output import SearchOutput
 from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.strategies import Strategy, make_strategy
+from runtime.search.tree import TreeRecorder
 from scheduler.sequence import Sequence
 
 
@@ -44,6 +45,7 @@ class SearchController(DecodingAhead, SearchOutput):
         self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
+        self.tree = TreeRecorder(request_id, engine.emit, search.include_tree)
         self.generating: set[SearchPath] = set()  # paths whose step is not done (running or queued)
         self.active: set[SearchPath] = set()  # paths of the group running now
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
@@ -94,7 +96,9 @@ class SearchController(DecodingAhead, SearchOutput):
         paths = [self._new_path(self.engine.fork_sequence(root), subtree)
                  for subtree in self.strategy.initial_paths()]
         self.engine.release_sequence(root)
+        self.tree.change(self.tree.add(None, 0), "kept", text=self.question)  # the root, every path's node
         self._start_step(paths)
+        self.tree.flush()
         return [p.seq for p in paths]  # every path samples its first token from the prompt's logits
 
     # -- steps and groups -----------------------------------------------------------------------
@@ -111,6 +115,7 @@ class SearchController(DecodingAhead, SearchOutput):
         stepped at once, the rest run in the planned groups."""
         to_run: list[SearchPath] = []
         for path in paths:
+            path.node = self.tree.add(path.node, self.step_index + 1)
             path.step_start = path.step_end
             path.chunk_logprobs.extend(path.spec_logprobs)
             path.spec_logprobs = []
@@ -295,19 +300,38 @@ class SearchController(DecodingAhead, SearchOutput):
                 path.finish_reason = "length"
                 self._discard(path)
         self.final.extend(final)
+        self._record_steps(stepped, final)
         for path in set(stepped) - set(final) - set(live):
             self._discard(path)  # pruned by settling (DVTS keeps only its best)
+            self.tree.change(path.node, "pruned")
         if self.step_index >= self.search.max_steps or not live or self._out_of_time():
             for path in live:
                 path.finish_reason = "length"
                 self._discard(path)
+                self.tree.change(path.node, "finished")
             self.final.extend(live)
             self._finish()
             return
         if self.verify_now:
             live = self._expand(live)
+        for path in live:
+            self.tree.change(path.node, "kept")
         self._emit_progress(live)
         self._start_step(live)
+        self.tree.flush()
+
+    def _record_steps(self, stepped: list[SearchPath], final: list[SearchPath]) -> None:
+        """Each stepped path's node gets its step's text, its verifier score if it was verified now,
+        and `finished` if its path is a candidate answer."""
+        if not self.tree.enabled:
+            return
+        for path in stepped:
+            text = self.engine.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
+                                                skip_special_tokens=True)
+            scored = (self.verify_now or path.is_done) and path.step_scores
+            self.tree.change(path.node, "running", text, path.step_scores[-1] if scored else None)
+        for path in final:
+            self.tree.change(path.node, "finished")
 
     def _expand(self, live: list[SearchPath]) -> list[SearchPath]:
         expansion = self.strategy.expand(live)
@@ -319,10 +343,12 @@ class SearchController(DecodingAhead, SearchOutput):
                 child = self._new_path(self.engine.fork_sequence(parent.seq, parent.step_end), parent.subtree)
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
+                child.node = parent.node  # its first step's node hangs under the parent's last one
                 continuing.append(child)
             continuing.append(parent)
         for pruned in by_uid.values():
             self._discard(pruned)
+            self.tree.change(pruned.node, "pruned")
         return sorted(continuing, key=lambda p: p.uid)
 
     def sequences(self) -> list[Sequence]:

@@ -41,6 +41,8 @@ class SearchOutput:
         if self.search.include_events:
             self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
                                          scores=tuple(p.score for p in chosen)))
+        self.tree.select(path.node for path in chosen)
+        self.tree.flush(done=True)
         self.engine.emit(Finished(
             request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
             completion_tokens=returned,

@@ -40,6 +40,7 @@ class SearchPath:
     spec_finish: str | None = None  # and the path's finish reason if it ends there
     next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
     step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
+    node: int = 0  # its node in the search tree: the step being decoded, or the prompt before the first
 
     @property
     def num_speculative(self) -> int:
