@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from runtime.framing import HEADER
 from runtime.protocol import (
     AbortRequest, Accepted, Delta, Finished, FromRuntime, GenerateRequest, LoadFailed, LoadProgress, Ready,
-    RequestError, RuntimeOptions, RuntimeStats, SearchEvent, Shutdown, decode_from_runtime, encode,
+    RequestError, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree, Shutdown, decode_from_runtime, encode,
 )
 
 log = logging.getLogger("ponder.client")
@@ -59,10 +59,11 @@ def runtime_environment() -> dict[str, str]:
 class RuntimeClient:
     def __init__(self, options: RuntimeOptions, on_stats: Callable[[RuntimeStats], None] | None = None,
                  on_state: Callable[[str], None] | None = None, max_backoff_s: float = 30.0,
-                 load_timeout_s: float = 600.0) -> None:
+                 load_timeout_s: float = 600.0, on_tree: Callable[[SearchTree], None] | None = None) -> None:
         self.options = options
         self.on_stats = on_stats
         self.on_state = on_state
+        self.on_tree = on_tree  # search trees go here, never to the request's own messages
         self.max_backoff_s = max_backoff_s
         self.load_timeout_s = load_timeout_s
         self.state = STOPPED
@@ -162,6 +163,8 @@ class RuntimeClient:
                 elif isinstance(message, RuntimeStats):
                     if self.on_stats is not None:
                         self.on_stats(message)
+                elif isinstance(message, SearchTree):
+                    self._dispatch_tree(message)
                 else:
                     self._dispatch(message)
         finally:
@@ -201,6 +204,14 @@ class RuntimeClient:
         if isinstance(message, (Finished, RequestError)):
             del self._handles[message.request_id]
         handle.queue.put_nowait(message)
+
+    def _dispatch_tree(self, message: SearchTree) -> None:
+        if self.on_tree is None or message.request_id not in self._handles:
+            return  # nobody watches, or the request was aborted
+        try:
+            self.on_tree(message)
+        except Exception:  # a fault in the page's store must not end the runtime's stream
+            log.exception("could not apply a search tree update")
 
     def _send(self, message) -> None:
         if self._writer is None:

@@ -52,6 +52,7 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     select: str = "best"
     answer_pattern: str | None = None
     include_events: bool = False
+    include_tree: bool = False  # send the search tree as it grows (SearchTree messages)
     timeout_s: float | None = None  # past this, running steps end at their next token and the best path answers
 
 
@@ -146,6 +147,38 @@ class SearchEvent(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_onl
     scores: tuple[float, ...]
 
 
+# The search tree: one node per step of each path, and the prompt as its root (node 0, step 0).
+# A node's status goes from running to kept (its path went on), pruned or finished (its path ended as
+# a candidate answer); selected marks the nodes of the returned answers, root included.
+NODE_STATUSES = ("running", "kept", "pruned", "finished", "selected")
+
+
+class TreeNode(msgspec.Struct, frozen=True, array_like=True):
+    """A node joins the tree as running. A forked path's first node has its parent's node as parent."""
+
+    id: int
+    parent: int | None  # None: the root
+    step: int
+
+
+class NodeChange(msgspec.Struct, frozen=True, array_like=True):
+    """A node's new status, with its step's text and verifier score once they are known."""
+
+    id: int
+    status: str
+    text: str | None = None
+    score: float | None = None  # None: the step was not verified (granularity) or is the root
+
+
+class SearchTree(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    """What changed in a search's tree since the previous SearchTree of the request (per-step deltas)."""
+
+    request_id: str
+    added: tuple[TreeNode, ...] = ()
+    changed: tuple[NodeChange, ...] = ()
+    done: bool = False  # the last one: the search chose its answers
+
+
 class SearchSummary(msgspec.Struct, frozen=True, kw_only=True):
     strategy: str
     steps: int
@@ -205,7 +238,7 @@ class RuntimeStats(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_on
 
 ToRuntime = Union[GenerateRequest, AbortRequest, Shutdown]
 FromRuntime = Union[
-    Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, Finished, RequestError, RuntimeStats
+    Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, SearchTree, Finished, RequestError, RuntimeStats
 ]
 
 _to_runtime_decoder = msgspec.msgpack.Decoder(ToRuntime)

@@ -7,6 +7,8 @@ import hmac
 import logging
 import uuid
 
+import msgspec
+
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
@@ -22,6 +24,8 @@ from server.generation import Generation
 from server.http_edge import EdgeMetrics, quiet_probe_access_log
 from server.metrics import Metrics
 from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.trees import SearchTrees
+from server.ui import install as install_ui
 
 log = logging.getLogger("ponder.server")
 
@@ -79,8 +83,10 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
             if client.num_restarts:
                 metrics.runtime_restarted()
 
+    trees = SearchTrees(settings.ui.max_trees)
     client.on_state = on_state
     client.on_stats = metrics.apply_runtime_stats
+    client.on_tree = trees.apply
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -156,11 +162,13 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         # A stream reports every search step: as chunks when asked for, else as SSE comments.
         search = body.search.to_params(include_events or body.stream, settings.search.max_timeout_s) \
             if body.search else None
+        if search is not None and trees.is_enabled:
+            search = msgspec.structs.replace(search, include_tree=True)  # for the page at /ui
         wires = [GenerateRequest(request_id=uuid.uuid4().hex, endpoint=endpoint, sampling=sampling, search=search,
                                  **prompt) for prompt in prompts]
         return await Generation(client, metrics, request, model, endpoint, wires, body.n, body.stream,
                                 bool(options and options.include_usage), include_events,
-                                settings.server.sse_keepalive_s).run()
+                                settings.server.sse_keepalive_s, trees).run()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -170,6 +178,9 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     async def completions(body: CompletionRequest, request: Request):
         prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": tuple(p)} for p in body.prompts()]
         return await generate(body, request, "completion", prompts)
+
+    if trees.is_enabled:
+        install_ui(app, trees, api_key, settings.server.sse_keepalive_s)
 
     return app
 

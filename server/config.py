@@ -97,6 +97,12 @@ class SearchSettings(_Section):
     max_timeout_s: float = Field(600.0, ge=1)  # search.timeout_s cap, and the timeout when a request sets none
 
 
+class UISettings(_Section):
+    """The live search-tree page (`GET /ui`)."""
+
+    max_trees: int = Field(32, ge=0)  # searches kept, running and recent; 0: no page, no tree events
+
+
 class VerifierSettings(_Section):
     """A reward model loaded at start-up and usable as `search.verifier = "<name>"`."""
 
@@ -116,6 +122,7 @@ class Settings(BaseSettings):
     device: DeviceSettings = DeviceSettings()
     limits: LimitSettings = LimitSettings()
     search: SearchSettings = SearchSettings()
+    ui: UISettings = UISettings()
     verifiers: dict[str, VerifierSettings] = {}
 
     @classmethod

@@ -14,8 +14,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -26,7 +27,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = self.headers or ({"WWW-Authenticate": "Bearer"} if self.status == 401 else None)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

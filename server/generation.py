@@ -20,6 +20,7 @@ from server.metrics import Metrics
 from server.responses import (
     ChoiceText, ChunkWriter, chat_logprobs, completion_logprobs, search_field, summary_field, usage,
 )
+from server.trees import CANCELLED, FAILED, FINISHED, SearchTrees
 
 log = logging.getLogger("ponder.requests")
 
@@ -40,7 +41,7 @@ class Generation:
 
     def __init__(self, client: RuntimeClient, metrics: Metrics, http: Request, model: str, endpoint: str,
                  requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
-                 include_search_events: bool, keepalive_s: float) -> None:
+                 include_search_events: bool, keepalive_s: float, trees: SearchTrees | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.http = http
@@ -53,6 +54,7 @@ class Generation:
         self.include_usage = include_usage
         self.include_search_events = include_search_events  # the client asked for search event chunks
         self.keepalive_s = keepalive_s
+        self.trees = trees  # where the page at /ui watches each search's tree
         self.is_search = any(r.search is not None for r in requests)
         prefix = "chatcmpl-" if self.is_chat else "cmpl-"
         self.response_id = prefix + uuid.uuid4().hex
@@ -93,6 +95,8 @@ class Generation:
         try:
             for request in self.requests:
                 self.handles.append(self.client.submit(request))
+                if self.trees is not None:
+                    self.trees.start(request)  # before the first tree update can arrive
         except RuntimeUnavailable as exc:
             self._abort_all()
             raise APIError(503, str(exc), code="runtime_unavailable") from None
@@ -100,6 +104,9 @@ class Generation:
             first = await self._next(handle)
             if isinstance(first, RequestError):
                 self._abort_all()
+                if self.trees is not None:  # a rejected request was never a search worth showing
+                    for request in self.requests:
+                        self.trees.forget(request.request_id)
                 raise APIError(first.status, first.message, first.param, first.code, first.type)
 
     @staticmethod
@@ -113,6 +120,10 @@ class Generation:
 
     def _account(self, status: int) -> None:
         self.status = status
+        if self.trees is not None:
+            state = FINISHED if status == 200 else CANCELLED if status == 499 else FAILED
+            for request in self.requests:
+                self.trees.end(request.request_id, state)
         latency = time.monotonic() - self.started
         self.metrics.request_finished(self.endpoint, status, latency)
         log.info("request %s endpoint=%s status=%s prompt_tokens=%s completion_tokens=%s latency=%.3fs "

@@ -9,122 +9,29 @@ parent, so the search never re-prefills a path.
 A step's paths run in the groups the engine plans for the compute pool (`runtime.beam_groups`):
 one group decodes its whole step while resident, then the next.
 
-Speculative beam extension (FlashTTS): a path done with its step while others of its group still
-decode keeps decoding into its next step in the idle slot, until that step ends, the group is done
-or the slot is wanted. Verification never sees those tokens (`step_end` marks where the step
-ended). A path that survives settling keeps them: they are exactly what it would decode next, from
-the same KV and the same sampler, so its next step starts ahead, or is already complete. Its
-children fork at `step_end`; a pruned path's speculative tokens are dropped.
-
-LookAhead verification: a reward model scoring a path whose speculative tokens complete its next
-step scores both steps in one sequence (the current step's score is read where it always is, so it
-cannot see the next step); if the path goes on to that very step, its score is already known.
+Decoding past a step (speculative beam extension, look-ahead verification) is in
+`runtime.search.ahead`; what the search emits is in `runtime.search.output`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-
-import msgspec
 
 from runtime.detokenizer import StepText
-from runtime.protocol import Delta, Finished, SamplingParams, SearchEvent, SearchParams, SearchSummary, StepScore
+from runtime.protocol import SamplingParams, SearchParams
 from runtime.sampler import SamplingState, derive_seed
-from runtime.search.aggregate import aggregate, normalize_step
-from runtime.search.answers import Candidate, compile_answer_pattern, extract_answer, select
+from runtime.search.ahead import DecodingAhead
+from runtime.search.aggregate import normalize_step
+from runtime.search.answers import compile_answer_pattern
+from runtime.search.output import SearchOutput
+from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.strategies import Strategy, make_strategy
+from runtime.search.tree import TreeRecorder
 from scheduler.sequence import Sequence
 
 
-@dataclass(eq=False)
-class SearchPath:
-    controller: "SearchController"
-    uid: int
-    subtree: int
-    seq: Sequence
-    sampling: SamplingState
-    aggregation: str
-    step_start: int = 0  # token index where the current step began
-    step_end: int = 0  # token index where the last step ended; tokens after it are speculative
-    chunk_start: int = 0  # token index where the current (not yet verified) unit began
-    chunks: list[str] = field(default_factory=list)  # verified units of text
-    step_scores: list[float] = field(default_factory=list)
-    chunk_logprobs: list[float] = field(default_factory=list)
-    is_done: bool = False
-    finish_reason: str | None = None
-    text: str = ""
-    # A greedy look-ahead past the step, scored with it and then thrown away.
-    lookahead_units: list[str] = field(default_factory=list)
-    lookahead_logprobs: list[float] = field(default_factory=list)
-    speculating: bool = False  # decoding past `step_end` in an idle slot
-    spec_logprobs: list[float] = field(default_factory=list)
-    spec_outcome: str | None = None  # set when the speculative tokens complete the next step: how it ends
-    spec_finish: str | None = None  # and the path's finish reason if it ends there
-    next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
-    step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
-
-    @property
-    def num_speculative(self) -> int:
-        return len(self.seq.token_ids) - self.step_end
-
-    def scoring_units(self) -> list[str]:
-        return self.chunks + self.lookahead_units
-
-    @property
-    def score(self) -> float:
-        return aggregate(self.step_scores, self.aggregation) if self.step_scores else float("-inf")
-
-    @property
-    def request_id(self) -> str:
-        return self.controller.request_id
-
-    def on_logits(self, engine, seq, row):
-        return [seq]
-
-    def on_sampled(self, engine, seq, out) -> None:
-        self.controller.on_token(self, out)
-
-
-@dataclass(eq=False)
-class Lookahead:
-    """A throwaway fork of a path that decodes `lookahead` more steps greedily before scoring."""
-
-    path: SearchPath
-    seq: Sequence
-    sampling: SamplingState
-    start: int  # token index where the look-ahead began
-    steps_left: int
-    step_start: int
-    step_text: StepText | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.path.controller.request_id
-
-    def on_logits(self, engine, seq, row):
-        return [seq]
-
-    def on_sampled(self, engine, seq, out) -> None:
-        self.path.controller.on_lookahead_token(self, out)
-
-
-@dataclass(eq=False)
-class SearchRoot:
-    """The prompt's sequence: prefilled once, then forked into the initial paths."""
-
-    controller: "SearchController"
-
-    @property
-    def request_id(self) -> str:
-        return self.controller.request_id
-
-    def on_logits(self, engine, seq, row):
-        return self.controller.spawn(seq)
-
-
-class SearchController:
+class SearchController(DecodingAhead, SearchOutput):
     def __init__(self, engine, request_id: str, params: SamplingParams, search: SearchParams,
                  prompt_ids: list[int], question: str, max_tokens: int, verifier) -> None:
         self.engine = engine
@@ -138,6 +45,7 @@ class SearchController:
         self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
+        self.tree = TreeRecorder(request_id, engine.emit, search.include_tree)
         self.generating: set[SearchPath] = set()  # paths whose step is not done (running or queued)
         self.active: set[SearchPath] = set()  # paths of the group running now
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
@@ -188,7 +96,9 @@ class SearchController:
         paths = [self._new_path(self.engine.fork_sequence(root), subtree)
                  for subtree in self.strategy.initial_paths()]
         self.engine.release_sequence(root)
+        self.tree.change(self.tree.add(None, 0), "kept", text=self.question)  # the root, every path's node
         self._start_step(paths)
+        self.tree.flush()
         return [p.seq for p in paths]  # every path samples its first token from the prompt's logits
 
     # -- steps and groups -----------------------------------------------------------------------
@@ -205,6 +115,7 @@ class SearchController:
         stepped at once, the rest run in the planned groups."""
         to_run: list[SearchPath] = []
         for path in paths:
+            path.node = self.tree.add(path.node, self.step_index + 1)
             path.step_start = path.step_end
             path.chunk_logprobs.extend(path.spec_logprobs)
             path.spec_logprobs = []
@@ -245,33 +156,6 @@ class SearchController:
     def _text(self, path: SearchPath) -> str:
         return self.engine.tokenizer.decode(path.seq.token_ids[len(self.prompt_ids):path.step_end],
                                             skip_special_tokens=True)
-
-    # -- speculative beam extension ---------------------------------------------------------------
-    def _may_speculate(self) -> bool:
-        return (self.engine.config.speculative_extension and bool(self.active)
-                and self.step_index < self.search.max_steps - 1 and self.engine.has_idle_slot())
-
-    def _on_speculative_token(self, path: SearchPath, out) -> None:
-        self.stats["tokens_generated"] += 1
-        if out.logprob is not None:
-            path.spec_logprobs.append(out.logprob)
-        reason, ends_step, _ = self._step_outcome(path, out.token_id, path.step_end,
-                                                  is_last_step=self.step_index + 1 >= self.search.max_steps - 1)
-        if reason is not None or ends_step:
-            path.spec_outcome, path.spec_finish = "step", reason
-            self._end_speculation(path)
-        elif not self.active or not self.engine.has_idle_slot():
-            self._end_speculation(path)
-
-    def _end_speculation(self, path: SearchPath) -> None:
-        path.speculating = False
-        self.speculating.discard(path)
-        self.engine.park_sequence(path.seq)
-
-    def stop_speculation(self) -> None:
-        """Give every idle slot back (the scheduler has other work, or the group is done)."""
-        for path in list(self.speculating):
-            self._end_speculation(path)
 
     def _discard(self, path: SearchPath) -> None:
         """Release a path that ends here; its speculative tokens were for nothing."""
@@ -388,49 +272,6 @@ class SearchController:
         if self.pending_scores == 0 and not self.is_finished:
             self._settle()
 
-    # -- look-ahead -----------------------------------------------------------------------------
-    def _start_lookahead(self, path: SearchPath) -> None:
-        seq = self.engine.fork_sequence(path.seq, path.step_end)
-        greedy = msgspec.structs.replace(self.params, temperature=0.0)
-        run = Lookahead(path, seq, SamplingState(greedy, 0, self.engine.device, track_logprobs=True),
-                        len(seq.token_ids), self.search.lookahead, len(seq.token_ids))
-        seq.owner = run
-        self.lookaheads.add(run)
-        self.engine.resume_sequence(seq)
-
-    def on_lookahead_token(self, run: Lookahead, out) -> None:
-        seq, path = run.seq, run.path
-        self.stats["tokens_generated"] += 1
-        if out.logprob is not None:
-            path.lookahead_logprobs.append(out.logprob)
-        reason, ends_step, _ = self._step_outcome(run, out.token_id, run.step_start, is_last_step=False)
-        ends = reason is not None
-        if ends_step:
-            run.steps_left -= 1
-            run.step_start = len(seq.token_ids)
-            ends = run.steps_left == 0
-        if not ends:
-            return
-        text = self.engine.tokenizer.decode(seq.token_ids[run.start:], skip_special_tokens=True)
-        units = [normalize_step(u, self.search.step_delimiter) for u in text.split(self.search.step_delimiter)]
-        path.lookahead_units = [u for u in units if u.strip()]
-        self.engine.release_sequence(seq)
-        self.lookaheads.discard(run)
-        if not self.lookaheads:
-            self._submit_scores()
-
-    def lookahead_unit(self, path: SearchPath) -> str | None:
-        """The path's next unit, if its speculative tokens complete it and it will be scored alone
-        (granularity 1, no roll-out look-ahead): a verifier may score it along with this one."""
-        if path.spec_outcome is None or self.search.granularity != 1 or self.search.lookahead:
-            return None
-        unit = self.engine.tokenizer.decode(path.seq.token_ids[path.step_end:], skip_special_tokens=True)
-        unit = normalize_step(unit, self.search.step_delimiter)
-        return unit if unit.strip() else None
-
-    def on_next_score(self, path: SearchPath, unit: str, score: float) -> None:
-        path.next_score = (unit, float(score))
-
     def on_score(self, path: SearchPath, score: float, prefilled: int = 0, cached: int = 0) -> None:
         path.step_scores.append(float(score))
         path.chunk_logprobs = []
@@ -459,19 +300,38 @@ class SearchController:
                 path.finish_reason = "length"
                 self._discard(path)
         self.final.extend(final)
+        self._record_steps(stepped, final)
         for path in set(stepped) - set(final) - set(live):
             self._discard(path)  # pruned by settling (DVTS keeps only its best)
+            self.tree.change(path.node, "pruned")
         if self.step_index >= self.search.max_steps or not live or self._out_of_time():
             for path in live:
                 path.finish_reason = "length"
                 self._discard(path)
+                self.tree.change(path.node, "finished")
             self.final.extend(live)
             self._finish()
             return
         if self.verify_now:
             live = self._expand(live)
+        for path in live:
+            self.tree.change(path.node, "kept")
         self._emit_progress(live)
         self._start_step(live)
+        self.tree.flush()
+
+    def _record_steps(self, stepped: list[SearchPath], final: list[SearchPath]) -> None:
+        """Each stepped path's node gets its step's text, its verifier score if it was verified now,
+        and `finished` if its path is a candidate answer."""
+        if not self.tree.enabled:
+            return
+        for path in stepped:
+            text = self.engine.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
+                                                skip_special_tokens=True)
+            scored = (self.verify_now or path.is_done) and path.step_scores
+            self.tree.change(path.node, "running", text, path.step_scores[-1] if scored else None)
+        for path in final:
+            self.tree.change(path.node, "finished")
 
     def _expand(self, live: list[SearchPath]) -> list[SearchPath]:
         expansion = self.strategy.expand(live)
@@ -483,50 +343,13 @@ class SearchController:
                 child = self._new_path(self.engine.fork_sequence(parent.seq, parent.step_end), parent.subtree)
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
+                child.node = parent.node  # its first step's node hangs under the parent's last one
                 continuing.append(child)
             continuing.append(parent)
         for pruned in by_uid.values():
             self._discard(pruned)
+            self.tree.change(pruned.node, "pruned")
         return sorted(continuing, key=lambda p: p.uid)
-
-    # -- output ---------------------------------------------------------------------------------
-    def _emit_progress(self, live: list[SearchPath]) -> None:
-        texts = [p.text for p in live] + [p.text for p in self.final]
-        prefix = _common_prefix(texts)
-        if len(prefix) > len(self.committed):
-            self.engine.emit(Delta(request_id=self.request_id, index=0, text=prefix[len(self.committed):]))
-            self.committed = prefix
-        if self.search.include_events:
-            live = sorted(live, key=lambda p: p.uid)
-            self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
-                                         scores=tuple(p.score for p in live)))
-
-    def _finish(self) -> None:
-        self.is_finished = True
-        candidates = [Candidate(extract_answer(p.text, self.pattern), p.score) for p in self.final]
-        order = select(candidates, self.search.select, compare_as_text=self.pattern is not None)
-        chosen = [self.final[i] for i in order[:self.params.n]]
-        returned = 0
-        for index, path in enumerate(chosen):
-            output_ids = path.seq.token_ids[len(self.prompt_ids):path.step_end]
-            if path.finish_reason == "stop" and output_ids and output_ids[-1] in self.engine.eos_ids:
-                output_ids = output_ids[:-1]
-            returned += len(output_ids)
-            text = path.text[len(self.committed):] if index == 0 else path.text
-            self.engine.emit(Delta(
-                request_id=self.request_id, index=index, text=text, token_ids=tuple(output_ids),
-                finish_reason=path.finish_reason or "stop",
-                search=StepScore(score=path.score, step_scores=tuple(path.step_scores),
-                                 answer=candidates[self.final.index(path)].answer)))
-        if self.search.include_events:
-            self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
-                                         scores=tuple(p.score for p in chosen)))
-        self.engine.emit(Finished(
-            request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
-            completion_tokens=returned,
-            search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
-                                 timed_out=self.timed_out, **self.stats)))
-        self.engine.search_finished(self)
 
     def sequences(self) -> list[Sequence]:
         """Every sequence the search still holds (for aborts)."""
@@ -535,13 +358,3 @@ class SearchController:
         if self.root.block_table or not self.root.is_finished:
             seqs.append(self.root)
         return seqs
-
-
-def _common_prefix(texts: list[str]) -> str:
-    if not texts:
-        return ""
-    low, high = min(texts), max(texts)
-    i = 0
-    while i < len(low) and low[i] == high[i]:
-        i += 1
-    return low[:i]

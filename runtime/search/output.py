@@ -1,0 +1,61 @@
+"""What a search sends back: the committed common prefix as it grows, progress events, the answers."""
+
+from __future__ import annotations
+
+from runtime.protocol import Delta, Finished, SearchEvent, SearchSummary, StepScore
+from runtime.search.answers import Candidate, extract_answer, select
+from runtime.search.paths import SearchPath
+
+
+class SearchOutput:
+    """The part of `SearchController` that emits messages; it shares the controller's state."""
+
+    def _emit_progress(self, live: list[SearchPath]) -> None:
+        texts = [p.text for p in live] + [p.text for p in self.final]
+        prefix = _common_prefix(texts)
+        if len(prefix) > len(self.committed):
+            self.engine.emit(Delta(request_id=self.request_id, index=0, text=prefix[len(self.committed):]))
+            self.committed = prefix
+        if self.search.include_events:
+            live = sorted(live, key=lambda p: p.uid)
+            self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
+                                         scores=tuple(p.score for p in live)))
+
+    def _finish(self) -> None:
+        self.is_finished = True
+        candidates = [Candidate(extract_answer(p.text, self.pattern), p.score) for p in self.final]
+        order = select(candidates, self.search.select, compare_as_text=self.pattern is not None)
+        chosen = [self.final[i] for i in order[:self.params.n]]
+        returned = 0
+        for index, path in enumerate(chosen):
+            output_ids = path.seq.token_ids[len(self.prompt_ids):path.step_end]
+            if path.finish_reason == "stop" and output_ids and output_ids[-1] in self.engine.eos_ids:
+                output_ids = output_ids[:-1]
+            returned += len(output_ids)
+            text = path.text[len(self.committed):] if index == 0 else path.text
+            self.engine.emit(Delta(
+                request_id=self.request_id, index=index, text=text, token_ids=tuple(output_ids),
+                finish_reason=path.finish_reason or "stop",
+                search=StepScore(score=path.score, step_scores=tuple(path.step_scores),
+                                 answer=candidates[self.final.index(path)].answer)))
+        if self.search.include_events:
+            self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
+                                         scores=tuple(p.score for p in chosen)))
+        self.tree.select(path.node for path in chosen)
+        self.tree.flush(done=True)
+        self.engine.emit(Finished(
+            request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
+            completion_tokens=returned,
+            search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
+                                 timed_out=self.timed_out, **self.stats)))
+        self.engine.search_finished(self)
+
+
+def _common_prefix(texts: list[str]) -> str:
+    if not texts:
+        return ""
+    low, high = min(texts), max(texts)
+    i = 0
+    while i < len(low) and low[i] == high[i]:
+        i += 1
+    return low[:i]

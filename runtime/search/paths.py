@@ -1,0 +1,101 @@
+"""The owners of a search's sequences: its paths, their look-ahead forks and the prompt's root."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from runtime.detokenizer import StepText
+from runtime.sampler import SamplingState
+from runtime.search.aggregate import aggregate
+from scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from runtime.search.controller import SearchController
+
+
+@dataclass(eq=False)
+class SearchPath:
+    controller: "SearchController"
+    uid: int
+    subtree: int
+    seq: Sequence
+    sampling: SamplingState
+    aggregation: str
+    step_start: int = 0  # token index where the current step began
+    step_end: int = 0  # token index where the last step ended; tokens after it are speculative
+    chunk_start: int = 0  # token index where the current (not yet verified) unit began
+    chunks: list[str] = field(default_factory=list)  # verified units of text
+    step_scores: list[float] = field(default_factory=list)
+    chunk_logprobs: list[float] = field(default_factory=list)
+    is_done: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+    # A greedy look-ahead past the step, scored with it and then thrown away.
+    lookahead_units: list[str] = field(default_factory=list)
+    lookahead_logprobs: list[float] = field(default_factory=list)
+    speculating: bool = False  # decoding past `step_end` in an idle slot
+    spec_logprobs: list[float] = field(default_factory=list)
+    spec_outcome: str | None = None  # set when the speculative tokens complete the next step: how it ends
+    spec_finish: str | None = None  # and the path's finish reason if it ends there
+    next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
+    step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
+    node: int = 0  # its node in the search tree: the step being decoded, or the prompt before the first
+
+    @property
+    def num_speculative(self) -> int:
+        return len(self.seq.token_ids) - self.step_end
+
+    def scoring_units(self) -> list[str]:
+        return self.chunks + self.lookahead_units
+
+    @property
+    def score(self) -> float:
+        return aggregate(self.step_scores, self.aggregation) if self.step_scores else float("-inf")
+
+    @property
+    def request_id(self) -> str:
+        return self.controller.request_id
+
+    def on_logits(self, engine, seq, row):
+        return [seq]
+
+    def on_sampled(self, engine, seq, out) -> None:
+        self.controller.on_token(self, out)
+
+
+@dataclass(eq=False)
+class Lookahead:
+    """A throwaway fork of a path that decodes `lookahead` more steps greedily before scoring."""
+
+    path: SearchPath
+    seq: Sequence
+    sampling: SamplingState
+    start: int  # token index where the look-ahead began
+    steps_left: int
+    step_start: int
+    step_text: StepText | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.path.controller.request_id
+
+    def on_logits(self, engine, seq, row):
+        return [seq]
+
+    def on_sampled(self, engine, seq, out) -> None:
+        self.path.controller.on_lookahead_token(self, out)
+
+
+@dataclass(eq=False)
+class SearchRoot:
+    """The prompt's sequence: prefilled once, then forked into the initial paths."""
+
+    controller: "SearchController"
+
+    @property
+    def request_id(self) -> str:
+        return self.controller.request_id
+
+    def on_logits(self, engine, seq, row):
+        return self.controller.spawn(seq)

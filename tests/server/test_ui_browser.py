@@ -1,0 +1,96 @@
+"""The search-tree page in a real browser (headless Chromium): opened before a search starts, it picks
+the search up, draws its nodes and scores while it runs, and ends with the selected line.
+
+Needs Debian's `chromium` and `chromium-driver` and the `selenium` package (the `dev` extra)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.live import live_server
+from tests.server.test_ui_e2e import AUTH, KEY, long_search
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install selenium)")
+if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+    pytest.skip(f"headless Chromium is not installed ({CHROMIUM}, {CHROMEDRIVER}): "
+                "apt-get install -y chromium chromium-driver", allow_module_level=True)
+
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+SELECTED_FILL = "rgb(0, 158, 115)"  # --selected in the page's style
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    env = {"PONDER_SERVER__API_KEY": KEY, "PONDER_CACHE__BLOCK_SIZE": "4"}
+    with live_server("--model", str(tiny_llama), "--device", "cpu", env=env) as (base, _):
+        yield base
+
+
+@pytest.fixture
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,900"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    try:
+        # The key on every request of the page, its fetches and its event stream included.
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": AUTH})
+        yield driver
+    finally:
+        driver.quit()
+
+
+def nodes(driver) -> list[dict]:
+    return driver.execute_script("""
+        return [...document.querySelectorAll('#tree g.node')].map(g => ({
+            id: +g.dataset.id, step: +g.dataset.step, status: g.dataset.status,
+            score: g.querySelector('text.score').textContent, title: g.querySelector('title').textContent,
+            fill: getComputedStyle(g.querySelector('circle')).fill}));""")
+
+
+def test_the_page_draws_a_running_search_live_and_its_answer(server, browser):
+    browser.get(server + "/ui")
+    WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "no-searches").is_displayed())
+    result = {}
+    body = long_search(server, max_steps=40)
+    worker = threading.Thread(target=lambda: result.update(
+        response=httpx.post(server + "/v1/chat/completions", headers=AUTH, json=body, timeout=300)))
+    worker.start()
+    try:
+        # Nodes with scores appear while the search still runs.
+        WebDriverWait(browser, 60, poll_frequency=0.1).until(
+            lambda d: sum(1 for n in nodes(d) if n["score"]) >= 8)
+        seen_running = nodes(browser)
+        state = httpx.get(server + "/ui/searches", headers=AUTH).json()["data"][0]["state"]
+        listed = browser.find_element(By.CSS_SELECTOR, "#searches li.current")
+        assert state == "running" and "result" not in result
+        assert listed.get_attribute("data-state") == "running"
+        assert {n["status"] for n in seen_running} >= {"running", "kept"} and seen_running[0]["step"] == 0
+        assert seen_running[0]["title"] == "prompt: w1 w2 w3"
+    finally:
+        worker.join(300)
+    choice = result["response"].json()["choices"][0]
+    steps = result["response"].json()["search"]["steps"]
+    WebDriverWait(browser, 30, poll_frequency=0.2).until(
+        lambda d: sum(1 for n in nodes(d) if n["status"] == "selected") == steps + 1)
+    final = nodes(browser)
+    assert len(final) == 1 + 8 * steps and len(final) > len(seen_running)
+    selected = sorted((n for n in final if n["status"] == "selected"), key=lambda n: n["step"])
+    assert [n["score"] for n in selected[1:]] == [f"{s:.2f}" for s in choice["search"]["step_scores"]]
+    assert all(n["fill"] == SELECTED_FILL for n in selected)
+    assert {n["status"] for n in final} == {"selected", "kept", "pruned", "finished"}
+    assert selected[1]["title"].startswith("step 1 (selected, score ")
+    browser.find_element(By.CSS_SELECTOR, f"#tree g.node[data-id='{selected[-1]['id']}'] circle").click()
+    assert browser.find_element(By.ID, "detail").text.startswith(f"step {steps}, selected, score ")
+    time.sleep(0.1)
