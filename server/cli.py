@@ -21,8 +21,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantize", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the model's linear layers, CPU only (default none)")
+    p.add_argument("--quantize", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization of the model's linear layers, CPU only (default auto: a "
+                        "GGUF's own 4-bit blocks kept as int4 on a CPU, float weights otherwise)")
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="results the same bits however requests are batched (scheduler.batch_invariant; "
