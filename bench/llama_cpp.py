@@ -6,7 +6,11 @@ decodes one sequence at a time, so there is no 16-stream figure for it here.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def unavailable() -> str | None:
@@ -30,14 +34,28 @@ def tokens_per_s(path: str, prompt_ids: list[int], tokens: int, threads: int) ->
     """Greedy decode of `tokens` tokens after the prompt (the first, which costs the prefill, untimed)."""
     from llama_cpp import Llama
 
-    # verbose=True: this build crashed without it on prompts longer than one token.
-    llm = Llama(model_path=path, n_ctx=len(prompt_ids) + tokens + 16, n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=True, logits_all=False)
-    try:
-        _decode(llm, prompt_ids, 8)  # warm-up
-        return _decode(llm, prompt_ids, tokens)
-    finally:
-        llm.close()
+    with _quiet():
+        # verbose=True: a build crashed without it on prompts longer than one token.
+        llm = Llama(model_path=path, n_ctx=len(prompt_ids) + tokens + 16, n_threads=threads,
+                    n_threads_batch=threads, n_batch=512, verbose=True, logits_all=False)
+        try:
+            _decode(llm, prompt_ids, 8)  # warm-up
+            return _decode(llm, prompt_ids, tokens)
+        finally:
+            llm.close()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """llama.cpp's verbose log goes to a temporary file instead of the benchmark's output."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _decode(llm, prompt_ids: list[int], tokens: int) -> dict:

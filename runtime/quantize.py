@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.loader import SettingError
+from runtime.loader import SettingError, runs_natively
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32
@@ -187,8 +187,8 @@ class Quantized:
 
 @torch.no_grad()
 def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None) -> Quantized:
-    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU, a model loaded from a GGUF
-    whose linear layers are stored as 4-bit blocks keeps those very blocks as int4 layers (any other
+    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU with native bfloat16, a model
+    loaded from a GGUF whose linear layers are stored as 4-bit blocks keeps those very blocks as int4 layers (any other
     linear layer, e.g. a head tied to a Q8_0 embedding, is quantized to int4 from its loaded weights);
     anything else keeps its float weights."""
     check_mode(setting)
@@ -200,6 +200,9 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
         return Quantized(setting, "none", 0, f"the quantized kernels are the CPU's, and the model is on {device.type}")
     if gguf_path is None:
         return Quantized(setting, "none", 0, "not a GGUF model")
+    if not runs_natively(torch.bfloat16, device):
+        return Quantized(setting, "none", 0, "this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX), "
+                                             "without which the int4 kernel is slower than float32")
     from runtime.gguf_blocks import linear_blocks
 
     try:

@@ -14,6 +14,12 @@ from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
 
 
+@pytest.fixture(autouse=True)
+def native_bfloat16(monkeypatch):
+    """`auto` keeps the blocks only where bfloat16 runs natively; the kernels run (slower) anywhere."""
+    monkeypatch.setattr("runtime.quantize.runs_natively", lambda dtype, device: True)
+
+
 @pytest.fixture(scope="module", params=["Q4_1", "Q4_0"])
 def tiny_gguf(request, tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{request.param}"), request.param)
@@ -94,3 +100,10 @@ def test_blocks_that_do_not_give_the_loaded_weights_stop_start_up(tiny_gguf):
                                             r"blocks of blk\.1\.ffn_up\.weight do not give the weights loaded into "
                                             r"model\.layers\.1\.mlp\.up_proj; set model\.quantize = \"none\"$"):
         apply_quantize(model, "auto", str(tiny_gguf))
+
+
+def test_auto_keeps_float_weights_on_a_cpu_without_native_bfloat16(tiny_gguf, monkeypatch):
+    monkeypatch.setattr("runtime.quantize.runs_natively", lambda dtype, device: False)
+    quantized = apply_quantize(load(tiny_gguf), "auto", str(tiny_gguf))
+    assert (quantized.mode, quantized.layers) == ("none", 0)
+    assert quantized.detail.startswith("this CPU has no native bfloat16 arithmetic")
