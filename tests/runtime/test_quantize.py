@@ -141,6 +141,7 @@ def test_the_start_up_check_refuses_quantization_off_the_cpu(monkeypatch):
     monkeypatch.setattr(preflight, "pick_device", lambda device: torch.device(device))  # as on a GPU machine
     monkeypatch.setattr(preflight, "pick_dtype", lambda dtype, device: torch.bfloat16)
     preflight.check(RuntimeOptions(device="cuda", quantize="none"))
+    preflight.check(RuntimeOptions(device="cuda", quantize="auto"))  # auto keeps float weights there
     with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int8' runs on the CPU only, and model\.device "
                                             r"is cuda; set model\.quantize = \"none\" or model\.device = \"cpu\"$"):
         preflight.check(RuntimeOptions(device="cuda", quantize="int8"))
