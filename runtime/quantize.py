@@ -1,8 +1,11 @@
 """Quantized linear layers for the generator on a CPU (`[model] quantize`).
 
-Each mode replaces every `nn.Linear` (the output head too: a head tied to the input embedding gets a
-quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
-quantized weight and calls one torch kernel:
+`int8` and `int4` replace every `nn.Linear` (the output head too: a head tied to the input embedding
+gets a quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
+quantized weight and calls one torch kernel. `auto` (the default) does the same with int4 on a CPU
+with native bfloat16 for a GGUF whose linear layers are stored as 4-bit blocks, taking those very
+blocks (runtime.gguf_blocks) rather than quantizing the dequantized floats again; otherwise it keeps
+float weights. `apply_quantize` says what a setting became (`Quantized`).
 
 - int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`.
 - int4: 4-bit weights in groups of `INT4_GROUP_SIZE` input features, each group with a scale and a
