@@ -191,9 +191,9 @@ class Quantized:
 @torch.no_grad()
 def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None) -> Quantized:
     """Apply the `quantize` setting to a loaded model. `auto`: on a CPU with native bfloat16, a model
-    loaded from a GGUF whose linear layers are stored as 4-bit blocks keeps those very blocks as int4 layers (any other
-    linear layer, e.g. a head tied to a Q8_0 embedding, is quantized to int4 from its loaded weights);
-    anything else keeps its float weights."""
+    loaded from a GGUF whose linear layers are stored as 4-bit blocks keeps those very blocks as int4
+    layers (any other linear layer, e.g. a head tied to a Q8_0 embedding, is quantized to int4 from
+    its loaded weights); anything else keeps its float weights."""
     check_mode(setting)
     if setting != "auto":
         layers = quantize_model(model, setting)
