@@ -1,36 +1,57 @@
-"""Decode throughput: ponder's engine against transformers' `generate`, same model, same run.
+"""Decode throughput side by side: ponder's modes, transformers and llama.cpp, same model, same run.
 
-    ponder bench decode [--model PATH] [--tokens N] [--parallel N] [--profile] [--json PATH]
+    ponder bench decode [--model PATH] [--tokens N] [--parallel N] [--systems LIST] [--profile]
+                        [--json PATH] [--plot PATH]
 
-Measures tokens/s for one greedy stream and for N parallel sampled sequences (one request, n=N, so
-the sequences share the prompt's blocks), after a warm-up, on the default model unless --model is given.
-With --profile, each case's decode steps are also run under torch.profiler and the operators that
-take the most self CPU time are printed.
+Every system decodes from the same prompt token ids: one greedy stream, and N sampled sequences
+(one request, n=N, sharing the prompt's blocks; one batch of N for transformers), timed after the
+first token (which carries the prefill) and after a warm-up. Systems:
+
+- `default`: ponder with default settings (`quantize = "auto"`: on a CPU, a GGUF's own 4-bit blocks)
+- `deterministic`: the same with `--deterministic` (batch-invariant)
+- `float32`, `int8`, `int4`: ponder with `--quantize none|int8|int4` (int4 re-quantizes the floats)
+- `transformers`: transformers' `generate` on the float32 model (eager PyTorch, SDPA attention)
+- `llama.cpp`: llama-cpp-python on the same GGUF file, one stream (skipped, with the reason, when the
+  package is missing or the model is not a GGUF)
+
+Each figure is printed as a ratio to transformers, and as a fraction of the memory-bandwidth limit:
+weight bytes read per step x steps/s / the read bandwidth measured here (a sum over a 512 MiB tensor).
+With --profile, the default system's decode steps also run under torch.profiler.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
-from bench.report import emit
+from bench import llama_cpp
+from bench.report import emit, plot_path
+from runtime import attention
 from runtime.bootstrap import build_engine
+from runtime.loader import load_causal_lm, resolve_model
 from runtime.protocol import GenerateRequest, RuntimeOptions, SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+PONDER = {"default": {}, "deterministic": {"batch_invariant": True}, "float32": {"quantize": "none"},
+          "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+SYSTEMS = (*PONDER, "transformers", "llama.cpp")
+OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
-def _engine_tokens_per_s(engine, prompt_ids: list[int], n: int, tokens: int, temperature: float) -> dict:
-    request = GenerateRequest(request_id=f"bench-{n}-{time.monotonic_ns()}", endpoint="completion",
-                              prompt_token_ids=tuple(prompt_ids),
-                              sampling=SamplingParams(max_tokens=tokens, temperature=temperature, n=n, seed=0,
-                                                      ignore_eos=True))
-    engine.add_request(request)
+def _request(prompt_ids: list[int], n: int, tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id=f"bench-{n}-{time.monotonic_ns()}", endpoint="completion",
+                           prompt_token_ids=tuple(prompt_ids),
+                           sampling=SamplingParams(max_tokens=tokens, temperature=0.0 if n == 1 else 0.8, n=n,
+                                                   seed=0, ignore_eos=True))
+
+
+def engine_tokens_per_s(engine, prompt_ids: list[int], n: int, tokens: int) -> dict:
+    engine.add_request(_request(prompt_ids, n, tokens))
     engine.step()  # prefill and the first token of every sequence
-    start = time.perf_counter()
-    steps = 0
+    start, steps = time.perf_counter(), 0
     while engine.has_work:
         engine.step()
         steps += 1
@@ -38,15 +59,11 @@ def _engine_tokens_per_s(engine, prompt_ids: list[int], n: int, tokens: int, tem
     return {"tokens": steps * n, "seconds": seconds, "tokens_per_s": steps * n / seconds}
 
 
-def _profile_table(engine, prompt_ids: list[int], n: int, tokens: int, temperature: float, rows: int = 25) -> str:
+def profile_table(engine, prompt_ids: list[int], n: int, tokens: int, rows: int = 25) -> str:
     """The engine's decode steps for one case under torch.profiler: operators by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    request = GenerateRequest(request_id=f"profile-{n}-{time.monotonic_ns()}", endpoint="completion",
-                              prompt_token_ids=tuple(prompt_ids),
-                              sampling=SamplingParams(max_tokens=tokens, temperature=temperature, n=n, seed=0,
-                                                      ignore_eos=True))
-    engine.add_request(request)
+    engine.add_request(_request(prompt_ids, n, tokens))
     engine.step()  # prefill: not profiled
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         while engine.has_work:
@@ -54,83 +71,192 @@ def _profile_table(engine, prompt_ids: list[int], n: int, tokens: int, temperatu
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def _hf_tokens_per_s(model, prompt_ids: list[int], n: int, tokens: int, temperature: float) -> dict:
+@torch.inference_mode()
+def hf_tokens_per_s(model, prompt_ids: list[int], n: int, tokens: int) -> dict:
     ids = torch.tensor([prompt_ids] * n)
-    kwargs = dict(do_sample=temperature > 0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
-    if temperature > 0:
-        kwargs["temperature"] = temperature
-    with torch.inference_mode():
-        model.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})  # prefill cost
-        start = time.perf_counter()
-        model.generate(ids, **kwargs)
-        seconds = time.perf_counter() - start
-    # Subtract one prefill so both sides time decode only.
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
-        prefill = time.perf_counter() - t0
-    decode = max(seconds - prefill, 1e-9)
+    kwargs = dict(do_sample=n > 1, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+    if n > 1:
+        kwargs["temperature"] = 0.8
+    one = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1}
+    model.generate(ids, **one)  # warm-up
+    start = time.perf_counter()
+    model.generate(ids, **kwargs)
+    seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(ids, **one)  # the prefill and first token, subtracted so both sides time decode only
+    decode = max(seconds - (time.perf_counter() - start), 1e-9)
     produced = (tokens - 1) * n
     return {"tokens": produced, "seconds": decode, "tokens_per_s": produced / decode}
 
 
-def run(model: str | None, tokens: int, parallel: int, dtype: str = "auto", batch_invariant: bool = False,
-        profile: bool = False) -> dict:
-    torch.manual_seed(0)
-    engine, source = build_engine(RuntimeOptions(model=model, device="cpu", dtype=dtype,
-                                                 max_num_seqs=max(64, parallel), batch_invariant=batch_invariant))
-    tokenizer = engine.tokenizer
-    text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    # Warm-up (allocator, first-call overheads) on both sides.
-    _engine_tokens_per_s(engine, prompt_ids, 1, 8, 0.0)
-    results = {"model": source.name, "dtype": str(engine.cache.dtype).removeprefix("torch."),
-               "threads": torch.get_num_threads(), "prompt_tokens": len(prompt_ids),
-               "new_tokens": tokens, "cases": []}
-    hf_model = engine.model
-    hf_model.set_attn_implementation("sdpa")
-    _hf_tokens_per_s(hf_model, prompt_ids, 1, 4, 0.0)
-    for name, n, temperature in [("1 stream, greedy", 1, 0.0), (f"{parallel} sequences, sampled", parallel, 0.8)]:
-        hf = _hf_tokens_per_s(hf_model, prompt_ids, n, tokens, temperature)
-        from runtime import attention
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer once, but the input
+    embedding only when it is also the head (otherwise a step reads a few of its rows)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    embedding = model.get_input_embeddings().weight
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    if head is not embedding:
+        tensors.pop(id(embedding), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
-        hf_model.set_attn_implementation(attention.ATTENTION_NAME)
-        ours = _engine_tokens_per_s(engine, prompt_ids, n, tokens, temperature)
-        if profile:
-            print(f"-- {name}: decode steps by self CPU time\n" + _profile_table(engine, prompt_ids, n, tokens, temperature))
-        hf_model.set_attn_implementation("sdpa")
-        results["cases"].append({"case": name, "sequences": n, "ponder_tokens_per_s": round(ours["tokens_per_s"], 1),
-                                 "transformers_tokens_per_s": round(hf["tokens_per_s"], 1),
-                                 "speedup": round(ours["tokens_per_s"] / hf["tokens_per_s"], 2)})
-    hf_model.set_attn_implementation(attention.ATTENTION_NAME)
+
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes/s a sum over a `mib` MiB float32 tensor reads, the best of `repeats`."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(model: str | None, tokens: int, parallel: int, systems: list[str], profile: bool = False) -> dict:
+    threads = torch.get_num_threads()
+    results: dict = {"threads": threads, "new_tokens": tokens, "parallel": parallel,
+                     "read_bandwidth_gbs": round(read_bandwidth() / 1e9, 2), "systems": []}
+    source = resolve_model(model)
+    results["model"] = source.name
+    prompt_ids: list[int] | None = None
+    for name in [s for s in systems if s in PONDER]:
+        torch.manual_seed(0)
+        engine, _ = build_engine(RuntimeOptions(model=model, device="cpu", max_num_seqs=max(64, parallel),
+                                                **PONDER[name]))
+        if prompt_ids is None:
+            text = engine.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+            prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        engine_tokens_per_s(engine, prompt_ids, 1, 8)  # warm-up
+        entry = {"system": name, "setting": engine.quantized.describe(), "weight_bytes": step_weight_bytes(engine.model),
+                 "tokens_per_s_1": engine_tokens_per_s(engine, prompt_ids, 1, tokens)["tokens_per_s"],
+                 "tokens_per_s_n": engine_tokens_per_s(engine, prompt_ids, parallel, tokens)["tokens_per_s"]}
+        if profile and name == "default":
+            for n in (1, parallel):
+                print(f"-- default, {n} sequence(s): decode steps by self CPU time\n"
+                      + profile_table(engine, prompt_ids, n, tokens))
+        results["systems"].append(entry)
+        engine.close()
+    if "transformers" in systems:
+        hf = load_causal_lm(source, torch.device("cpu"), torch.float32, "sdpa")
+        if prompt_ids is None:
+            from runtime.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(source)
+            text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        results["systems"].append({"system": "transformers", "setting": "generate, float32, eager, sdpa",
+                                   "weight_bytes": step_weight_bytes(hf),
+                                   "tokens_per_s_1": hf_tokens_per_s(hf, prompt_ids, 1, tokens)["tokens_per_s"],
+                                   "tokens_per_s_n": hf_tokens_per_s(hf, prompt_ids, parallel, tokens)["tokens_per_s"]})
+        del hf
+    if "llama.cpp" in systems:
+        reason = llama_cpp.unavailable() or (None if source.gguf_file else "the model is not a GGUF file")
+        if reason is None and prompt_ids is not None:
+            path = f"{source.directory}/{source.gguf_file}"
+            figure = llama_cpp.tokens_per_s(path, prompt_ids, tokens, threads)
+            results["systems"].append({"system": "llama.cpp", "setting": f"llama-cpp-python, {source.gguf_file}",
+                                       "weight_bytes": llama_cpp.weight_bytes(path),
+                                       "tokens_per_s_1": figure["tokens_per_s"], "tokens_per_s_n": None,
+                                       "note_n": "the Llama API decodes one sequence at a time"})
+        else:
+            results["llama_cpp_skipped"] = reason or "no prompt ids (run it with another system)"
+    _derive(results)
     return results
 
 
+def _derive(results: dict) -> None:
+    """Ratios to transformers and fractions of the bandwidth limit, rounded figures."""
+    bandwidth = results["read_bandwidth_gbs"] * 1e9
+    base = next((s for s in results["systems"] if s["system"] == "transformers"), None)
+    for s in results["systems"]:
+        for key, rows in (("1", 1), ("n", results["parallel"])):
+            rate = s[f"tokens_per_s_{key}"]
+            if rate is None:
+                continue
+            s[f"bandwidth_fraction_{key}"] = round(s["weight_bytes"] * rate / rows / bandwidth, 3)
+            if base is not None:
+                s[f"vs_transformers_{key}"] = round(rate / base[f"tokens_per_s_{key}"], 2)
+            s[f"tokens_per_s_{key}"] = round(rate, 1)
+
+
 def table(results: dict) -> str:
-    rows = [f"decode benchmark: {results['model']} ({results['dtype']}), {results['threads']} threads, prompt {results['prompt_tokens']} "
-            f"tokens, {results['new_tokens']} new tokens per sequence",
-            f"{'case':<26} {'ponder tok/s':>13} {'transformers tok/s':>19} {'speedup':>8}"]
-    for c in results["cases"]:
-        rows.append(f"{c['case']:<26} {c['ponder_tokens_per_s']:>13.1f} {c['transformers_tokens_per_s']:>19.1f} "
-                    f"{c['speedup']:>7.2f}x")
+    n = results["parallel"]
+    rows = [f"decode: {results['model']}, {results['threads']} threads, {results['new_tokens']} new tokens per "
+            f"sequence, read bandwidth {results['read_bandwidth_gbs']} GB/s",
+            f"{'system':<14} {'weights MiB':>11} {'tok/s 1':>8} {'vs hf':>6} {'of bw':>6} "
+            f"{f'tok/s {n}':>9} {'vs hf':>6} {'of bw':>6}"]
+
+    def cell(s, key, width, fmt):
+        value = s.get(key)
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
+
+    for s in results["systems"]:
+        rows.append(f"{s['system']:<14} {s['weight_bytes'] / 2**20:>11.1f} "
+                    + " ".join([cell(s, "tokens_per_s_1", 8, ".1f"), cell(s, "vs_transformers_1", 5, ".2f") + "x",
+                                cell(s, "bandwidth_fraction_1", 6, ".0%"), cell(s, "tokens_per_s_n", 9, ".1f"),
+                                cell(s, "vs_transformers_n", 5, ".2f") + "x", cell(s, "bandwidth_fraction_n", 6, ".0%")]))
+    for s in results["systems"]:
+        rows.append(f"  {s['system']}: {s['setting']}" + (f"; {n} streams: {s['note_n']}" if s.get("note_n") else ""))
+    if results.get("llama_cpp_skipped"):
+        rows.append(f"  llama.cpp skipped: {results['llama_cpp_skipped']}")
     return "\n".join(rows)
+
+
+def plot(results: dict, path: Path) -> str | None:
+    """A bar chart of tokens/s per system at 1 and N streams; None, or why there is no plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed (the `bench` extra): no plot"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = results["systems"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.4
+    for i, (key, label) in enumerate((("1", "1 stream"), ("n", f"{results['parallel']} streams"))):
+        xs = [j + (i - 0.5) * width for j in range(len(systems))]
+        values = [s.get(f"tokens_per_s_{key}") or 0 for s in systems]
+        bars = ax.bar(xs, values, width, label=label)
+        for bar, s in zip(bars, systems):
+            ratio = s.get(f"vs_transformers_{key}")
+            if ratio is not None:
+                ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(systems)), [s["system"] for s in systems])
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"decode, {results['model']}, {results['threads']} threads (ratios to transformers)")
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ponder bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--parallel", type=int, default=16)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="weights and KV dtype for both sides (auto: float32 on CPU)")
-    parser.add_argument("--deterministic", dest="batch_invariant", action="store_true",
-                        help="pad steps to batch-invariant row counts, as `ponder serve --deterministic`")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     parser.add_argument("--profile", action="store_true",
-                        help="also print a torch.profiler breakdown of each case's decode steps")
+                        help="also print a torch.profiler breakdown of the default system's decode steps")
     parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--plot", dest="plot_path", default=None,
+                        help="PNG path (default: next to --json, else bench/out/decode.png)")
     args = parser.parse_args(argv)
-    results = run(args.model, args.tokens, args.parallel, args.dtype, args.batch_invariant, args.profile)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    results = run(args.model, args.tokens, args.parallel, systems, args.profile)
+    path = plot_path(args.plot_path, args.json_path, OUT_DIR / "decode.png")
+    skipped = plot(results, path)
+    results["plot"] = skipped or str(path)
     emit(results, table(results), args.json_path)
     return 0
 

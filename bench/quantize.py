@@ -1,6 +1,6 @@
 """Quantized weights: decode speed and perplexity of each `[model] quantize` mode, same model, same run.
 
-    ponder bench quantize [--model PATH] [--modes none,int8,int4] [--tokens N] [--parallel N] [--json PATH]
+    ponder bench quantize [--model PATH] [--modes auto,none,int8,int4] [--tokens N] [--parallel N] [--json PATH]
 
 For every mode the engine is built as `ponder serve --quantize MODE` builds it, then decodes one
 greedy stream and N parallel sampled sequences (tokens/s after a warm-up), and the model's perplexity

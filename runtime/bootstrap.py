@@ -9,7 +9,7 @@ from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
 from runtime.loader import ModelSource, load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions
-from runtime.quantize import check_mode, quantize_model
+from runtime.quantize import apply_quantize, check_mode
 from runtime.search.verifier_store import VerifierStore
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
@@ -28,8 +28,9 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     tokenizer = load_tokenizer(source, options.trust_remote_code)
     log.info("loading model %s (%s on %s)", source.name, str(dtype).removeprefix("torch."), device)
     model = load_causal_lm(source, device, dtype, attention.register(), options.trust_remote_code)
-    if options.quantize != "none":
-        log.info("quantized %d linear layers to %s", quantize_model(model, options.quantize), options.quantize)
+    gguf_path = f"{source.directory}/{source.gguf_file}" if source.gguf_file else None
+    quantized = apply_quantize(model, options.quantize, gguf_path)
+    log.info("%s", quantized.describe())
     text_config = model.config.get_text_config()
     limit = getattr(text_config, "max_position_embeddings", None) or 2048
     max_model_len = min(options.max_model_len or limit, limit)
@@ -49,11 +50,12 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                           speculative_extension=options.speculative_extension,
                           batch_invariant=options.batch_invariant)
     model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
-    if options.quantize != "none":  # a quantized model writes other KV than the float one
-        model_key += f"|quantize={options.quantize}".encode()
+    if quantized.mode != "none":  # a quantized model writes other KV than the float one
+        model_key += f"|quantize={quantized.mode}|{quantized.detail}".encode()
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
     engine = Engine(model, tokenizer, config, model_key)
+    engine.quantized = quantized
     if options.host_kv_memory_bytes > 0 or options.disk_kv_dir:
         engine.attach_tiers(_tier_chain(options, engine, model_key))
     for name, verifier in verifiers.items():

@@ -6,6 +6,9 @@ copies it asks for, runs the model once and returns the logits the plan needs.
 With a `RowPadding` (and a cache with a scratch block), a step's tokens are padded with throwaway
 tokens, and the head's rows with repeats, up to a row count for which every row's bits do not
 depend on the others (see runtime.row_padding): results never depend on what shares the step.
+Prompt tokens then attend like generated ones too, one query at a time against the paged KV
+(runtime.attention), so a token's bits do not depend on how its prompt was chunked or how much of
+it came from the prefix cache either.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention import AttentionMetadata, DecodeGroup, PrefillSlice, bucket_blocks
-from runtime.row_padding import RowPadding
+from runtime.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
+
+
+GATHER_TOKENS = 1 << 16  # keys one attention group may gather (queries x window)
 
 
 @dataclass
@@ -46,6 +52,7 @@ class ModelRunner:
         # Called with a step's (scheduled, copies) after the copies: a per-layer KV provider for the
         # attention, or None (runtime.layer_offload). None: every layer of every block is resident.
         self.layer_provider = None
+        self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
 
     def padded_rows(self, rows: list[int]) -> list[int]:
         """`rows` with the last repeated up to a row count that keeps each row's bits its own."""
@@ -94,8 +101,9 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + entry.num_new_tokens
             entry_start.append(len(input_ids))
             input_ids.extend(seq.token_ids[start:end])
-            # Prompt tokens are prefilled; generated ones (new, or recomputed) attend one query at a time.
-            split = min(max(start, seq.num_prompt_tokens), end)
+            # Prompt tokens are prefilled; generated ones (new, or recomputed) attend one query at a time,
+            # and so do prompt tokens when results must not depend on the schedule.
+            split = start if self.exact_prefill else min(max(start, seq.num_prompt_tokens), end)
             if split > start:
                 prefills.append(self._prefill_slice(len(input_ids) - (end - start), start, split, seq.block_table))
             starts.append(start)
@@ -150,15 +158,24 @@ class ModelRunner:
         window_t = torch.tensor([widths[n] for n in windows])
         groups = []
         for width in sorted(set(widths.values())):
-            sel = torch.nonzero(window_t == width).flatten()
-            # Blocks past a query's own table repeat its last block: read, masked, never used.
-            j = torch.arange(width)[None, :].minimum(table_lens[entries[sel]][:, None] - 1)
-            block_ids = tables[table_starts[entries[sel]][:, None] + j]
-            masked = torch.arange(width * bs)[None, :] >= ctx[sel][:, None]
-            masked_at = tuple(i.to(self.device) for i in torch.nonzero(masked, as_tuple=True))
-            groups.append(DecodeGroup(rows[sel].to(self.device), block_ids.to(self.device),
-                                      masked[:, None, None, :].to(self.device), masked_at, width * bs))
+            # At most ATTENTION_BATCH queries a group (the batch counts the invariance probe checked),
+            # and a bounded number of gathered keys (a long prompt's queries would copy its KV each).
+            most = max(1, min(ATTENTION_BATCH, GATHER_TOKENS // (width * bs)))
+            for sel in torch.nonzero(window_t == width).flatten().split(most):
+                groups.append(self._decode_group(sel, rows, ctx, entries, tables, table_starts, table_lens, width))
         return groups
+
+    def _decode_group(self, sel: torch.Tensor, rows: torch.Tensor, ctx: torch.Tensor, entries: torch.Tensor,
+                      tables: torch.Tensor, table_starts: torch.Tensor, table_lens: torch.Tensor,
+                      width: int) -> DecodeGroup:
+        bs = self.block_size
+        # Blocks past a query's own table repeat its last block: read, masked, never used.
+        j = torch.arange(width)[None, :].minimum(table_lens[entries[sel]][:, None] - 1)
+        block_ids = tables[table_starts[entries[sel]][:, None] + j]
+        masked = torch.arange(width * bs)[None, :] >= ctx[sel][:, None]
+        masked_at = tuple(i.to(self.device) for i in torch.nonzero(masked, as_tuple=True))
+        return DecodeGroup(rows[sel].to(self.device), block_ids.to(self.device),
+                           masked[:, None, None, :].to(self.device), masked_at, width * bs)
 
     def _prefill_slice(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillSlice:
         q_len = end - start

@@ -56,7 +56,7 @@ def serve(channel: Channel) -> None:
     channel.send(Ready(model=source.name, max_model_len=engine.config.max_model_len,
                        dtype=str(engine.cache.dtype).removeprefix("torch."), device=str(engine.device),
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
-                       verifiers=tuple(sorted(engine.scorers))))
+                       verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode))
     log.info("runtime ready: %s", source.name)
     try:
         _loop(channel, engine, options)

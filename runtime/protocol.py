@@ -92,6 +92,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     num_blocks: int
     block_size: int
     verifiers: tuple[str, ...] = ()
+    quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
 
 
 class LoadProgress(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
@@ -267,7 +268,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "auto"
     max_model_len: int | None = None
     trust_remote_code: bool = False
-    quantize: str = "none"  # none | int8 | int4: the generator's linear layers (runtime.quantize)
+    quantize: str = "auto"  # auto | none | int8 | int4: the generator's linear layers (runtime.quantize)
     block_size: int = 16
     kv_memory_bytes: int = 2 << 30
     num_blocks: int | None = None  # overrides kv_memory_bytes

@@ -1,8 +1,11 @@
 """Quantized linear layers for the generator on a CPU (`[model] quantize`).
 
-Each mode replaces every `nn.Linear` (the output head too: a head tied to the input embedding gets a
-quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
-quantized weight and calls one torch kernel:
+`int8` and `int4` replace every `nn.Linear` (the output head too: a head tied to the input embedding
+gets a quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
+quantized weight and calls one torch kernel. `auto` (the default) does the same with int4 on a CPU
+with native bfloat16 for a GGUF whose linear layers are stored as 4-bit blocks, taking those very
+blocks (runtime.gguf_blocks) rather than quantizing the dequantized floats again; otherwise it keeps
+float weights. `apply_quantize` says what a setting became (`Quantized`).
 
 - int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`.
 - int4: 4-bit weights in groups of `INT4_GROUP_SIZE` input features, each group with a scale and a
@@ -18,13 +21,15 @@ start-up with a `QuantizeError` naming the setting; nothing falls back to float 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.loader import SettingError
+from runtime.loader import SettingError, runs_natively
 
-QUANTIZE_MODES = ("none", "int8", "int4")
+QUANTIZE_MODES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY = torch.finfo(torch.float32).tiny
@@ -71,24 +76,34 @@ class Int8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> None:
+    """4-bit codes in groups of `INT4_GROUP_SIZE` input features; the kernel computes a code q as
+    (q - 8) * scale + zero with its group's scale and zero point (weight-only)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE) -> None:
+        """`codes` [out, in] in 0..15; `scales`, `zeros` [out, in / group_size]."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = codes.shape
         self.group_size = group_size
         # The packing takes rows in multiples of 16: padding rows are zero and cut off the output.
         self.padded_out_features = -(-self.out_features // 16) * 16
-        weight = F.pad(linear.weight.detach().float(), (0, 0, 0, self.padded_out_features - self.out_features))
-        groups = weight.reshape(self.padded_out_features, self.in_features // group_size, group_size)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scales = (high - low).clamp(min=_TINY) / 15
-        codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
-        codes = codes.to(torch.int32).reshape(self.padded_out_features, self.in_features)
-        # The kernel dequantizes a code q as (q - 8) * scale + zero: zero is the group's value at code 8.
-        zeros = low + 8 * scales
+        pad = (0, 0, 0, self.padded_out_features - self.out_features)
+        codes, scales, zeros = (F.pad(t, pad) for t in (codes.to(torch.int32), scales.float(), zeros.float()))
         self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [groups, out, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
-        self.bias = linear.bias
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> "Int4Linear":
+        """Each group's 16 codes spread evenly from its least to its largest weight."""
+        weight = linear.weight.detach().float()
+        groups = weight.reshape(linear.out_features, linear.in_features // group_size, group_size)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scales = (high - low).clamp(min=_TINY) / 15
+        codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
+        # The kernel dequantizes a code q as (q - 8) * scale + zero: zero is the group's value at code 8.
+        return cls(codes.reshape(weight.shape), scales, low + 8 * scales, linear.bias, group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -104,7 +119,7 @@ class Int4Linear(QuantizedLinear):
                                                            self.scales_and_zeros)[:, :self.out_features].T.float()
 
 
-_MODULES = {"int8": Int8Linear, "int4": Int4Linear}
+_MODULES = {"int8": Int8Linear, "int4": Int4Linear.from_linear}
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -124,7 +139,7 @@ def check_mode(mode: str) -> None:
 
 def check_device(mode: str, device: torch.device, where: str = "model.device is") -> None:
     """Raise `QuantizeError` unless `mode` can run on `device` (the quantized kernels are the CPU's)."""
-    if mode != "none" and device.type != "cpu":
+    if mode not in ("none", "auto") and device.type != "cpu":
         raise QuantizeError(f"model.quantize = {mode!r} runs on the CPU only, and {where} {device.type}; "
                             "set model.quantize = \"none\" or model.device = \"cpu\"")
 
@@ -132,7 +147,7 @@ def check_device(mode: str, device: torch.device, where: str = "model.device is"
 def check_quantizable(model: nn.Module, mode: str) -> None:
     """Raise `QuantizeError` (one line, naming the setting) unless every linear layer can take `mode`."""
     check_mode(mode)
-    if mode == "none":
+    if mode in ("none", "auto"):
         return
     for name, _, _, layer in linear_layers(model):
         check_device(mode, layer.weight.device, f"{name} is on")
@@ -149,13 +164,77 @@ def quantize_model(model: nn.Module, mode: str) -> int:
     """Replace every linear layer of `model` by its `mode` form; returns how many were replaced.
     Checks every layer before changing any, so a failure leaves the model as it was."""
     check_quantizable(model, mode)
+    if mode == "auto":
+        raise ValueError("quantize_model takes none, int8 or int4; apply_quantize resolves auto")
     if mode == "none":
         return 0
     layers = linear_layers(model)
     for _, parent, attribute, layer in layers:
         setattr(parent, attribute, _MODULES[mode](layer))
+    _untie(model)
+    return len(layers)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What a `quantize` setting became: `mode` is none, int8 or int4; `detail` says where from."""
+
+    setting: str
+    mode: str
+    layers: int
+    detail: str
+
+    def describe(self) -> str:
+        return f"model.quantize = {self.setting}: {self.mode} ({self.detail})"
+
+
+@torch.no_grad()
+def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None) -> Quantized:
+    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU with native bfloat16, a model
+    loaded from a GGUF whose linear layers are stored as 4-bit blocks keeps those very blocks as int4
+    layers (any other linear layer, e.g. a head tied to a Q8_0 embedding, is quantized to int4 from
+    its loaded weights); anything else keeps its float weights."""
+    check_mode(setting)
+    if setting != "auto":
+        layers = quantize_model(model, setting)
+        return Quantized(setting, setting, layers, "as set" if layers else "float weights")
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return Quantized(setting, "none", 0, f"the quantized kernels are the CPU's, and the model is on {device.type}")
+    if gguf_path is None:
+        return Quantized(setting, "none", 0, "not a GGUF model")
+    if not runs_natively(torch.bfloat16, device):
+        return Quantized(setting, "none", 0, "this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX), "
+                                             "without which the int4 kernel is slower than float32")
+    from runtime.gguf_blocks import linear_blocks
+
+    try:
+        blocks, found = linear_blocks(model, gguf_path)
+    except ValueError as exc:
+        raise QuantizeError(f"model.quantize = 'auto' cannot keep the GGUF's blocks: {exc}; "
+                            "set model.quantize = \"none\"") from None
+    if not blocks:
+        return Quantized(setting, "none", 0, f"no 4-bit linear layers in the GGUF; {found}")
+    layers = linear_layers(model)
+    rest_float = 0
+    for name, parent, attribute, layer in layers:
+        b = blocks.get(name)
+        if b is None and layer.in_features % INT4_GROUP_SIZE == 0 and layer.weight.dtype in _SUPPORTED_DTYPES:
+            setattr(parent, attribute, Int4Linear.from_linear(layer))
+        elif b is None:
+            rest_float += 1
+        else:
+            setattr(parent, attribute, Int4Linear(b.codes, *b.scales_and_zeros(), layer.bias))
+    _untie(model)
+    rest = len(layers) - len(blocks) - rest_float
+    detail = f"{len(blocks)} layers keep the GGUF's 4-bit blocks" + \
+        (f", {rest} quantized from their weights" if rest else "") + \
+        (f", {rest_float} keep float weights" if rest_float else "") + f"; {found}"
+    return Quantized(setting, "int4", len(layers) - rest_float, detail)
+
+
+def _untie(model: nn.Module) -> None:
     # A head tied to the input embedding is now a quantized copy; the embedding keeps its weights.
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False
-    return len(layers)

@@ -100,15 +100,18 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
         x = logits.clone()
         for row in penalised:
             x[row] = _apply_penalties(x[row], states[row].params, *token_histories[row])
-    tokens = torch.argmax(x, dim=-1)
     rows = [i for i, s in enumerate(states) if not s.params.is_greedy and s.params.temperature >= MIN_TEMPERATURE]
+    # Greedy rows take the argmax; when every row samples, the sampled tokens fill `tokens` below.
+    tokens = torch.argmax(x, dim=-1) if len(rows) < len(states) else torch.empty(len(states), dtype=torch.long,
+                                                                                   device=device)
     if rows:
         temperatures = torch.tensor([states[i].params.temperature for i in rows], dtype=x.dtype, device=device)
-        y = x[rows] / temperatures[:, None]
-        # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
-        overflow = torch.isposinf(y)
-        hit = overflow.any(dim=-1, keepdim=True)
-        y = torch.where(hit, torch.where(overflow, 0.0, float("-inf")), y)
+        y = (x if len(rows) == len(states) else x[rows]) / temperatures[:, None]
+        if penalised:  # finite logits over a temperature >= MIN_TEMPERATURE cannot overflow without them
+            # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
+            overflow = torch.isposinf(y)
+            hit = overflow.any(dim=-1, keepdim=True)
+            y = torch.where(hit, torch.where(overflow, 0.0, float("-inf")), y)
         for k, row in enumerate(rows):
             p = states[row].params
             if (p.top_k and p.top_k > 0) or p.top_p < 1.0 or p.min_p > 0.0:

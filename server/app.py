@@ -79,7 +79,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     def on_state(new_state: str) -> None:
         metrics.set_runtime_up(new_state == READY)
         if new_state == READY and client.info is not None:
-            metrics.set_model_info(client.info.model, client.info.dtype, client.info.device)
+            metrics.set_model_info(client.info.model, client.info.dtype, client.info.device, client.info.quantize)
             if client.num_restarts:
                 metrics.runtime_restarted()
 
@@ -149,7 +149,8 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         model = served_model()
         info = client.info
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "ponder",
-                                            "max_model_len": info.max_model_len if info else None}]}
+                                            "max_model_len": info.max_model_len if info else None,
+                                            "quantize": info.quantize if info else None}]}
 
     async def generate(body, request: Request, endpoint: str, prompts: list[dict]):
         """Check the body against the served model and the caps, then run one runtime request per prompt."""

@@ -146,7 +146,7 @@ class Metrics:
         )
         self.model_info = Gauge(
             "ponder_model_info", "The model being served (value is always 1).",
-            ["model", "dtype", "device"], registry=r,
+            ["model", "dtype", "device", "quantize"], registry=r,
         )
 
         # Known label values are exported from the start so that rates exist before the first event.
@@ -227,9 +227,9 @@ class Metrics:
             # already exceeds what the old one had reached.
             self._last_cumulative.clear()
 
-    def set_model_info(self, model: str, dtype: str, device: str) -> None:
+    def set_model_info(self, model: str, dtype: str, device: str, quantize: str = "none") -> None:
         self.model_info.clear()
-        self.model_info.labels(model, dtype, device).set(1)
+        self.model_info.labels(model, dtype, device, quantize).set(1)
 
     def _set_kv_blocks(self, blocks: dict[tuple[str, str], int]) -> None:
         for labels in self._kv_block_labels - blocks.keys():

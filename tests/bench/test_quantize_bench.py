@@ -15,9 +15,10 @@ def test_reports_speed_and_perplexity_per_mode(tiny_llama, tmp_path, capsys):
     assert quantize.main(["--model", str(tiny_llama), "--tokens", "4", "--parallel", "2",
                           "--json", str(path)]) == 0
     results = json.loads(path.read_text())
-    assert [m["quantize"] for m in results["modes"]] == ["none", "int8", "int4"]
+    assert [m["quantize"] for m in results["modes"]] == ["auto", "none", "int8", "int4"]
     assert results["text_tokens"] > 500
-    none, int8, int4 = results["modes"]
+    auto, none, int8, int4 = results["modes"]
+    assert auto["weight_bytes"] == none["weight_bytes"]  # a safetensors model: auto keeps float weights
     for m in results["modes"]:
         assert m["tokens_per_s_1"] > 0 and m["tokens_per_s_2"] > 0 and m["perplexity"] > 1
     assert none["weight_bytes"] > int8["weight_bytes"] > int4["weight_bytes"]

@@ -71,7 +71,7 @@ def test_a_row_gets_the_same_bits_whatever_the_other_rows():
 
 
 def test_an_unknown_mode_stops_start_up_naming_the_setting(tiny_llama):
-    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int3' is not one of none, int8, int4$"):
+    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int3' is not one of auto, none, int8, int4$"):
         engine_for(tiny_llama, quantize="int3")
     with pytest.raises(ValidationError, match="quantize"):
         Settings.load(model={"quantize": "int3"})
@@ -94,7 +94,7 @@ def test_a_device_or_dtype_the_kernels_cannot_take_stops_start_up():
 
 
 def test_the_setting_reaches_the_runtime_options(monkeypatch):
-    assert Settings.load().runtime_options().quantize == "none"
+    assert Settings.load().runtime_options().quantize == "auto"
     monkeypatch.setenv("PONDER_MODEL__QUANTIZE", "int4")
     assert Settings.load().runtime_options().quantize == "int4"
     assert Settings.load(model={"quantize": "int8"}).runtime_options().quantize == "int8"
@@ -130,7 +130,7 @@ def test_the_start_up_check_refuses_an_unknown_mode_before_anything_loads():
     from runtime.protocol import RuntimeOptions
 
     check(RuntimeOptions(device="cpu", quantize="int4"))
-    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int3' is not one of none, int8, int4$"):
+    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int3' is not one of auto, none, int8, int4$"):
         check(RuntimeOptions(device="cpu", quantize="int3"))
 
 
@@ -141,6 +141,7 @@ def test_the_start_up_check_refuses_quantization_off_the_cpu(monkeypatch):
     monkeypatch.setattr(preflight, "pick_device", lambda device: torch.device(device))  # as on a GPU machine
     monkeypatch.setattr(preflight, "pick_dtype", lambda dtype, device: torch.bfloat16)
     preflight.check(RuntimeOptions(device="cuda", quantize="none"))
+    preflight.check(RuntimeOptions(device="cuda", quantize="auto"))  # auto keeps float weights there
     with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int8' runs on the CPU only, and model\.device "
                                             r"is cuda; set model\.quantize = \"none\" or model\.device = \"cpu\"$"):
         preflight.check(RuntimeOptions(device="cuda", quantize="int8"))

@@ -75,7 +75,7 @@ def test_a_bad_setting_stops_start_up_with_one_line_naming_it(tmp_path):
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(bad)], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 2
-    assert out.stderr == ("ponder: invalid settings: model.quantize: Input should be 'none', 'int8' or 'int4'\n")
+    assert out.stderr == ("ponder: invalid settings: model.quantize: Input should be 'auto', 'none', 'int8' or 'int4'\n")
 
 
 def test_serve_deterministic_turns_batch_invariance_on(tmp_path, monkeypatch):

@@ -240,8 +240,8 @@ def test_runtime_up_and_down():
 def test_model_info_names_only_the_current_model():
     m = Metrics()
     m.set_model_info("smollm2-135m", "float32", "cpu")
-    m.set_model_info("qwen2.5-0.5b", "bfloat16", "cuda:0")
-    current = {"model": "qwen2.5-0.5b", "dtype": "bfloat16", "device": "cuda:0"}
+    m.set_model_info("qwen2.5-0.5b", "bfloat16", "cuda:0", "int4")
+    current = {"model": "qwen2.5-0.5b", "dtype": "bfloat16", "device": "cuda:0", "quantize": "int4"}
     assert value(m, "ponder_model_info", **current) == 1
     assert not has(m, "ponder_model_info", model="smollm2-135m", dtype="float32", device="cpu")
 

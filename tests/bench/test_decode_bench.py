@@ -1,0 +1,36 @@
+"""The decode benchmark on a tiny model: every requested system in one run, ratios to transformers,
+bandwidth fractions, llama.cpp skipped with its reason (not a GGUF), JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import decode
+
+
+def test_reports_each_system_against_transformers(tiny_llama, tmp_path, capsys):
+    path = tmp_path / "decode.json"
+    assert decode.main(["--model", str(tiny_llama), "--tokens", "4", "--parallel", "2",
+                        "--systems", "default,int4,transformers,llama.cpp", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    systems = {s["system"]: s for s in results["systems"]}
+    assert list(systems) == ["default", "int4", "transformers"]
+    assert results["llama_cpp_skipped"] == "the model is not a GGUF file"
+    assert systems["transformers"]["vs_transformers_1"] == systems["transformers"]["vs_transformers_n"] == 1.0
+    assert systems["default"]["setting"] == "model.quantize = auto: none (not a GGUF model)"
+    assert systems["default"]["weight_bytes"] == systems["transformers"]["weight_bytes"] > systems["int4"]["weight_bytes"]
+    for s in systems.values():
+        assert s["tokens_per_s_1"] > 0 and s["tokens_per_s_n"] > 0 and 0 < s["bandwidth_fraction_1"]
+    assert results["read_bandwidth_gbs"] > 0
+    assert results["plot"] == str(path.with_suffix(".png")) and path.with_suffix(".png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "llama.cpp skipped: the model is not a GGUF file" in out
+
+
+def test_an_unknown_system_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--systems", "default,vllm"])
+    assert exc.value.code == 2
+    assert "--systems: unknown vllm" in capsys.readouterr().err

@@ -1,0 +1,109 @@
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from runtime.gguf_blocks import decode_q4, linear_blocks
+from runtime.quantize import Int4Linear, QuantizeError, apply_quantize, linear_layers
+from tests.gguf_model import write_tiny_gguf
+from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
+
+
+@pytest.fixture(autouse=True)
+def native_bfloat16(monkeypatch):
+    """`auto` keeps the blocks only where bfloat16 runs natively; the kernels run (slower) anywhere."""
+    monkeypatch.setattr("runtime.quantize.runs_natively", lambda dtype, device: True)
+
+
+@pytest.fixture(scope="module", params=["Q4_1", "Q4_0"])
+def tiny_gguf(request, tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{request.param}"), request.param)
+
+
+def load(path):
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_blocks_decode_to_what_gguf_dequantizes_bit_for_bit(kind):
+    weights = (np.random.default_rng(0).standard_normal((48, 96)) * 0.3).astype(np.float32)
+    data = quantize(weights, GGMLQuantizationType[kind])
+    blocks = decode_q4(kind, data)
+    assert blocks.codes.shape == (48, 96) and int(blocks.codes.max()) <= 15
+    assert torch.equal(blocks.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
+
+
+def test_every_layer_is_matched_to_the_weights_transformers_loaded(tiny_gguf):
+    model = load(tiny_gguf)
+    blocks, found = linear_blocks(model, str(tiny_gguf))
+    names = [name for name, *_ in linear_layers(model)]
+    assert sorted(blocks) == sorted(n for n in names if n != "lm_head")  # the head is the Q8_0 embedding
+    kind = tiny_gguf.parent.name.split("-")[1][:4]
+    assert found == f"linear tensors in the file: 14 {kind}, 1 Q8_0"
+    modules = dict(model.named_modules())
+    for name, b in blocks.items():  # q/k rows included, which transformers reorders on load
+        assert torch.equal(b.dequantized(), modules[name].weight.detach())
+
+
+def test_auto_keeps_the_file_s_blocks_within_bfloat16_rounding(tiny_gguf):
+    model = load(tiny_gguf)
+    reference = {name: layer.weight.detach().clone() for name, _, _, layer in linear_layers(model)}
+    blocks, _ = linear_blocks(model, str(tiny_gguf))
+    quantized = apply_quantize(model, "auto", str(tiny_gguf))
+    assert (quantized.mode, quantized.layers) == ("int4", 15)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    modules = dict(model.named_modules())
+    for name, b in blocks.items():
+        layer = modules[name]
+        assert isinstance(layer, Int4Linear)
+        d, zero = b.scales_and_zeros()
+        # The kernel computes a weight as bf16((q - 8) * bf16(scale) + bf16(zero)): each of the three
+        # roundings to bfloat16 is off by at most 2^-8 (its unit roundoff) of what it rounds.
+        group = b.codes.shape[1] // d.shape[1]
+        bound = 2 ** -8 * ((8 * d.abs() + zero.abs()).repeat_interleave(group, dim=1) + reference[name].abs())
+        error = (layer.dequantized() - reference[name]).abs()
+        assert (error <= bound).all(), name
+
+
+def test_the_default_engine_serves_the_gguf_s_int4_and_matches_generate_on_it(tiny_gguf):
+    engine = engine_for(tiny_gguf, batch_invariant=False)  # quantize left at its default, auto
+    assert engine.quantized.mode == "int4"
+    reference = load(tiny_gguf)
+    apply_quantize(reference, "auto", str(tiny_gguf))
+    results = run(engine, [request(str(i), p, max_tokens=10) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 10)
+
+
+def test_auto_keeps_float_weights_for_a_safetensors_model(tiny_llama):
+    engine = engine_for(tiny_llama)
+    assert (engine.quantized.mode, engine.quantized.detail) == ("none", "not a GGUF model")
+    assert any(isinstance(m, nn.Linear) for m in engine.model.modules())
+
+
+def test_auto_keeps_float_weights_off_the_cpu(tiny_gguf):
+    model = load(tiny_gguf).to("meta")
+    quantized = apply_quantize(model, "auto", str(tiny_gguf))
+    assert (quantized.mode, quantized.detail) == ("none", "the quantized kernels are the CPU's, and the model is on meta")
+
+
+def test_blocks_that_do_not_give_the_loaded_weights_stop_start_up(tiny_gguf):
+    model = load(tiny_gguf)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] += 1
+    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'auto' cannot keep the GGUF's blocks: the Q4_[01] "
+                                            r"blocks of blk\.1\.ffn_up\.weight do not give the weights loaded into "
+                                            r"model\.layers\.1\.mlp\.up_proj; set model\.quantize = \"none\"$"):
+        apply_quantize(model, "auto", str(tiny_gguf))
+
+
+def test_auto_keeps_float_weights_on_a_cpu_without_native_bfloat16(tiny_gguf, monkeypatch):
+    monkeypatch.setattr("runtime.quantize.runs_natively", lambda dtype, device: False)
+    quantized = apply_quantize(load(tiny_gguf), "auto", str(tiny_gguf))
+    assert (quantized.mode, quantized.layers) == ("none", 0)
+    assert quantized.detail.startswith("this CPU has no native bfloat16 arithmetic")
