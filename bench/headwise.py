@@ -56,8 +56,10 @@ def measure(loaded: served.Loaded, args, workdir: str) -> dict:
     prompt = served.prompt_ids(loaded.tokenizer, args.prompt)
     request_blocks = -(-(len(prompt) + args.tokens) // args.block_size)
     block_bytes = served.block_bytes(loaded, args.block_size)
+    # One request alone: no schedule to be invariant to, and deterministic prefill (one query at a
+    # time) would make the resident run the slow one.
     resident_engine = served.make_engine(loaded, policy="lbs", num_blocks=request_blocks + 1,
-                                         block_size=args.block_size, max_num_seqs=1)
+                                         block_size=args.block_size, max_num_seqs=1, batch_invariant=False)
     served.drive(resident_engine, greedy(prompt[:2 * args.block_size], 2, "warm-up"))
     load_before = os.getloadavg()[0]
     reference = hf_generate(loaded.model, prompt, args.tokens)
@@ -68,7 +70,8 @@ def measure(loaded: served.Loaded, args, workdir: str) -> dict:
     tiers = served.Tiers(host_bytes=host_bytes, disk_dir=os.path.join(workdir, "disk"),
                          uncached_reads=not args.page_cache_reads)
     engine = served.make_engine(loaded, policy="lbs", num_blocks=pool, block_size=args.block_size, tiers=tiers,
-                                max_num_seqs=1, kv_granularity="head", max_model_len=len(prompt) + args.tokens)
+                                max_num_seqs=1, kv_granularity="head", max_model_len=len(prompt) + args.tokens,
+                                batch_invariant=False)
     offloaded = served.drive(engine, greedy(prompt, args.tokens, "offloaded"))
     if offloaded.error is not None:
         raise SystemExit(
