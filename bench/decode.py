@@ -152,7 +152,7 @@ def run(model: str | None, tokens: int, parallel: int, systems: list[str], profi
                                    "tokens_per_s_n": hf_tokens_per_s(hf, prompt_ids, parallel, tokens)["tokens_per_s"]})
         del hf
     if "llama.cpp" in systems:
-        reason = llama_cpp.unavailable() or (None if source.gguf_file else "the model is not a GGUF file")
+        reason = ("the model is not a GGUF file" if not source.gguf_file else None) or llama_cpp.unavailable()
         if reason is None and prompt_ids is not None:
             path = f"{source.directory}/{source.gguf_file}"
             figure = llama_cpp.tokens_per_s(path, prompt_ids, tokens, threads)
