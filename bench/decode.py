@@ -175,7 +175,8 @@ def _derive(results: dict) -> None:
             rate = s[f"tokens_per_s_{key}"]
             if rate is None:
                 continue
-            s[f"bandwidth_fraction_{key}"] = round(s["weight_bytes"] * rate / rows / bandwidth, 3)
+            # three significant digits: a tiny model's fraction is far below a thousandth
+            s[f"bandwidth_fraction_{key}"] = float(f"{s['weight_bytes'] * rate / rows / bandwidth:.3g}")
             if base is not None:
                 s[f"vs_transformers_{key}"] = round(rate / base[f"tokens_per_s_{key}"], 2)
             s[f"tokens_per_s_{key}"] = round(rate, 1)
