@@ -96,14 +96,11 @@ def measure(loaded: served.Loaded, args, workdir: str) -> dict:
 
 
 def _summary(run: served.Run, compute: str) -> dict:
-    def name(tier: str) -> str:
-        return "compute" if tier == compute else tier
-
-    moved = {"->".join(name(t) for t in k.split("/")): v for k, v in run.transfer_bytes.items()}
+    moved = served.moved_bytes(run, compute)
     return {"seconds": round(run.seconds, 3), "tokens_per_s": round(run.tokens_generated / run.seconds, 2),
             "bytes_moved": moved, "bytes_into_compute": sum(v for k, v in moved.items() if k.endswith("->compute")),
             "stall_seconds": round(run.stall_seconds, 4), "stall_share": round(run.stall_seconds / run.seconds, 4),
-            "stall_counted_by": run.stall_source, "peak_used_blocks": run.peak_used_blocks}
+            "peak_used_blocks": run.peak_used_blocks}
 
 
 def table(r: dict) -> str:

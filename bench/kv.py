@@ -109,18 +109,12 @@ def measure(loaded: served.Loaded, args, workdir: str) -> dict:
 def summary(runs: list[served.Run], compute: str, reference: tuple) -> dict:
     """The fastest repeat's figures (bytes and tokens are the same in every repeat)."""
     best = min(runs, key=lambda r: r.seconds)
-    moved = {_pair(k, compute): v for k, v in best.transfer_bytes.items()}
+    moved = served.moved_bytes(best, compute)
     return {"seconds": round(best.seconds, 3), "seconds_each": [round(r.seconds, 3) for r in runs],
             "tokens_per_s": _rate(best), "bytes_moved": moved,
             "bytes_into_compute": sum(v for k, v in moved.items() if k.endswith("->compute")),
             "stall_seconds": round(best.stall_seconds, 4), "stall_share": round(best.stall_seconds / best.seconds, 4),
-            "stall_counted_by": best.stall_source,
             "outputs_identical": all(r.outputs == reference for r in runs)}
-
-
-def _pair(key: str, compute: str) -> str:
-    src, dst = key.split("/")
-    return f"{'compute' if src == compute else src}->{'compute' if dst == compute else dst}"
 
 
 def _rate(run: served.Run) -> float:
@@ -147,8 +141,6 @@ def table(r: dict) -> str:
     if "ratio_bytes" in r:
         ratio = "n/a (token moved nothing)" if r["ratio_bytes"] is None else f"{r['ratio_bytes']:.2%}"
         rows.append(f"lbs vs token: bytes into compute {ratio}, {r['speedup']:.2f}x faster")
-    stall_by = sorted({p["stall_counted_by"] for p in r["policies"].values()})
-    rows.append(f"stall counted by: {'; '.join(stall_by)}")
     rows.append(f"outputs identical across policies and the resident run: {r['outputs_identical']}")
     return "\n".join(rows)
 

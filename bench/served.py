@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +19,10 @@ import torch
 
 from bench.threads import torch_threads
 from runtime import attention
+from runtime.bootstrap import tier_chain
 from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
-from storage.disk_tier import DiskTier
-from storage.host_tier import HostTier
-from storage.tiers import TierChain
 
 QUESTION = (
     "A bakery sells muffins for $3 and cookies for $1.50. On Monday it sold 48 muffins and twice "
@@ -114,68 +111,27 @@ def make_engine(loaded: Loaded, *, policy: str, num_blocks: int, block_size: int
                           kv_granularity=kv_granularity)
     engine = Engine(loaded.model, loaded.tokenizer, config, loaded.key)
     if tiers is not None:
-        engine.attach_tiers(_chain(engine, loaded, tiers))
+        engine.attach_tiers(tier_chain(engine, loaded.key, tiers.host_bytes, tiers.disk_dir, tiers.disk_bytes,
+                                       uncached_reads=tiers.uncached_reads))
     return engine
 
 
-class TimedTierChain(TierChain):
-    """The tier chain, timing the engine loop's own waits on it: a fetch made on the thread that
-    built the chain (promotions of blocks a path needs now) blocks the step until the bytes are in."""
+def moved_bytes(run: "Run", compute: str) -> dict[str, int]:
+    """A run's bytes as {"src->dst": bytes}, the engine's own tier (`compute`: "cpu" or "gpu") named
+    "compute"."""
+    def name(tier: str) -> str:
+        return "compute" if tier == compute else tier
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.loop_thread = threading.get_ident()
-        self.loop_fetch_seconds = 0.0
-
-    def fetch(self, block_hash, out=None):
-        if threading.get_ident() != self.loop_thread:
-            return super().fetch(block_hash, out)
-        started = time.perf_counter()
-        try:
-            return super().fetch(block_hash, out)
-        finally:
-            self.loop_fetch_seconds += time.perf_counter() - started
-
-
-def _chain(engine: Engine, loaded: Loaded, tiers: Tiers) -> TimedTierChain:
-    payload, dtype = engine.tier_payload_shape, engine.cache.dtype  # a block, or under `token` a layer of one
-    host = HostTier(payload, dtype, tiers.host_bytes, pin_memory=engine.device.type == "cuda",
-                    name="host") if tiers.host_bytes > 0 else None
-    disk = None
-    if tiers.disk_dir is not None:
-        namespace = f"{loaded.key.decode(errors='replace')}|{payload}|{dtype}"
-        disk = DiskTier(tiers.disk_dir, namespace, tiers.disk_bytes, name="disk", uncached_reads=tiers.uncached_reads)
-    return TimedTierChain(host, disk, compute_name="gpu" if engine.device.type == "cuda" else "cpu")
-
-
-def transfer_bytes(engine: Engine) -> dict[str, int]:
-    """Bytes the engine has moved per ordered tier pair ("src/dst"), as it counts them: its
-    `RuntimeStats.kv_transfer_bytes`. Every policy's figures come from here, so a transfer the engine
-    counts there (a layer-wise reload, a head-wise piece) is reported without a change to the benchmarks."""
-    return dict(engine.runtime_stats().kv_transfer_bytes)
+    return {"->".join(name(t) for t in pair.split("/")): n for pair, n in run.transfer_bytes.items()}
 
 
 def release(engine: Engine) -> None:
     """Stop the engine's transfer worker without persisting its blocks (a benchmark's disk is
     thrown away)."""
-    residency = engine.tiers if engine.tiers is not None else engine.layers
-    if residency is not None:
-        (residency.transfers if engine.tiers is not None else residency).close()
-
-
-def transfer_stall_seconds(engine: Engine) -> tuple[float, str]:
-    """(seconds the engine loop stalled on KV transfers, who counted them).
-
-    The engine's own counter (`RuntimeStats.prefetch_stall_seconds`) when it keeps one; else the
-    bench's timer around the loop's synchronous tier fetches (`TimedTierChain`), which misses waits
-    the engine makes elsewhere (for in-flight demotions, say)."""
-    counted = engine.runtime_stats().prefetch_stall_seconds
-    if counted:
-        return counted, "engine counter (prefetch_stall_seconds)"
-    chain = engine.tier_chain
-    if isinstance(chain, TimedTierChain):
-        return chain.loop_fetch_seconds, "bench timer around the engine loop's tier fetches"
-    return 0.0, "no tiers"
+    if engine.tiers is not None:
+        engine.tiers.transfers.close()
+    elif engine.layers is not None:
+        engine.layers.close()
 
 
 def fixed_step_search(prompt: list[int], *, paths: int, width: int, steps: int, step_tokens: int,
@@ -198,8 +154,7 @@ class Run:
     tokens_generated: int
     peak_used_blocks: int  # the most compute-pool blocks in use after any step
     transfer_bytes: dict[str, int]  # "src/dst" -> bytes, nonzero pairs only
-    stall_seconds: float
-    stall_source: str
+    stall_seconds: float  # the engine's own count of its waits on tier transfers
     finished: Finished | None = None
     error: RequestError | None = None
 
@@ -207,7 +162,7 @@ class Run:
 def drive(engine: Engine, request: GenerateRequest, on_step=None) -> Run:
     """Add `request`, step until the engine is idle; `on_step(engine)` after every step."""
     before = engine.runtime_stats()
-    bytes_before = transfer_bytes(engine)
+    bytes_before = engine.transfer_bytes()
     used_key = ("gpu" if engine.device.type == "cuda" else "cpu") + "/used"
     peak = 0
     started = time.perf_counter()
@@ -228,11 +183,10 @@ def drive(engine: Engine, request: GenerateRequest, on_step=None) -> Run:
             finished = m
         elif isinstance(m, RequestError):
             error = m
-    moved = {k: v - bytes_before.get(k, 0) for k, v in transfer_bytes(engine).items()}
-    stall, source = transfer_stall_seconds(engine)
+    moved = {k: v - bytes_before.get(k, 0) for k, v in engine.transfer_bytes().items()}
     return Run(seconds, tuple(tuple(outputs[i]) for i in sorted(outputs)),
                after.tokens_generated - before.tokens_generated, peak, {k: v for k, v in moved.items() if v},
-               stall, source, finished, error)
+               engine.transfer_stall_seconds(), finished, error)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

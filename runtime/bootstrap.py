@@ -99,15 +99,24 @@ def _roofline_splitter(options: RuntimeOptions, model, verifiers: dict, max_mode
 
 
 def _tier_chain(options: RuntimeOptions, engine: Engine, model_key: bytes) -> TierChain:
+    chain = tier_chain(engine, model_key, options.host_kv_memory_bytes, options.disk_kv_dir, options.disk_kv_bytes)
+    if chain.disk is not None:
+        log.info("disk KV tier at %s: %d blocks found", chain.disk.path, chain.disk.num_blocks)
+    return chain
+
+
+def tier_chain(engine: Engine, model_key: bytes, host_bytes: int, disk_dir: str | None, disk_bytes: int,
+               uncached_reads: bool = False) -> TierChain:
+    """The host and disk tiers to attach below `engine`'s compute pool, holding its policy's payload
+    (a block, or under `token` one layer of one); no host tier for 0 bytes, no disk tier without a dir."""
     payload, dtype = engine.tier_payload_shape, engine.cache.dtype
     compute = "gpu" if engine.device.type == "cuda" else "cpu"
     host = None
-    if options.host_kv_memory_bytes > 0:
-        host = HostTier(payload, dtype, options.host_kv_memory_bytes, pin_memory=True, name="host")
+    if host_bytes > 0:
+        host = HostTier(payload, dtype, host_bytes, pin_memory=True, name="host")
     disk = None
-    if options.disk_kv_dir:
+    if disk_dir:
         # Blocks of another model, dtype or layout must never be read: the namespace names all three.
         namespace = f"{model_key.decode(errors='replace')}|{payload}|{dtype}"
-        disk = DiskTier(options.disk_kv_dir, namespace, options.disk_kv_bytes, name="disk")
-        log.info("disk KV tier at %s: %d blocks found", disk.path, disk.num_blocks)
+        disk = DiskTier(disk_dir, namespace, disk_bytes, name="disk", uncached_reads=uncached_reads)
     return TierChain(host, disk, compute_name=compute)
