@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention import AttentionMetadata, DecodeGroup, PrefillSlice, bucket_blocks
+from runtime.decoder import LeanDecoder
 from runtime.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
@@ -53,6 +54,8 @@ class ModelRunner:
         # attention, or None (runtime.layer_offload). None: every layer of every block is resident.
         self.layer_provider = None
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
+        # transformers' arithmetic with fewer operators where the architecture is known (runtime.decoder)
+        self.decoder = LeanDecoder.build(model)
 
     def padded_rows(self, rows: list[int]) -> list[int]:
         """`rows` with the last repeated up to a row count that keeps each row's bits its own."""
@@ -66,9 +69,11 @@ class ModelRunner:
         step = self._prepare(scheduled, copies)
         rows = self.padded_rows([step.last_token_index[i] for i in logits_for] or [step.num_tokens - 1])
         keep = torch.tensor(rows, device=self.device, dtype=torch.long)
-        out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                         logits_to_keep=keep, ponder_attention=step.meta)
-        logits = out.logits[0]
+        if self.decoder is not None:
+            logits = self.decoder.logits(step.input_ids, step.positions, step.meta, keep)[0]
+        else:
+            logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                                logits_to_keep=keep, ponder_attention=step.meta).logits[0]
         return logits[:len(logits_for)].float()
 
     @torch.inference_mode()
@@ -83,9 +88,12 @@ class ModelRunner:
             offset = position - entry.seq.num_computed_tokens
             assert 0 <= offset < entry.num_new_tokens, "a read position must be computed in this step"
             rows.append(step.entry_start[index] + offset)
-        out = self.model.base_model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                                    ponder_attention=step.meta)
-        return out.last_hidden_state[0, torch.tensor(rows, device=self.device, dtype=torch.long)]
+        if self.decoder is not None:
+            hidden = self.decoder.hidden_states(step.input_ids, step.positions, step.meta)
+        else:
+            hidden = self.model.base_model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                                           ponder_attention=step.meta).last_hidden_state
+        return hidden[0, torch.tensor(rows, device=self.device, dtype=torch.long)]
 
     def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> "StepInputs":
         """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""

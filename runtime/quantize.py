@@ -31,6 +31,7 @@ from runtime.loader import SettingError, runs_natively
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32
+INT4_PACK_ROWS = 64  # _convert_weight_to_int4pack_for_cpu lays rows out in blocks of 64
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -74,6 +75,19 @@ class Int8Linear(QuantizedLinear):
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
 
+    @classmethod
+    def concatenated(cls, layers: list["Int8Linear"]) -> "Int8Linear":
+        """One layer whose outputs are `layers`' outputs side by side, each column's bits unchanged
+        (the kernel computes a column from its own weights only); the layers' weights become views of it."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = layers[0].in_features, sum(l.out_features for l in layers)
+        fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
+        fused.register_buffer("scales", torch.cat([l.scales for l in layers]))
+        fused.bias = _cat_bias(layers)
+        _share_rows(layers, fused.weight)
+        return fused
+
 
 class Int4Linear(QuantizedLinear):
     """4-bit codes in groups of `INT4_GROUP_SIZE` input features; the kernel computes a code q as
@@ -113,10 +127,39 @@ class Int4Linear(QuantizedLinear):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    @classmethod
+    def concatenated(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
+        """As `Int8Linear.concatenated`; None unless every layer has a multiple of `INT4_PACK_ROWS` rows
+        (the packed weight interleaves rows in blocks of that many, so only whole blocks line up)."""
+        if any(l.out_features % INT4_PACK_ROWS or l.group_size != layers[0].group_size for l in layers):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = layers[0].in_features, sum(l.out_features for l in layers)
+        fused.padded_out_features, fused.group_size = fused.out_features, layers[0].group_size
+        fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
+        fused.register_buffer("scales_and_zeros", torch.cat([l.scales_and_zeros for l in layers], dim=1).contiguous())
+        fused.bias = _cat_bias(layers)
+        _share_rows(layers, fused.weight)
+        return fused
+
     def dequantized(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size,
                                                            self.scales_and_zeros)[:, :self.out_features].T.float()
+
+
+def _cat_bias(layers: list[nn.Module]) -> torch.Tensor | None:
+    return None if layers[0].bias is None else torch.cat([l.bias.detach() for l in layers])
+
+
+def _share_rows(layers: list[nn.Module], weight: torch.Tensor) -> None:
+    """Make each layer's `weight` buffer a view of its rows of `weight`, so fusing costs no memory."""
+    start = 0
+    for layer in layers:
+        rows = layer.weight.shape[0]
+        layer.weight = weight[start:start + rows]
+        start += rows
 
 
 _MODULES = {"int8": Int8Linear, "int4": Int4Linear.from_linear}

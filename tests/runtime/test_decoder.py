@@ -1,0 +1,100 @@
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from runtime.decoder import LeanDecoder, Projections, fuse_linears
+from runtime.quantize import Int4Linear, Int8Linear, quantize_model
+from tests.runtime.engine_helpers import engine_for, request, run
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 5, 6, 7, 8, 9, 20, 21], [1, 40]]
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
+def model_dir(request):
+    return request.getfixturevalue(request.param)
+
+
+def recorded_logits(engine):
+    """Every logits tensor the engine's runner returns, in order."""
+    seen = []
+    execute = engine.runner.execute
+
+    def record(*args, **kwargs):
+        logits = execute(*args, **kwargs)
+        seen.append(logits.clone())
+        return logits
+
+    engine.runner.execute = record
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_lean_forward_gives_transformers_bits(model_dir, mode, invariant):
+    results, logits = [], []
+    for lean in (True, False):
+        engine = engine_for(model_dir, quantize=mode, batch_invariant=invariant, num_blocks=64)
+        assert engine.runner.decoder is not None
+        if not lean:
+            engine.runner.decoder = None
+        logits.append(recorded_logits(engine))
+        requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
+                    for i, p in enumerate(PROMPTS)]
+        results.append(run(engine, requests))
+    assert results[0] == results[1]
+    assert len(logits[0]) == len(logits[1]) == 9  # a prefill step, then one step a token
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_fused_projections_share_the_layers_weights_and_keep_their_bits(tiny_qwen2, mode):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2).eval()
+    quantize_model(model, mode)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
+    x = torch.randn(1, 5, model.config.hidden_size)
+    separate = [[layer(x) for layer in group] for group in groups]
+    assert LeanDecoder.build(model) is not None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)  # transformers' own forward still works on the views
+    for group, outputs in zip(groups, separate):
+        fused = fuse_linears(group)  # the layers are views after the build: this fuses them again
+        if mode == "int4" and group[1].out_features % 64:
+            assert fused is None  # k and v have 32 rows: not whole blocks of the packed weight
+            continue
+        assert group[0].weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+        assert torch.equal(fused(x), torch.cat(outputs, dim=-1))
+        assert all(torch.equal(a, b) for a, b in zip(Projections(group)(x), outputs))
+    assert attn.q_proj.bias is not None
+
+
+def test_layers_that_cannot_be_fused_are_called_one_by_one():
+    torch.manual_seed(0)
+    int4 = Int4Linear.from_linear(nn.Linear(64, 32))  # packed rows come in blocks of 64
+    assert Int4Linear.concatenated([int4, Int4Linear.from_linear(nn.Linear(64, 32))]) is None
+    wide = [Int4Linear.from_linear(nn.Linear(64, rows)) for rows in (128, 64)]
+    x = torch.randn(3, 64)
+    separate = torch.cat([layer(x) for layer in wide], dim=-1)
+    assert torch.equal(Int4Linear.concatenated(wide)(x), separate)
+    mixed = [Int8Linear(nn.Linear(64, 16)), nn.Linear(64, 16)]
+    assert fuse_linears(mixed) is None
+    assert fuse_linears([nn.Linear(64, 16), nn.Linear(64, 16, bias=False)]) is None
+    projections = Projections([int4, *mixed])
+    assert projections.fused is None
+    outputs = projections(x)
+    assert all(torch.equal(out, layer(x)) for out, layer in zip(outputs, [int4, *mixed]))
+    joined, last = projections.split_last(x)
+    assert torch.equal(joined, torch.cat(outputs[:2], dim=-1)) and torch.equal(last, outputs[2])
+
+
+def test_an_architecture_it_does_not_know_keeps_transformers_forward():
+    config = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert LeanDecoder.build(Qwen3ForCausalLM(config)) is None  # another architecture (with norms on queries and keys)
+    with torch.device("meta"):
+        gpt2 = AutoModelForCausalLM.from_config(__import__("transformers").GPT2Config(n_layer=1))
+    assert LeanDecoder.build(gpt2) is None
