@@ -56,17 +56,18 @@ class DecodeGroup:
     """Queries that each attend to their own context through a window of `width` tokens."""
 
     rows: torch.Tensor  # [G] position of each query in the step's row
-    tables: torch.Tensor  # [G, width / block_size] block ids (past a query's own blocks: any valid block)
+    # [2, G, KVH, width] rows of `KVCache.rows` holding layer 0's keys (0) and values (1) of each
+    # query's window; a layer's are these plus `layer * KVCache.layer_rows`. Positions at or past a
+    # query's context read its position 0 instead, which is finite (it is always computed first).
+    kv_rows: torch.Tensor
     masked: torch.Tensor  # [G, 1, 1, width] bool: True at positions >= the query's context length
-    masked_at: tuple[torch.Tensor, torch.Tensor]  # (query, position) of every masked position
     width: int
 
 
 @dataclass
 class AttentionMetadata:
     cache: KVCache
-    slot_blocks: torch.Tensor  # [T] block id of every new token
-    slot_offsets: torch.Tensor  # [T] offset inside its block
+    slot_rows: torch.Tensor  # [2, KVH, T] rows of `KVCache.rows` where layer 0's new keys and values go
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSlice]
     num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.row_padding)
@@ -89,7 +90,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def _paged_attention(meta: AttentionMetadata, layer: int, query, key, value, scaling):
     cache = meta.cache
     # query [1, H, T, D]; key/value [1, KVH, T, D]
-    cache.write(layer, meta.slot_blocks, meta.slot_offsets, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    cache.write_rows(layer, meta.slot_rows, key[0], value[0])
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
     if meta.num_padding:
         out[-meta.num_padding:] = 0
@@ -97,15 +98,18 @@ def _paged_attention(meta: AttentionMetadata, layer: int, query, key, value, sca
     _, num_heads, _, head_dim = query.shape
     num_kv_heads = key.shape[1]
     scale = scaling if scaling is not None else head_dim ** -0.5
+    rows = cache.rows()
+    layer_offset = layer * cache.layer_rows
+    queries = query[0].transpose(0, 1)  # [T, H, D]
     for group in meta.decode_groups:
         g = group.rows.shape[0]
         # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].
-        q = query[0, :, group.rows].transpose(0, 1).reshape(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        k, v = cache.gather(layer, group.tables)  # [G, KVH, width, D]
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        weights = torch.softmax(scores.masked_fill_(group.masked, float("-inf")), dim=-1).to(v.dtype)
-        v[group.masked_at[0], :, group.masked_at[1]] = 0  # `gather` made a copy: the cache is untouched
-        out[group.rows] = torch.matmul(weights, v).reshape(g, num_heads, head_dim)
+        q = queries.index_select(0, group.rows).view(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        kv = rows.index_select(0, (group.kv_rows + layer_offset).view(-1)).view(2, g, num_kv_heads, group.width, head_dim)
+        scores = torch.matmul(q.float(), kv[0].float().transpose(-1, -2)) * scale
+        # A masked position's weight is exactly 0 and its value finite (see DecodeGroup.kv_rows).
+        weights = torch.softmax(scores.masked_fill_(group.masked, float("-inf")), dim=-1).to(kv.dtype)
+        out.index_copy_(0, group.rows, torch.matmul(weights, kv[1]).view(g, num_heads, head_dim))
 
     for p in meta.prefills:
         q = query[:, :, p.q_start:p.q_start + p.q_len]

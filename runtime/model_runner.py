@@ -101,7 +101,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         tables: list[int] = []  # every entry's block table, one after another
-        starts, counts, splits, table_starts, table_lens = [], [], [], [], []
+        starts, counts, splits, table_starts = [], [], [], []
         prefills: list[PrefillSlice] = []
         entry_start: list[int] = []
         for entry in scheduled:
@@ -118,7 +118,6 @@ class ModelRunner:
             counts.append(end - start)
             splits.append(split)
             table_starts.append(len(tables))
-            table_lens.append(len(seq.block_table))
             tables.extend(seq.block_table)
         num_tokens = len(input_ids)
         last_token_index = [s + c - 1 for s, c in zip(entry_start, counts)]
@@ -133,8 +132,7 @@ class ModelRunner:
         table_start_t = torch.tensor(table_starts, dtype=torch.long)
         slot_blocks = table_t[table_start_t[entry_of] + positions // bs]
         slot_offsets = positions % bs
-        decode_groups = self._decode_groups(positions, entry_of, torch.tensor(splits), table_t, table_start_t,
-                                            torch.tensor(table_lens))
+        decode_groups = self._decode_groups(positions, entry_of, torch.tensor(splits), table_t, table_start_t)
         if num_pad:  # throwaway tokens: keys written to the scratch block, attention output zero
             input_ids.extend([0] * num_pad)
             pad_positions = torch.arange(num_pad)
@@ -144,14 +142,15 @@ class ModelRunner:
 
         to = self.device
         layers = self.layer_provider(scheduled, copies) if self.layer_provider is not None else None
-        meta = AttentionMetadata(cache=self.cache, slot_blocks=slot_blocks.to(to), slot_offsets=slot_offsets.to(to),
+        slot_rows = self.cache.row_index(slot_blocks, slot_offsets)
+        meta = AttentionMetadata(cache=self.cache, slot_rows=slot_rows.to(to),
                                  decode_groups=decode_groups, prefills=prefills, num_padding=num_pad,
                                  layers=layers)
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
 
     def _decode_groups(self, positions: torch.Tensor, entry_of: torch.Tensor, splits: torch.Tensor,
-                       tables: torch.Tensor, table_starts: torch.Tensor, table_lens: torch.Tensor) -> list[DecodeGroup]:
+                       tables: torch.Tensor, table_starts: torch.Tensor) -> list[DecodeGroup]:
         """The generated tokens grouped by window width (runtime.attention.bucket_blocks of their own
         context length), each with its window of block ids and the mask of the positions past its context."""
         rows = torch.nonzero(positions >= splits[entry_of]).flatten()
@@ -170,20 +169,20 @@ class ModelRunner:
             # and a bounded number of gathered keys (a long prompt's queries would copy its KV each).
             most = max(1, min(ATTENTION_BATCH, GATHER_TOKENS // (width * bs)))
             for sel in torch.nonzero(window_t == width).flatten().split(most):
-                groups.append(self._decode_group(sel, rows, ctx, entries, tables, table_starts, table_lens, width))
+                groups.append(self._decode_group(sel, rows, ctx, entries, tables, table_starts, width))
         return groups
 
     def _decode_group(self, sel: torch.Tensor, rows: torch.Tensor, ctx: torch.Tensor, entries: torch.Tensor,
-                      tables: torch.Tensor, table_starts: torch.Tensor, table_lens: torch.Tensor,
-                      width: int) -> DecodeGroup:
+                      tables: torch.Tensor, table_starts: torch.Tensor, width: int) -> DecodeGroup:
         bs = self.block_size
-        # Blocks past a query's own table repeat its last block: read, masked, never used.
-        j = torch.arange(width)[None, :].minimum(table_lens[entries[sel]][:, None] - 1)
-        block_ids = tables[table_starts[entries[sel]][:, None] + j]
-        masked = torch.arange(width * bs)[None, :] >= ctx[sel][:, None]
-        masked_at = tuple(i.to(self.device) for i in torch.nonzero(masked, as_tuple=True))
-        return DecodeGroup(rows[sel].to(self.device), block_ids.to(self.device),
-                           masked[:, None, None, :].to(self.device), masked_at, width * bs)
+        position = torch.arange(width * bs)[None, :]
+        masked = position >= ctx[sel][:, None]  # [G, width]
+        # Positions past a query's context read its position 0: finite, and weighted exactly 0.
+        position = position.masked_fill(masked, 0)
+        blocks = tables[table_starts[entries[sel]][:, None] + position // bs]
+        kv_rows = self.cache.row_index(blocks, position % bs).permute(0, 2, 1, 3).contiguous()
+        return DecodeGroup(rows[sel].to(self.device), kv_rows.to(self.device),
+                           masked[:, None, None, :].to(self.device), width * bs)
 
     def _prefill_slice(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillSlice:
         q_len = end - start

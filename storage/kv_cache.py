@@ -47,11 +47,31 @@ class KVCache:
     def bytes_per_block(self) -> int:
         return self.shape.bytes_per_block(self.dtype)
 
-    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
-              key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store one layer's keys/values `[num_tokens, num_kv_heads, head_dim]` at (block, offset)."""
-        self.kv[block_ids, layer, 0, :, offsets] = key
-        self.kv[block_ids, layer, 1, :, offsets] = value
+    @property
+    def layer_rows(self) -> int:
+        """How far apart, in `rows()`, one layer's rows are from the next one's."""
+        return 2 * self.shape.num_kv_heads * self.shape.block_size
+
+    def rows(self) -> torch.Tensor:
+        """The cache as `[blocks * layers * 2 * heads * block_size, head_dim]`: the row of (block, layer,
+        key 0 / value 1, head, offset) is `row_index(block, offset) + layer * layer_rows + kv * heads *
+        block_size + head * block_size` (a view: writes to it are writes to the cache)."""
+        return self.kv.view(-1, self.shape.head_dim)
+
+    def row_index(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """`[2, heads, *blocks.shape]` rows of layer 0's keys (0) and values (1) at (block, offset)."""
+        s = self.shape
+        base = blocks * (s.num_layers * self.layer_rows) + offsets
+        heads = torch.arange(s.num_kv_heads, device=base.device) * s.block_size
+        kv = torch.arange(2, device=base.device) * (s.num_kv_heads * s.block_size)
+        ones = (1,) * base.dim()
+        return kv.view(2, 1, *ones) + heads.view(1, -1, *ones) + base.view(1, 1, *base.shape)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store one layer's keys/values `[num_kv_heads, num_tokens, head_dim]` at `rows` `[2, heads,
+        num_tokens]` (`row_index` of their slots)."""
+        self.rows().index_copy_(0, (rows + layer * self.layer_rows).view(-1),
+                                torch.stack((key, value)).view(-1, self.shape.head_dim))
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `block_table` `[num_seqs, max_blocks]` as `[num_seqs, heads, tokens, dim]`."""
