@@ -8,8 +8,10 @@ paged slots and attends each sequence's queries to its own blocks.
 Generated tokens (decoded, or recomputed after their blocks were given up) are attended one query
 at a time with plain batched matmuls and a softmax, in groups of equal bucketed context width
 (`bucket_blocks`): every query reads a window of its own blocks as wide as its bucket, and the
-positions at or past its own context length get a weight of exactly 0 (their values are zeroed
-too, so garbage in a stale or scratch slot cannot turn 0 into NaN). The shapes of a query's
+positions at or past its own context length get a weight of exactly 0 (and read the query's own
+position 0 rather than their slots, so garbage in a stale or scratch slot cannot turn 0 into NaN).
+A window's keys and values are read with one `index_select` of cache rows the runner computed
+once for the step (`DecodeGroup.kv_rows`), offset per layer. The shapes of a query's
 matmuls depend only on its own context length, so its result is the same bits whatever else is in
 the batch, and a token recomputed later gets the KV it had when it was decoded. The query heads
 that share a KV head are one matmul against that head (no copies of K/V per query head). Scores
