@@ -69,62 +69,79 @@ class DecodeGroup:
 @dataclass
 class AttentionMetadata:
     cache: KVCache
-    slot_rows: torch.Tensor  # [2, KVH, T] rows of `KVCache.rows` where layer 0's new keys and values go
+    slot_rows: torch.Tensor  # [2, T, KVH] rows of `KVCache.rows` where layer 0's new keys and values go
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSlice]
     num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.row_padding)
+    decode_only: bool = False  # one decode group holding every row of the step, in order
     # A per-layer KV provider for the step (runtime.layer_offload.LayerStep): `before(layer)` runs
     # ahead of the layer's cache reads and writes, `after(layer)` once the layer is done with them.
     layers: object | None = None
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    meta: AttentionMetadata = kwargs["ponder_attention"]
-    layer = module.layer_idx
+    """The attention function transformers' modules call: query `[1, H, T, D]`, key/value `[1, KVH, T, D]`."""
+    out = attend(kwargs["ponder_attention"], module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                 value[0].transpose(0, 1), scaling)
+    return out.unsqueeze(0), None
+
+
+def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           scaling: float | None) -> torch.Tensor:
+    """Write the step's new keys and values `[T, KVH, D]` of `layer` and attend its queries `[T, H, D]`;
+    returns `[T, H, D]`."""
     if meta.layers is not None:
         meta.layers.before(layer)
-    out = _paged_attention(meta, layer, query, key, value, scaling)
+    out = _attend(meta, layer, queries, keys, values, scaling)
     if meta.layers is not None:
         meta.layers.after(layer)
-    return out, None
+    return out
 
 
-def _paged_attention(meta: AttentionMetadata, layer: int, query, key, value, scaling):
+def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling):
     cache = meta.cache
-    # query [1, H, T, D]; key/value [1, KVH, T, D]
-    cache.write_rows(layer, meta.slot_rows, key[0], value[0])
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
-    if meta.num_padding:
-        out[-meta.num_padding:] = 0
-
-    _, num_heads, _, head_dim = query.shape
-    num_kv_heads = key.shape[1]
+    cache.write_rows(layer, meta.slot_rows, keys, values)
+    num_tokens, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    shared = num_heads // num_kv_heads
     scale = scaling if scaling is not None else head_dim ** -0.5
     rows = cache.rows()
     layer_offset = layer * cache.layer_rows
-    queries = query[0].transpose(0, 1)  # [T, H, D]
+    out = None
+    if not meta.decode_only:
+        out = queries.new_empty(num_tokens, num_heads, head_dim)
+        if meta.num_padding:
+            out[-meta.num_padding:] = 0
     for group in meta.decode_groups:
         g = group.rows.shape[0]
         # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].
-        q = queries.index_select(0, group.rows).view(g, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        kv = rows.index_select(0, (group.kv_rows + layer_offset).view(-1)).view(2, g, num_kv_heads, group.width, head_dim)
-        scores = torch.matmul(q.float(), kv[0].float().transpose(-1, -2)) * scale
+        q = queries.reshape(g, num_kv_heads, shared, head_dim) if out is None else \
+            queries.index_select(0, group.rows).view(g, num_kv_heads, shared, head_dim)
+        kv = rows.index_select(0, (group.kv_rows + layer_offset).view(-1)).view(2, g, num_kv_heads, group.width,
+                                                                               head_dim)
+        k, v = kv.unbind(0)
+        if k.dtype != torch.float32:
+            q, k = q.float(), k.float()
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         # A masked position's weight is exactly 0 and its value finite (see DecodeGroup.kv_rows).
-        weights = torch.softmax(scores.masked_fill_(group.masked, float("-inf")), dim=-1).to(kv.dtype)
-        out.index_copy_(0, group.rows, torch.matmul(weights, kv[1]).view(g, num_heads, head_dim))
+        weights = torch.softmax(scores.masked_fill_(group.masked, float("-inf")), dim=-1)
+        attended = torch.matmul(weights if weights.dtype == v.dtype else weights.to(v.dtype), v)
+        if out is None:  # the step's only group, every row in order
+            return attended.view(g, num_heads, head_dim)
+        out.index_copy_(0, group.rows, attended.view(g, num_heads, head_dim))
 
     for p in meta.prefills:
-        q = query[:, :, p.q_start:p.q_start + p.q_len]
+        q = queries[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
         if p.mask is None:
-            k = key[:, :, p.q_start:p.q_start + p.q_len]
-            v = value[:, :, p.q_start:p.q_start + p.q_len]
+            k = keys[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
+            v = values[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             k, v = cache.gather(layer, p.block_table)
             k, v = k[:, :, :p.ctx_len], v[:, :, :p.ctx_len]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=True)
         out[p.q_start:p.q_start + p.q_len] = o[0].transpose(0, 1)
-    return out.unsqueeze(0)
+    return out
 
 
 def _no_mask(*args, **kwargs):

@@ -22,36 +22,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import AttentionMetadata, paged_attention
+from runtime.attention import AttentionMetadata, attend
 from runtime.quantize import QuantizedLinear
 
 ARCHITECTURES = ("llama", "qwen2")
 
 
 class Projections:
-    """Several linear layers that read the same input: one fused matmul split into their outputs, or
-    (when the layers cannot be fused) one call each."""
+    """Several linear layers that read the same input `[rows, in_features]`: one fused matmul split
+    into their outputs, or (when the layers cannot be fused) one call each."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
         self.sizes = [layer.out_features for layer in layers]
         self.fused = fuse_linears(layers)
         self.layers = layers
+        self.calls = [rows_call(layer) for layer in layers]
+        self.fused_call = None if self.fused is None else rows_call(self.fused)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.fused is None:
-            return tuple(layer(x) for layer in self.layers)
-        return self.fused(x).split(self.sizes, dim=-1)
+        if self.fused_call is None:
+            return tuple(call(x) for call in self.calls)
+        return self.fused_call(x).split(self.sizes, dim=-1)
 
     def split_last(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(every output but the last side by side, the last output): a view of the fused output."""
-        if self.fused is None:
-            *rest, last = (layer(x) for layer in self.layers)
+        if self.fused_call is None:
+            *rest, last = (call(x) for call in self.calls)
             return torch.cat(rest, dim=-1), last
-        y = self.fused(x)
+        y = self.fused_call(x)
         width = y.shape[-1] - self.sizes[-1]
-        return y[..., :width], y[..., width:]
+        return y[:, :width], y[:, width:]
+
+
+def rows_call(layer: nn.Module):
+    """The layer's computation for `[rows, in_features]` without a module call: transformers' bits."""
+    if isinstance(layer, QuantizedLinear):
+        return layer.rows
+    if type(layer) is nn.Linear:
+        return lambda x: F.linear(x, layer.weight, layer.bias)
+    return layer
 
 
 def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
@@ -84,24 +96,26 @@ class _Norm:
     eps: float
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm / Qwen2RMSNorm, operator for operator
-        input_dtype = hidden.dtype
-        hidden = hidden.to(torch.float32)
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        hidden = hidden * torch.rsqrt(variance + self.eps)
-        return self.weight * hidden.to(input_dtype)
+        # transformers' LlamaRMSNorm / Qwen2RMSNorm, operator for operator (conversions that change
+        # nothing are skipped)
+        wide = hidden.dtype == torch.float32
+        x = hidden if wide else hidden.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * (x if wide else x.to(hidden.dtype))
 
 
 @dataclass
 class _Layer:
-    attention: nn.Module  # the attention module: its layer_idx and scaling
+    index: int
+    scaling: float
     input_norm: _Norm
     qkv: Projections
-    o_proj: nn.Module
+    o_proj: object  # rows_call of the layer
     post_norm: _Norm
     gate_up: Projections
     act: nn.Module
-    down: nn.Module
+    down: object
 
 
 class LeanDecoder:
@@ -121,10 +135,11 @@ class LeanDecoder:
         for layer in base.layers[:config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
-                attn, _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                Projections([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj,
+                attn.layer_idx, attn.scaling,
+                _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                Projections([attn.q_proj, attn.k_proj, attn.v_proj]), rows_call(attn.o_proj),
                 _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn, mlp.down_proj))
+                Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn, rows_call(mlp.down_proj)))
 
     @classmethod
     def build(cls, model: nn.Module) -> "LeanDecoder | None":
@@ -149,26 +164,24 @@ class LeanDecoder:
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
-        """The final norm's output `[1, T, hidden]` for `input_ids` `[1, T]` at `positions` `[1, T]`."""
-        hidden = self.embed(input_ids)
+        """The final norm's output `[T, hidden]` for `input_ids` `[1, T]` at `positions` `[1, T]`."""
+        hidden = F.embedding(input_ids[0], self.embed.weight)
         cos, sin = self.rotary(hidden, position_ids=positions)
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [1, T, 1, D]: one head axis for queries and keys
+        half = self.head_dim // 2
+        # transformers rotates x as x * cos + cat(-x2, x1) * sin; cat(x2, x1) * cat(-sin1, sin2) is the
+        # same bits ((-a) * b == a * (-b) exactly), one operator fewer a layer.
+        cos, sin = cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]  # [T, 1, D]
         num_tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for layer in self.layers:
             residual = hidden
             qk, v = layer.qkv.split_last(layer.input_norm(hidden))
             # Queries and keys rotated together: the same elementwise arithmetic as transformers' two passes.
-            qk = qk.view(1, num_tokens, heads + kv_heads, dim)
-            half = dim // 2
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = (qk * cos) + (rotated * sin)
-            query = qk[:, :, :heads].transpose(1, 2)
-            key = qk[:, :, heads:].transpose(1, 2)
-            value = v.view(1, num_tokens, kv_heads, dim).transpose(1, 2)
-            out, _ = paged_attention(layer.attention, query, key, value, None, scaling=layer.attention.scaling,
-                                     ponder_attention=meta)
-            hidden = residual + layer.o_proj(out.reshape(1, num_tokens, -1).contiguous())
+            qk = qk.view(num_tokens, heads + kv_heads, dim)
+            qk = (qk * cos) + (torch.roll(qk, half, dims=-1) * sin)
+            out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v.view(num_tokens, kv_heads, dim),
+                         layer.scaling)
+            hidden = residual + layer.o_proj(out.view(num_tokens, heads * dim))
             residual = hidden
             gate, up = layer.gate_up(layer.post_norm(hidden))
             hidden = residual + layer.down(layer.act(gate) * up)
@@ -176,5 +189,5 @@ class LeanDecoder:
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                keep: torch.Tensor) -> torch.Tensor:
-        """The head's output `[1, len(keep), vocab]` at rows `keep` of the step."""
-        return self.head(self.hidden_states(input_ids, positions, meta)[:, keep, :])
+        """The head's output `[len(keep), vocab]` at rows `keep` of the step."""
+        return self.head(self.hidden_states(input_ids, positions, meta)[keep])

@@ -70,7 +70,7 @@ class ModelRunner:
         rows = self.padded_rows([step.last_token_index[i] for i in logits_for] or [step.num_tokens - 1])
         keep = torch.tensor(rows, device=self.device, dtype=torch.long)
         if self.decoder is not None:
-            logits = self.decoder.logits(step.input_ids, step.positions, step.meta, keep)[0]
+            logits = self.decoder.logits(step.input_ids, step.positions, step.meta, keep)
         else:
             logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=keep, ponder_attention=step.meta).logits[0]
@@ -92,8 +92,8 @@ class ModelRunner:
             hidden = self.decoder.hidden_states(step.input_ids, step.positions, step.meta)
         else:
             hidden = self.model.base_model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                                           ponder_attention=step.meta).last_hidden_state
-        return hidden[0, torch.tensor(rows, device=self.device, dtype=torch.long)]
+                                           ponder_attention=step.meta).last_hidden_state[0]
+        return hidden[torch.tensor(rows, device=self.device, dtype=torch.long)]
 
     def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> "StepInputs":
         """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""
@@ -143,9 +143,11 @@ class ModelRunner:
         to = self.device
         layers = self.layer_provider(scheduled, copies) if self.layer_provider is not None else None
         slot_rows = self.cache.row_index(slot_blocks, slot_offsets)
+        decode_only = not prefills and not num_pad and len(decode_groups) == 1 and \
+            decode_groups[0].rows.shape[0] == num_tokens
         meta = AttentionMetadata(cache=self.cache, slot_rows=slot_rows.to(to),
                                  decode_groups=decode_groups, prefills=prefills, num_padding=num_pad,
-                                 layers=layers)
+                                 decode_only=decode_only, layers=layers)
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
 
@@ -180,7 +182,7 @@ class ModelRunner:
         # Positions past a query's context read its position 0: finite, and weighted exactly 0.
         position = position.masked_fill(masked, 0)
         blocks = tables[table_starts[entries[sel]][:, None] + position // bs]
-        kv_rows = self.cache.row_index(blocks, position % bs).permute(0, 2, 1, 3).contiguous()
+        kv_rows = self.cache.row_index(blocks, position % bs).transpose(2, 3).contiguous()  # [2, G, KVH, width]
         return DecodeGroup(rows[sel].to(self.device), kv_rows.to(self.device),
                            masked[:, None, None, :].to(self.device), width * bs)
 

@@ -34,6 +34,8 @@ INT4_GROUP_SIZE = 32
 INT4_PACK_ROWS = 64  # _convert_weight_to_int4pack_for_cpu lays rows out in blocks of 64
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY = torch.finfo(torch.float32).tiny
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 class QuantizeError(SettingError):
@@ -46,6 +48,13 @@ class QuantizedLinear(nn.Module):
 
     in_features: int
     out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for `x` `[rows, in_features]`, without the reshapes."""
+        raise NotImplementedError
 
     def dequantized(self) -> torch.Tensor:
         raise NotImplementedError
@@ -66,10 +75,8 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.to(torch.bfloat16))  # the kernel's scales match its input
         self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        y = _INT8_MM(x.to(torch.bfloat16), self.weight, self.scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> torch.Tensor:
@@ -119,12 +126,11 @@ class Int4Linear(QuantizedLinear):
         # The kernel dequantizes a code q as (q - 8) * scale + zero: zero is the group's value at code 8.
         return cls(codes.reshape(weight.shape), scales, low + 8 * scales, linear.bias, group_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales_and_zeros)
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        y = _INT4_MM(x.to(torch.bfloat16), self.weight, self.group_size, self.scales_and_zeros)
         if self.padded_out_features != self.out_features:
             y = y[:, :self.out_features]
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     @classmethod

@@ -59,17 +59,17 @@ class KVCache:
         return self.kv.view(-1, self.shape.head_dim)
 
     def row_index(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """`[2, heads, *blocks.shape]` rows of layer 0's keys (0) and values (1) at (block, offset)."""
+        """`[2, *blocks.shape, heads]` rows of layer 0's keys (0) and values (1) at (block, offset)."""
         s = self.shape
         base = blocks * (s.num_layers * self.layer_rows) + offsets
         heads = torch.arange(s.num_kv_heads, device=base.device) * s.block_size
         kv = torch.arange(2, device=base.device) * (s.num_kv_heads * s.block_size)
         ones = (1,) * base.dim()
-        return kv.view(2, 1, *ones) + heads.view(1, -1, *ones) + base.view(1, 1, *base.shape)
+        return kv.view(2, *ones, 1) + base.view(1, *base.shape, 1) + heads.view(1, *ones, -1)
 
     def write_rows(self, layer: int, rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store one layer's keys/values `[num_kv_heads, num_tokens, head_dim]` at `rows` `[2, heads,
-        num_tokens]` (`row_index` of their slots)."""
+        """Store one layer's keys/values `[num_tokens, num_kv_heads, head_dim]` at `rows` `[2, num_tokens,
+        heads]` (`row_index` of their slots)."""
         self.rows().index_copy_(0, (rows + layer * self.layer_rows).view(-1),
                                 torch.stack((key, value)).view(-1, self.shape.head_dim))
 

@@ -56,7 +56,7 @@ def test_fused_projections_share_the_layers_weights_and_keep_their_bits(tiny_qwe
         before = model(ids).logits
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
-    x = torch.randn(1, 5, model.config.hidden_size)
+    x = torch.randn(5, model.config.hidden_size)
     separate = [[layer(x) for layer in group] for group in groups]
     assert LeanDecoder.build(model) is not None
     with torch.no_grad():
