@@ -180,20 +180,30 @@ def group_answers(candidates: Sequence[Candidate], *, compare_as_text: bool = Fa
     Each candidate joins the first group whose first member's answer is equivalent to its own (the
     relation is not guaranteed transitive, so membership is decided against one representative).
     A candidate without an answer is a group of its own.
+
+    Equivalence depends on the stripped texts alone, so a text seen before joins the group its first
+    holder joined (every earlier group was already found unequal to it): each distinct answer is
+    compared with the group leaders once, not once per candidate holding it.
     """
     groups: list[list[int]] = []
+    group_of: dict[str, list[int]] = {}  # stripped answer text -> the group it joined
     for i, candidate in enumerate(candidates):
-        if candidate.answer is not None:
-            for group in groups:
-                first = candidates[group[0]].answer
-                if first is not None and answers_equivalent(first, candidate.answer,
-                                                            compare_as_text=compare_as_text):
-                    group.append(i)
-                    break
-            else:
-                groups.append([i])
+        if candidate.answer is None:
+            groups.append([i])
+            continue
+        text = candidate.answer.strip()
+        if text in group_of:
+            group_of[text].append(i)
+            continue
+        for group in groups:
+            first = candidates[group[0]].answer
+            if first is not None and answers_equivalent(first, text, compare_as_text=compare_as_text):
+                group.append(i)
+                break
         else:
             groups.append([i])
+            group = groups[-1]
+        group_of[text] = group
     return groups
 
 
