@@ -92,3 +92,16 @@ def test_an_unknown_policy_is_refused_at_start(tiny_llama):
     with pytest.raises(ValueError, match="scheduler policy"):
         engine_for(tiny_llama, scheduler_policy="fastest")
     assert RuntimeOptions().scheduler_policy == "lbs"
+
+
+def test_speculation_is_on_by_default_on_a_gpu_only(tiny_llama):
+    import torch
+
+    from runtime.bootstrap import speculates
+
+    assert speculates("auto", torch.device("cuda")) is True
+    assert speculates("auto", torch.device("cpu")) is False
+    assert [speculates(setting, torch.device(device)) for setting in (True, False) for device in ("cpu", "cuda")] \
+        == [True, True, False, False]
+    assert engine_for(tiny_llama).config.speculative_extension is False  # the default, on this CPU
+    assert engine_for(tiny_llama, speculative_extension=True).config.speculative_extension is True
