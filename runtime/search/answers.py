@@ -25,6 +25,7 @@ MATH_VERIFY_TIMEOUT_S = 5
 _FINAL_ANSWER_SPAN = re.compile(r"final answer is:?\s*\$+([^$]+)\$", re.IGNORECASE)
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"the answer is:?", re.IGNORECASE)
+_CANONICAL_INTEGER = re.compile(r"-?[1-9][0-9]*|0")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 
 
@@ -127,8 +128,8 @@ def answers_equivalent(a: str, b: str, *, compare_as_text: bool = False) -> bool
     a, b = a.strip(), b.strip()
     if a == b:
         return True
-    if compare_as_text:
-        return False
+    if compare_as_text or (_CANONICAL_INTEGER.fullmatch(a) and _CANONICAL_INTEGER.fullmatch(b)):
+        return False  # two integers written without sign quirks or leading zeros differ as they read
     parsed_a, parsed_b = list(_parse(a)), list(_parse(b))  # verify() wants lists, the cache tuples
     if not parsed_a or not parsed_b:
         return False
