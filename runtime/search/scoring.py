@@ -4,7 +4,8 @@
 - `judge`: the generator (or another causal LM served by the same engine) asked whether the latest
   step is correct. Each question is a prefill-only sequence in the engine's paged store, so its KV
   shares the prefix cache: the problem and earlier steps are found cached, and sibling paths share
-  their common prefix. The score is P(Yes) / (P(Yes) + P(No)) at the last position.
+  their common prefix; paths asking the very same question share one sequence. The score is
+  P(Yes) / (P(Yes) + P(No)) at the last position.
 - a process or outcome reward model loaded from the config: scored from its own paged store with
   its own prefix cache (`runtime.search.verifier_store.VerifierStore`).
 """
@@ -49,7 +50,7 @@ class ScoreBatch:
 class _ScoreJob:
     scorer: "JudgeScorer"
     batch: ScoreBatch
-    path: object
+    paths: list  # every path of the verification asking this very question
 
     @property
     def request_id(self) -> str:
@@ -61,7 +62,10 @@ class _ScoreJob:
         score = float(torch.sigmoid(yes - no))
         cached = seq.num_cached_tokens
         engine.release_sequence(seq)
-        self.batch.scored(engine, self.path, score, len(seq.token_ids) - cached, cached)
+        first, *same = self.paths
+        self.batch.scored(engine, first, score, len(seq.token_ids) - cached, cached)
+        for path in same:  # asked once: nothing was prefilled for it, all of it was known
+            self.batch.scored(engine, path, score, 0, len(seq.token_ids))
         return []
 
 
@@ -73,9 +77,17 @@ class JudgeScorer:
         self.judge = judge
 
     def submit(self, controller, paths) -> None:
+        """One question per distinct text asked: paths whose steps read the same (siblings that
+        sampled the same step) share its sequence and its score, which a second sequence would
+        only compute again in the same batch, before the first one's blocks are in the cache."""
         controller.pending_scores += 1
         batch = ScoreBatch(controller, len(paths), time.perf_counter())
+        jobs: dict[tuple[int, ...], _ScoreJob] = {}
         for path in paths:
             (inputs,) = self.judge.build_inputs(controller.question, path.scoring_units())[-1:]
-            seq = Sequence(list(inputs.token_ids), owner=_ScoreJob(self, batch, path))
-            self.engine.add_scoring_sequence(seq, controller)
+            if inputs.token_ids in jobs:
+                jobs[inputs.token_ids].paths.append(path)
+            else:
+                jobs[inputs.token_ids] = _ScoreJob(self, batch, [path])
+        for token_ids, job in jobs.items():
+            self.engine.add_scoring_sequence(Sequence(list(token_ids), owner=job), controller)
