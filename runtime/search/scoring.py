@@ -84,7 +84,8 @@ class JudgeScorer:
         batch = ScoreBatch(controller, len(paths), time.perf_counter())
         jobs: dict[tuple[int, ...], _ScoreJob] = {}
         for path in paths:
-            (inputs,) = self.judge.build_inputs(controller.question, path.scoring_units())[-1:]
+            units = path.scoring_units()
+            inputs = self.judge.build_input(controller.question, units, len(units))
             if inputs.token_ids in jobs:
                 jobs[inputs.token_ids].paths.append(path)
             else:
