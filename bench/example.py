@@ -1,6 +1,6 @@
 """The README's search example, timed in-process on the engine `ponder serve` builds.
 
-    ponder bench example [--model PATH] [--quick] [--json PATH]
+    ponder bench example [--model PATH] [--quick] [--deterministic] [--json PATH]
 
 The request is the one the README's performance section times: a chat completion with a beam search
 (n 16, beam width 4, the `judge` verifier), `max_tokens` 512, OpenAI `n` 2, seed 42, temperature 0.8.
@@ -78,8 +78,8 @@ def example_request(body: dict, settings: Settings, request_id: str) -> Generate
                            search=chat.search.to_params(False, settings.search.max_timeout_s))
 
 
-def run(model: str | None, quick: bool) -> dict:
-    settings = Settings.load(None, model={"path": model})
+def run(model: str | None, quick: bool, deterministic: bool = False) -> dict:
+    settings = Settings.load(None, model={"path": model}, scheduler={"batch_invariant": deterministic or None})
     engine, source = build_engine(settings.runtime_options())
     steps = StepLog(engine.runner)
     request = example_request(QUICK if quick else EXAMPLE, settings, "bench-example")
@@ -94,6 +94,7 @@ def run(model: str | None, quick: bool) -> dict:
     summary = finished.search
     spec = engine.stats["speculative_tokens"]
     return {"model": source.name, "quantize": engine.quantized.mode, "threads": torch.get_num_threads(),
+            "deterministic": engine.config.batch_invariant,
             "request": QUICK if quick else EXAMPLE, "seconds": round(seconds, 2),
             "tokens_generated": summary.tokens_generated,
             "tok_s": round(summary.tokens_generated / seconds, 1),
@@ -108,7 +109,8 @@ def run(model: str | None, quick: bool) -> dict:
 
 def table(r: dict) -> str:
     search = r["request"]["search"]
-    head = (f"search example: {r['model']} ({r['quantize']}), {r['threads']} threads, {search['strategy']} "
+    mode = ", deterministic" if r["deterministic"] else ""
+    head = (f"search example: {r['model']} ({r['quantize']}{mode}), {r['threads']} threads, {search['strategy']} "
             f"n={search['n']} width={search['beam_width']}, {search['verifier']}, max_tokens "
             f"{r['request']['max_tokens']}, seed {r['request']['seed']}")
     rows = [["seconds", r["seconds"]], ["generated tokens", r["tokens_generated"]], ["tok/s", r["tok_s"]],
@@ -129,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--quick", action="store_true", help="a 4-path search of at most 24 tokens")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="as `ponder serve --deterministic`: the same tokens however the engine batches them, "
+                             "so two versions of the engine can be compared on the very same search")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    results = run(args.model, args.quick)
+    results = run(args.model, args.quick, args.deterministic)
     emit(results, table(results), args.json_path)
     return 0
 

@@ -17,8 +17,8 @@ MESSAGES = [{"role": "user", "content": "w1 w2 w3"}]
 CHAT = "/v1/chat/completions"
 KEEPALIVE_S = 0.3
 CAP_S = 8  # roomy: a short search must finish well inside it even on a busy machine
-# A search far longer than the cap on the tiny model: 8 paths of up to 400 tokens, 100 steps.
-LONG = {"strategy": "beam", "n": 8, "beam_width": 2, "max_steps": 100, "max_step_tokens": 4, "verifier": "judge"}
+# A search far longer than the cap on the tiny model: 32 paths of up to 400 tokens, 100 steps.
+LONG = {"strategy": "beam", "n": 32, "beam_width": 4, "max_steps": 100, "max_step_tokens": 4, "verifier": "judge"}
 
 
 @pytest.fixture(scope="module")
