@@ -241,6 +241,22 @@ class Engine:
         self.scoring.setdefault(controller.request_id, []).append(seq)
         self.scheduler.add(seq)
 
+    def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence:
+        """A prompt of `token_ids` whose first `num_shared` tokens are `parent`'s: it shares their
+        blocks (the KV of all but the last of them; a partly filled block is copied on first write),
+        and prefills the rest when it runs. Parked until resumed."""
+        assert parent.token_ids[:num_shared] == token_ids[:num_shared]
+        child = Sequence(token_ids)
+        self.kv.fork(parent, child, num_shared)
+        child.num_cached_tokens = child.num_computed_tokens  # what it did not have to compute
+        self.scheduler.hold(child)
+        return child
+
+    def add_scoring_fork(self, seq: Sequence, controller: SearchController) -> None:
+        """A verifier sequence from `fork_prompt`: it runs from the next step."""
+        self.scoring.setdefault(controller.request_id, []).append(seq)
+        self.scheduler.resume(seq)
+
     def defer(self, callback) -> None:
         """Run `callback` after the current step has handed every sampled token to its owner."""
         self.deferred.append(callback)
@@ -253,7 +269,8 @@ class Engine:
 
     def search_finished(self, controller: SearchController) -> None:
         self.searches.pop(controller.request_id, None)
-        self.scoring.pop(controller.request_id, None)
+        for seq in self.scoring.pop(controller.request_id, []):
+            self.release_sequence(seq)  # the questions kept for a next verification
         self.stats["search_paths"] += controller.stats["paths_explored"]
         self.stats["search_steps"] += controller.step_index
         for outcome, count in controller.spec_tokens.items():

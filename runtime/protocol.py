@@ -7,7 +7,7 @@ config objects. The module imports nothing of ours and no torch, so the server m
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union
 
 import msgspec
 
@@ -284,7 +284,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     disk_kv_bytes: int = 16 << 30
     scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
     kv_granularity: str = "block"  # block | head (a lone request over the compute pool streams head-wise)
-    speculative_extension: bool = True
+    speculative_extension: bool | Literal["auto"] = "auto"  # auto: on a GPU only (runtime.bootstrap)
     batch_invariant: bool = False  # pad steps so results do not depend on the batch (runtime.row_padding)
     kv_split: str = "static"  # static | roofline
     peak_flops: float | None = None  # FLOP/s; None: measured

@@ -68,7 +68,8 @@ class SchedulerSettings(_Section):
     # choice, no search) streams (layer, KV-head group) pieces through it from the host and disk tiers.
     kv_granularity: Literal["block", "head"] = "block"
     # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
-    speculative_extension: bool = True
+    # auto: on a GPU, where a slot in a decode batch is nearly free; off on a CPU, where every row costs.
+    speculative_extension: bool | Literal["auto"] = "auto"
     # Pad each step to row counts whose matmul results do not depend on the other rows, so a result is
     # the same bits however requests were batched (costs a lone stream about a third of its speed on a
     # CPU). Off by default; `ponder serve --deterministic` turns it on.

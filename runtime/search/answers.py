@@ -25,6 +25,7 @@ MATH_VERIFY_TIMEOUT_S = 5
 _FINAL_ANSWER_SPAN = re.compile(r"final answer is:?\s*\$+([^$]+)\$", re.IGNORECASE)
 _BOX_OPENING = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"the answer is:?", re.IGNORECASE)
+_CANONICAL_INTEGER = re.compile(r"-?[1-9][0-9]*|0")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 
 
@@ -127,8 +128,8 @@ def answers_equivalent(a: str, b: str, *, compare_as_text: bool = False) -> bool
     a, b = a.strip(), b.strip()
     if a == b:
         return True
-    if compare_as_text:
-        return False
+    if compare_as_text or (_CANONICAL_INTEGER.fullmatch(a) and _CANONICAL_INTEGER.fullmatch(b)):
+        return False  # two integers written without sign quirks or leading zeros differ as they read
     parsed_a, parsed_b = list(_parse(a)), list(_parse(b))  # verify() wants lists, the cache tuples
     if not parsed_a or not parsed_b:
         return False
@@ -180,20 +181,30 @@ def group_answers(candidates: Sequence[Candidate], *, compare_as_text: bool = Fa
     Each candidate joins the first group whose first member's answer is equivalent to its own (the
     relation is not guaranteed transitive, so membership is decided against one representative).
     A candidate without an answer is a group of its own.
+
+    Equivalence depends on the stripped texts alone, so a text seen before joins the group its first
+    holder joined (every earlier group was already found unequal to it): each distinct answer is
+    compared with the group leaders once, not once per candidate holding it.
     """
     groups: list[list[int]] = []
+    group_of: dict[str, list[int]] = {}  # stripped answer text -> the group it joined
     for i, candidate in enumerate(candidates):
-        if candidate.answer is not None:
-            for group in groups:
-                first = candidates[group[0]].answer
-                if first is not None and answers_equivalent(first, candidate.answer,
-                                                            compare_as_text=compare_as_text):
-                    group.append(i)
-                    break
-            else:
-                groups.append([i])
+        if candidate.answer is None:
+            groups.append([i])
+            continue
+        text = candidate.answer.strip()
+        if text in group_of:
+            group_of[text].append(i)
+            continue
+        for group in groups:
+            first = candidates[group[0]].answer
+            if first is not None and answers_equivalent(first, text, compare_as_text=compare_as_text):
+                group.append(i)
+                break
         else:
             groups.append([i])
+            group = groups[-1]
+        group_of[text] = group
     return groups
 
 

@@ -4,14 +4,20 @@
 - `judge`: the generator (or another causal LM served by the same engine) asked whether the latest
   step is correct. Each question is a prefill-only sequence in the engine's paged store, so its KV
   shares the prefix cache: the problem and earlier steps are found cached, and sibling paths share
-  their common prefix. The score is P(Yes) / (P(Yes) + P(No)) at the last position.
+  their common prefix; paths asking the very same question share one sequence. A question stays
+  parked after its score is read, until the search's next verification: the next question about the
+  same path repeats it up to where its own suffix began, and is forked from it there, so not even
+  the partly filled block before the new step is prefilled again. The score is
+  P(Yes) / (P(Yes) + P(No)) at the last position.
 - a process or outcome reward model loaded from the config: scored from its own paged store with
   its own prefix cache (`runtime.search.verifier_store.VerifierStore`).
 """
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +55,7 @@ class ScoreBatch:
 class _ScoreJob:
     scorer: "JudgeScorer"
     batch: ScoreBatch
-    path: object
+    paths: list  # every path of the verification asking this very question
 
     @property
     def request_id(self) -> str:
@@ -60,8 +66,12 @@ class _ScoreJob:
         no = torch.logsumexp(row[list(self.scorer.judge.no_token_ids)], dim=-1)
         score = float(torch.sigmoid(yes - no))
         cached = seq.num_cached_tokens
-        engine.release_sequence(seq)
-        self.batch.scored(engine, self.path, score, len(seq.token_ids) - cached, cached)
+        engine.park_sequence(seq)  # kept until the next verification of its search forks from it
+        self.scorer.kept.setdefault(self.batch.controller, []).append(seq)
+        first, *same = self.paths
+        self.batch.scored(engine, first, score, len(seq.token_ids) - cached, cached)
+        for path in same:  # asked once: nothing was prefilled for it, all of it was known
+            self.batch.scored(engine, path, score, 0, len(seq.token_ids))
         return []
 
 
@@ -71,11 +81,45 @@ class JudgeScorer:
     def __init__(self, engine, judge: JudgeVerifier) -> None:
         self.engine = engine
         self.judge = judge
+        # Each search's questions of its latest verification, parked with their blocks: the next
+        # question about a path begins with its previous one up to where that one's suffix began.
+        self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def submit(self, controller, paths) -> None:
+        """One question per distinct text asked: paths whose steps read the same (siblings that
+        sampled the same step) share its sequence and its score, which a second sequence would
+        only compute again in the same batch, before the first one's blocks are in the cache."""
         controller.pending_scores += 1
         batch = ScoreBatch(controller, len(paths), time.perf_counter())
+        jobs: dict[tuple[int, ...], _ScoreJob] = {}
         for path in paths:
-            (inputs,) = self.judge.build_inputs(controller.question, path.scoring_units())[-1:]
-            seq = Sequence(list(inputs.token_ids), owner=_ScoreJob(self, batch, path))
-            self.engine.add_scoring_sequence(seq, controller)
+            units = path.scoring_units()
+            inputs = self.judge.build_input(controller.question, units, len(units))
+            if inputs.token_ids in jobs:
+                jobs[inputs.token_ids].paths.append(path)
+            else:
+                jobs[inputs.token_ids] = _ScoreJob(self, batch, [path])
+        kept = self.kept.pop(controller, [])
+        for token_ids, job in jobs.items():
+            parent, num_shared = longest_shared(kept, token_ids)
+            if num_shared > 1:
+                # Its KV up to the last shared token, the partial block too (the prefix cache
+                # matches whole blocks only): only the rest is prefilled.
+                seq = self.engine.fork_prompt(parent, list(token_ids), num_shared)
+                seq.owner = job
+                self.engine.add_scoring_fork(seq, controller)
+            else:
+                self.engine.add_scoring_sequence(Sequence(list(token_ids), owner=job), controller)
+        for seq in kept:
+            self.engine.release_sequence(seq)
+
+
+def longest_shared(seqs: list[Sequence], token_ids: tuple[int, ...]) -> tuple[Sequence | None, int]:
+    """The sequence whose tokens begin `token_ids` furthest, and how many tokens they share (the
+    earliest such sequence on a tie); (None, 0) if none shares any."""
+    best, most = None, 0
+    for seq in seqs:
+        shared = len(os.path.commonprefix([seq.token_ids, list(token_ids)]))
+        if shared > most:
+            best, most = seq, shared
+    return best, most

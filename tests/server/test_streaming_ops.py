@@ -17,14 +17,15 @@ MESSAGES = [{"role": "user", "content": "w1 w2 w3"}]
 CHAT = "/v1/chat/completions"
 KEEPALIVE_S = 0.3
 CAP_S = 8  # roomy: a short search must finish well inside it even on a busy machine
-# A search far longer than the cap on the tiny model: 8 paths of up to 400 tokens, 100 steps.
-LONG = {"strategy": "beam", "n": 8, "beam_width": 2, "max_steps": 100, "max_step_tokens": 4, "verifier": "judge"}
+# A search far longer than the cap on the tiny model: 64 paths of up to 400 tokens, 100 steps (32
+# paths reach about 86 steps in the 8 s of the cap).
+LONG = {"strategy": "beam", "n": 64, "beam_width": 8, "max_steps": 100, "max_step_tokens": 4, "verifier": "judge"}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("log") / "server.log"
-    env = {"PONDER_CACHE__NUM_BLOCKS": "4096", "PONDER_CACHE__BLOCK_SIZE": "4",
+    env = {"PONDER_CACHE__NUM_BLOCKS": "8192", "PONDER_CACHE__BLOCK_SIZE": "4",
            "PONDER_SERVER__SSE_KEEPALIVE_S": str(KEEPALIVE_S), "PONDER_SEARCH__MAX_TIMEOUT_S": str(CAP_S)}
     with live_server("--model", str(tiny_llama), "--device", "cpu", env=env, log_path=log_path) as (base, _):
         yield base, log_path

@@ -59,13 +59,14 @@ class JudgeVerifier(Verifier):
         return content + "\nAnswer:"
 
     def build_inputs(self, question: str, steps: Sequence[str]) -> list[ScoringInput]:
-        inputs = []
-        for k in range(1, len(steps) + 1):
-            text = self.build_text(question, steps, k)
-            # A rendered template carries its own special tokens; a plain prompt gets the BOS.
-            ids = self.tokenizer(text, add_special_tokens=not self.has_chat_template)["input_ids"]
-            inputs.append(ScoringInput(tuple(ids), (len(ids) - 1,)))
-        return inputs
+        return [self.build_input(question, steps, k) for k in range(1, len(steps) + 1)]
+
+    def build_input(self, question: str, steps: Sequence[str], k: int) -> ScoringInput:
+        """The question about step k alone (a search asks only about its paths' newest step)."""
+        text = self.build_text(question, steps, k)
+        # A rendered template carries its own special tokens; a plain prompt gets the BOS.
+        ids = self.tokenizer(text, add_special_tokens=not self.has_chat_template)["input_ids"]
+        return ScoringInput(tuple(ids), (len(ids) - 1,))
 
     def read_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_logits(hidden, self.yes_token_ids + self.no_token_ids)

@@ -155,3 +155,36 @@ def test_select_edge_cases():
     assert select([], "majority") == []
     with pytest.raises(ValueError, match="unknown selection"):
         select(cands(("1", 1.0)), "vote")
+
+
+def test_each_distinct_answer_is_compared_with_the_leaders_once(monkeypatch):
+    from runtime.search import answers
+
+    calls = []
+    real = answers.answers_equivalent
+
+    def counting(a, b, **kwargs):
+        calls.append((a, b))
+        return real(a, b, **kwargs)
+
+    monkeypatch.setattr(answers, "answers_equivalent", counting)
+    candidates = cands(("7", 0.1), ("0.5", 0.2), ("7", 0.3), (" 7 ", 0.4), ("1/2", 0.5), ("0.5", 0.6),
+                       ("7.0", 0.7), (None, 0.8), ("1/2", 0.9))
+    assert group_answers(candidates) == [[0, 2, 3, 6], [1, 4, 5, 8], [7]]
+    # "7", "0.5", "1/2" and "7.0" against the leaders before them; repeats ask nothing
+    assert calls == [("7", "0.5"), ("7", "1/2"), ("0.5", "1/2"), ("7", "7.0")]
+
+
+def test_integers_are_compared_without_math_verify_and_as_it_would(monkeypatch):
+    from runtime.search import answers
+
+    integers = ["0", "7", "-7", "51", "52", "100", "1000000", "1000001", "123456789", "123456788"]
+    pairs = [(a, b) for a in integers for b in integers if a != b]
+    slow = {pair: answers_equivalent(*pair) for pair in pairs}
+    assert not any(slow.values())  # what math-verify says of distinct integers
+    monkeypatch.setattr(answers, "_parse", lambda answer: pytest.fail(f"parsed {answer!r}"))
+    assert {pair: answers_equivalent(*pair) for pair in pairs} == slow
+    # not canonical: a sign on zero, leading zeros, decimals still go to math-verify
+    for a, b in [("-0", "0"), ("051", "51"), ("51", "51.0")]:
+        with pytest.raises(pytest.fail.Exception):
+            answers_equivalent(a, b)

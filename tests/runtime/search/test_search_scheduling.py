@@ -48,6 +48,18 @@ def test_every_policy_budget_and_speculation_gives_the_same_search(tiny_llama, e
     assert (sum(spec.values()) > 0) == speculative
 
 
+@pytest.mark.parametrize("policy, num_blocks", [("lbs", 1024), ("lbs", 24), ("token", 24)])
+def test_a_judged_search_is_the_same_under_every_policy_and_budget(tiny_llama, policy, num_blocks):
+    # The judge's questions are kept parked between verifications and forked from; a tight pool
+    # takes their blocks back, and their forks then come from the prefix cache instead.
+    judged = dict(SEARCH, verifier="judge")
+    baseline = engine_for(tiny_llama, num_blocks=1024, scheduler_policy="token", speculative_extension=False)
+    expected = engine_choices(run_search(baseline, search_request("judged", **judged)))
+    engine = engine_for(tiny_llama, num_blocks=num_blocks, scheduler_policy=policy)
+    same(engine_choices(run_search(engine, search_request("judged", **judged))), expected)
+    assert engine.pool.num_used == 0 and engine.scoring == {}
+
+
 def test_lbs_runs_a_tight_step_in_groups_that_fit_and_never_preempts(tiny_llama, expected):
     # 24 blocks of 4 tokens cannot hold 8 paths growing 8 tokens each: the step runs in groups,
     # each small enough to finish its step without taking a running path's blocks.
@@ -92,3 +104,16 @@ def test_an_unknown_policy_is_refused_at_start(tiny_llama):
     with pytest.raises(ValueError, match="scheduler policy"):
         engine_for(tiny_llama, scheduler_policy="fastest")
     assert RuntimeOptions().scheduler_policy == "lbs"
+
+
+def test_speculation_is_on_by_default_on_a_gpu_only(tiny_llama):
+    import torch
+
+    from runtime.bootstrap import speculates
+
+    assert speculates("auto", torch.device("cuda")) is True
+    assert speculates("auto", torch.device("cpu")) is False
+    assert [speculates(setting, torch.device(device)) for setting in (True, False) for device in ("cpu", "cuda")] \
+        == [True, True, False, False]
+    assert engine_for(tiny_llama).config.speculative_extension is False  # the default, on this CPU
+    assert engine_for(tiny_llama, speculative_extension=True).config.speculative_extension is True

@@ -262,6 +262,9 @@ def test_judge_scores_each_step_with_its_own_question(causal_lm, tokenizer):
             assert f"Step {k}: {steps[k - 1]}" in text and f"Step {k + 1}:" not in text
             assert text.endswith("<|im_start|>assistant\n")
             ids = tokenizer.encode(text, add_special_tokens=False)
+            # the question about step k alone is the k-th of the path's questions
+            assert verifier.build_input(QUESTION, steps, k) == inputs[k - 1]
+            assert inputs[k - 1].token_ids == tuple(ids) and inputs[k - 1].read_positions == (len(ids) - 1,)
             with torch.no_grad():
                 probs = causal_lm(torch.tensor([ids])).logits[0].softmax(-1)
             p_yes, p_no = probs[-1, yes].sum(), probs[-1, no].sum()

@@ -16,7 +16,7 @@ def engine(tiny_llama, causal_lm_dir, qwen_prm_dir, skywork_dir):
                  "qwen": {"kind": "qwen-prm", "path": str(qwen_prm_dir)},
                  "sky": {"kind": "skywork", "path": str(skywork_dir)}}
     engine, _ = build_engine(RuntimeOptions(model=str(tiny_llama), device="cpu", num_blocks=1024, block_size=4,
-                                            batch_invariant=True,
+                                            batch_invariant=True, speculative_extension=True,
                                             verifiers=verifiers, verifier_kv_memory_bytes=4 << 20))
     return engine
 

@@ -1,0 +1,45 @@
+"""The search-example benchmark on a tiny random model: it runs the README's request shape through
+the server's schema on a default-settings engine and accounts for every model step."""
+
+from __future__ import annotations
+
+import json
+
+from bench import example as bench_example
+from server.config import Settings
+
+
+def test_the_request_is_the_one_the_server_makes():
+    request = bench_example.example_request(bench_example.EXAMPLE, Settings.load(None), "r")
+    assert (request.sampling.max_tokens, request.sampling.n, request.sampling.seed, request.sampling.temperature) \
+        == (512, 2, 42, 0.8)
+    search = request.search
+    assert (search.strategy, search.n, search.beam_width, search.verifier, search.max_steps,
+            search.max_step_tokens, search.step_delimiter) == ("beam", 16, 4, "judge", 40, 256, "\n\n")
+    assert search.timeout_s == Settings.load(None).search.max_timeout_s
+
+
+def test_quick_run_reports_the_search_and_its_model_steps(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "example.json"
+    assert bench_example.main(["--model", str(tiny_llama), "--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    results = json.loads(printed[0])
+    assert results == json.loads(out.read_text())
+    assert printed[1].startswith("search example: ")
+    assert results["request"] == bench_example.QUICK and results["deterministic"] is False
+    assert results["tokens_generated"] > 0 and results["verifier_tokens_prefilled"] > 0
+    # Every generated token came from a decode row or a prompt's last row (a path's first token).
+    assert results["decode_rows"] <= results["tokens_generated"]
+    assert results["decode_steps"] > 0 and results["prefill_steps"] >= 1
+    assert results["decode_mean_batch"] == round(results["decode_rows"] / results["decode_steps"], 2)
+    assert results["prefill_tokens"] >= results["verifier_tokens_prefilled"]
+
+
+def test_deterministic_runs_give_the_same_search(tiny_llama, capsys):
+    runs = []
+    for _ in range(2):
+        assert bench_example.main(["--model", str(tiny_llama), "--quick", "--deterministic"]) == 0
+        runs.append(json.loads(capsys.readouterr().out.splitlines()[0]))
+    assert runs[0]["deterministic"] is True
+    keys = ("tokens_generated", "verifier_tokens_prefilled", "steps", "paths_explored", "decode_rows", "prefill_tokens")
+    assert [r[k] for r in runs for k in keys][:len(keys)] == [runs[1][k] for k in keys]
