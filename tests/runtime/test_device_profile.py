@@ -1,7 +1,6 @@
-"""Measured peaks: positive, finite, in the range of real hardware, and quick to take."""
+"""Measured peaks: positive, finite, in the range of real hardware."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -10,10 +9,8 @@ from runtime.device_profile import measure_bandwidth, measure_flops, measure_pea
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_peaks_are_plausible_and_quick(dtype):
-    start = time.perf_counter()
+def test_cpu_peaks_are_plausible(dtype):
     peaks = measure_peaks("cpu", dtype)
-    assert time.perf_counter() - start < 2.0  # well under a second on an idle machine
     # From a busy laptop core (~1 GFLOP/s, ~1 GB/s) to the largest accelerators (~1e16, ~1e13).
     assert math.isfinite(peaks.flops) and 1e8 < peaks.flops < 1e16
     assert math.isfinite(peaks.bandwidth) and 1e8 < peaks.bandwidth < 1e13
