@@ -143,7 +143,11 @@ class LeanDecoder:
 
     @classmethod
     def build(cls, model: nn.Module) -> "LeanDecoder | None":
-        """A lean decoder for `model`, or None when its forward must stay transformers' own."""
+        """A lean decoder for `model`, or None when its forward must stay transformers' own. A model
+        has one: the generator's runner and the judge's share it (and its fused weights)."""
+        built = getattr(model, "_ponder_lean_decoder", None)
+        if built is not None:
+            return built
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in ARCHITECTURES or getattr(config, "pretraining_tp", 1) != 1:
             return None
@@ -160,7 +164,9 @@ class LeanDecoder:
                 return None
             if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
                 return None
-        return cls(model)
+        decoder = cls(model)
+        model._ponder_lean_decoder = decoder
+        return decoder
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:

@@ -58,7 +58,8 @@ def test_fused_projections_share_the_layers_weights_and_keep_their_bits(tiny_qwe
     groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
     x = torch.randn(5, model.config.hidden_size)
     separate = [[layer(x) for layer in group] for group in groups]
-    assert LeanDecoder.build(model) is not None
+    decoder = LeanDecoder.build(model)
+    assert decoder is not None and LeanDecoder.build(model) is decoder  # built once a model: weights fused once
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)  # transformers' own forward still works on the views
     for group, outputs in zip(groups, separate):
