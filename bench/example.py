@@ -22,8 +22,9 @@ import time
 import torch
 
 from bench.report import columns, emit
+from bench.search import searched
 from runtime.bootstrap import build_engine
-from runtime.protocol import Finished, GenerateRequest
+from runtime.protocol import GenerateRequest
 from server.config import Settings
 from server.schemas import ChatCompletionRequest
 
@@ -83,14 +84,7 @@ def run(model: str | None, quick: bool, deterministic: bool = False) -> dict:
     engine, source = build_engine(settings.runtime_options())
     steps = StepLog(engine.runner)
     request = example_request(QUICK if quick else EXAMPLE, settings, "bench-example")
-    started = time.perf_counter()
-    messages = list(engine.add_request(request))
-    while engine.has_work:
-        messages += engine.step()
-    seconds = time.perf_counter() - started
-    finished = messages[-1]
-    if not isinstance(finished, Finished) or finished.search is None:
-        raise RuntimeError(f"the search did not finish: {finished}")
+    _, finished, seconds = searched(engine, request)
     summary = finished.search
     spec = engine.stats["speculative_tokens"]
     return {"model": source.name, "quantize": engine.quantized.mode, "threads": torch.get_num_threads(),

@@ -92,13 +92,8 @@ def messages_for(problem: str) -> tuple[dict[str, str], ...]:
 # ponder
 
 
-def run_ponder(engine, problem: str, setup: Setup, seed: int) -> Outcome:
-    request = GenerateRequest(
-        request_id=f"bench-search-{seed}-{time.monotonic_ns()}", endpoint="chat", messages=messages_for(problem),
-        sampling=SamplingParams(max_tokens=setup.max_tokens, temperature=setup.temperature, seed=seed, n=setup.n),
-        search=SearchParams(strategy="beam", n=setup.n, beam_width=setup.beam_width, max_steps=setup.max_steps,
-                            max_step_tokens=setup.max_step_tokens, step_delimiter=setup.delimiter,
-                            verifier="judge"))
+def searched(engine, request: GenerateRequest) -> tuple[list, Finished, float]:
+    """Run one search request on `engine` until it is idle: (every message, the Finished one, seconds)."""
     started = time.perf_counter()
     messages = list(engine.add_request(request))
     while engine.has_work:
@@ -107,6 +102,17 @@ def run_ponder(engine, problem: str, setup: Setup, seed: int) -> Outcome:
     finished = messages[-1]
     if not isinstance(finished, Finished) or finished.search is None:
         raise RuntimeError(f"the search did not finish: {finished}")
+    return messages, finished, seconds
+
+
+def run_ponder(engine, problem: str, setup: Setup, seed: int) -> Outcome:
+    request = GenerateRequest(
+        request_id=f"bench-search-{seed}-{time.monotonic_ns()}", endpoint="chat", messages=messages_for(problem),
+        sampling=SamplingParams(max_tokens=setup.max_tokens, temperature=setup.temperature, seed=seed, n=setup.n),
+        search=SearchParams(strategy="beam", n=setup.n, beam_width=setup.beam_width, max_steps=setup.max_steps,
+                            max_step_tokens=setup.max_step_tokens, step_delimiter=setup.delimiter,
+                            verifier="judge"))
+    messages, finished, seconds = searched(engine, request)
     final = [m for m in messages if isinstance(m, Delta) and m.finish_reason is not None]
     best = min(final, key=lambda m: m.index)
     summary = finished.search
