@@ -26,6 +26,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 SELECTED_FILL = "rgb(0, 158, 115)"  # --selected in the page's style
+PATHS = 16
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def test_the_page_draws_a_running_search_live_and_its_answer(server, browser):
     browser.get(server + "/ui")
     WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "no-searches").is_displayed())
     result = {}
-    body = long_search(server, max_steps=40)
+    # Long enough that the page (which looks for new searches every 2 s) sees it run: 100 steps of 16 paths.
+    body = {**long_search(server, n=PATHS, max_steps=100, max_step_tokens=4), "max_tokens": 400}
     worker = threading.Thread(target=lambda: result.update(
         response=httpx.post(server + "/v1/chat/completions", headers=AUTH, json=body, timeout=300)))
     worker.start()
@@ -85,7 +87,7 @@ def test_the_page_draws_a_running_search_live_and_its_answer(server, browser):
     WebDriverWait(browser, 30, poll_frequency=0.2).until(
         lambda d: sum(1 for n in nodes(d) if n["status"] == "selected") == steps + 1)
     final = nodes(browser)
-    assert len(final) == 1 + 8 * steps and len(final) > len(seen_running)
+    assert len(final) == 1 + PATHS * steps and len(final) > len(seen_running)
     selected = sorted((n for n in final if n["status"] == "selected"), key=lambda n: n["step"])
     assert [n["score"] for n in selected[1:]] == [f"{s:.2f}" for s in choice["search"]["step_scores"]]
     assert all(n["fill"] == SELECTED_FILL for n in selected)
