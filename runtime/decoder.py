@@ -38,7 +38,6 @@ class Projections:
     def __init__(self, layers: list[nn.Module]) -> None:
         self.sizes = [layer.out_features for layer in layers]
         self.fused = fuse_linears(layers)
-        self.layers = layers
         self.calls = [rows_call(layer) for layer in layers]
         self.fused_call = None if self.fused is None else rows_call(self.fused)
 
