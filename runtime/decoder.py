@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention import AttentionMetadata, attend
-from runtime.quantize import QuantizedLinear
+from runtime.quantize import Int4Linear, QuantizedLinear
 
 ARCHITECTURES = ("llama", "qwen2")
 
@@ -115,6 +115,12 @@ class _Layer:
     gate_up: Projections
     act: nn.Module
     down: object
+    # int4 (see `LeanDecoder.int4`): the fused and the o/down layers, whose kernel also takes the norm
+    # before and the residual after
+    qkv_int4: Int4Linear | None = None
+    o_int4: Int4Linear | None = None
+    gate_up_int4: Int4Linear | None = None
+    down_int4: Int4Linear | None = None
 
 
 class LeanDecoder:
@@ -139,6 +145,20 @@ class LeanDecoder:
                 Projections([attn.q_proj, attn.k_proj, attn.v_proj]), rows_call(attn.o_proj),
                 _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                 Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn, rows_call(mlp.down_proj)))
+        # With int4 layers throughout and float32 activations, a layer is four kernel calls that
+        # also apply the norms and add the residuals (ponder's kernel, not transformers' operators:
+        # the logits are close to transformers', not its bits).
+        self.int4 = self.embed.weight.dtype == torch.float32 and all(
+            isinstance(layer.qkv.fused, Int4Linear) and isinstance(layer.gate_up.fused, Int4Linear)
+            for layer in self.layers)
+        for layer, source in zip(self.layers, base.layers):
+            o_proj, down = source.self_attn.o_proj, source.mlp.down_proj
+            self.int4 = self.int4 and all(isinstance(l, Int4Linear) and l.bias is None for l in (o_proj, down))
+            if self.int4:
+                layer.qkv_int4, layer.o_int4 = layer.qkv.fused, o_proj
+                layer.gate_up_int4, layer.down_int4 = layer.gate_up.fused, down
+        head = self.head
+        self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
 
     @classmethod
     def build(cls, model: nn.Module) -> "LeanDecoder | None":
@@ -168,8 +188,9 @@ class LeanDecoder:
         return decoder
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """The final norm's output `[T, hidden]` for `input_ids` `[1, T]` at `positions` `[1, T]`."""
+                      meta: AttentionMetadata, normed: bool = True) -> torch.Tensor:
+        """The final norm's output `[T, hidden]` for `input_ids` `[1, T]` at `positions` `[1, T]`
+        (the residual stream before it with `normed=False`)."""
         hidden = F.embedding(input_ids[0], self.embed.weight)
         cos, sin = self.rotary(hidden, position_ids=positions)
         half = self.head_dim // 2
@@ -178,6 +199,9 @@ class LeanDecoder:
         cos, sin = cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]  # [T, 1, D]
         num_tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.int4:
+            hidden = self._int4_layers(hidden, cos, sin, meta)
+            return self.norm(hidden) if normed else hidden
         for layer in self.layers:
             residual = hidden
             qk, v = layer.qkv.split_last(layer.input_norm(hidden))
@@ -190,9 +214,35 @@ class LeanDecoder:
             residual = hidden
             gate, up = layer.gate_up(layer.post_norm(hidden))
             hidden = residual + layer.down(layer.act(gate) * up)
-        return self.norm(hidden)
+        return self.norm(hidden) if normed else hidden
+
+    def _int4_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """The residual stream after every layer, each layer four int4 kernel calls (see `int4`)."""
+        num_tokens, half = hidden.shape[0], self.head_dim // 2
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        for layer in self.layers:
+            norm = layer.input_norm
+            qkv = layer.qkv_int4.fused_rows(hidden, norm.weight, norm.eps)
+            if layer.qkv_int4.bias is not None:
+                qkv = qkv + layer.qkv_int4.bias
+            qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+            qk = (qk * cos) + (torch.roll(qk, half, dims=-1) * sin)
+            v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
+            out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling)
+            hidden = layer.o_int4.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
+            norm = layer.post_norm
+            gate_up = layer.gate_up_int4.fused_rows(hidden, norm.weight, norm.eps)
+            if layer.gate_up_int4.bias is not None:
+                gate_up = gate_up + layer.gate_up_int4.bias
+            gate, up = gate_up.split(layer.gate_up.sizes, dim=-1)
+            hidden = layer.down_int4.fused_rows(layer.act(gate) * up, residual=hidden)
+        return hidden
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                keep: torch.Tensor) -> torch.Tensor:
         """The head's output `[len(keep), vocab]` at rows `keep` of the step."""
-        return self.head(self.hidden_states(input_ids, positions, meta)[keep])
+        if self.head_int4 is None:
+            return self.head(self.hidden_states(input_ids, positions, meta)[keep])
+        stream = self.hidden_states(input_ids, positions, meta, normed=False)[keep]
+        return self.head_int4.fused_rows(stream, self.norm.weight, self.norm.eps)

@@ -2,8 +2,8 @@
 
 A Q4_1 block holds 32 weights as w = d * q + m (q in 0..15, d and m float16), a Q4_0 block as
 w = d * (q - 8). Both are exactly group-wise int4 with groups of 32 input features: the layers built
-from these codes compute with the very weights the file stores (up to the bfloat16 rounding of the
-kernel's scales and zero points), instead of quantizing transformers' dequantized floats a second time.
+from these codes compute with the very weights the file stores, instead of quantizing transformers'
+dequantized floats a second time.
 
 Tensors are matched to the model's linear layers with transformers' own GGUF name map and tensor
 processor (which reorders the rows of some tensors, e.g. llama's q/k projections), and every layer's
@@ -38,10 +38,9 @@ class Q4Blocks:
             w = self.d[..., None] * groups + self.m[..., None]
         return w.reshape(self.codes.shape)
 
-    def scales_and_zeros(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, zero) per group for a kernel that dequantizes a code q as (q - 8) * scale + zero."""
-        zero = torch.zeros_like(self.d) if self.m is None else self.m + 8 * self.d
-        return self.d, zero
+    def d_and_m(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d, m) per group for w = d * q + m; Q4_0's d * (q - 8) has m = -8d (exact in float16)."""
+        return self.d, -8 * self.d if self.m is None else self.m
 
 
 def decode_q4(kind: str, data: np.ndarray) -> Q4Blocks:

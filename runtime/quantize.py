@@ -2,21 +2,22 @@
 
 `int8` and `int4` replace every `nn.Linear` (the output head too: a head tied to the input embedding
 gets a quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
-quantized weight and calls one torch kernel. `auto` (the default) does the same with int4 on a CPU
-with native bfloat16 for a GGUF whose linear layers are stored as 4-bit blocks, taking those very
-blocks (runtime.gguf_blocks) rather than quantizing the dequantized floats again; otherwise it keeps
-float weights. `apply_quantize` says what a setting became (`Quantized`).
+quantized weight and calls one kernel. `auto` (the default) does the same with int4 on a CPU that can
+run ponder's int4 kernel (x86-64 with AVX2) for a GGUF whose linear layers are stored as 4-bit
+blocks, taking those very blocks (runtime.gguf_blocks) rather than quantizing the dequantized floats
+again; otherwise it keeps float weights. `apply_quantize` says what a setting became (`Quantized`).
 
-- int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`.
-- int4: 4-bit weights in groups of `INT4_GROUP_SIZE` input features, each group with a scale and a
-  zero point, `aten._weight_int4pack_mm_for_cpu`.
+- int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`, weight-only: the
+  activations enter the kernel rounded to bfloat16 (vectorized on a CPU with AVX512-BF16).
+- int4: 4-bit weights in groups of `INT4_GROUP_SIZE` input features, w = d * q + m with a float16 d
+  and m per group, run by ponder's own kernel (runtime.cpu_kernels): the activations are quantized
+  per group of 32 to int8 on the way in, as llama.cpp does for the same blocks, and the products
+  are summed exactly in integers.
 
-Both are weight-only: the activations enter the kernel rounded to bfloat16, whose kernels are the
-vectorized ones on a CPU with AVX512-BF16 (with float32 input they ran up to 40x slower there).
 Both kernels compute each output row from its own input row only (tested), so batching never
-changes a row's bits, and the engine's greedy tokens equal transformers' `generate` on the same
-quantized model. A model whose layers a mode cannot take stops
-start-up with a `QuantizeError` naming the setting; nothing falls back to float weights silently.
+changes a row's bits. A model whose layers a mode cannot take, or an `int4` setting on a machine
+where the kernel cannot run, stops start-up with a `QuantizeError` naming the setting; nothing falls
+back to float weights silently.
 """
 
 from __future__ import annotations
@@ -24,18 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from runtime.loader import SettingError, runs_natively
+from runtime.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
+from runtime.loader import SettingError
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
-INT4_GROUP_SIZE = 32
-INT4_PACK_ROWS = 64  # _convert_weight_to_int4pack_for_cpu lays rows out in blocks of 64
+INT4_GROUP_SIZE = 32  # the kernel's group, a GGUF block
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY = torch.finfo(torch.float32).tiny
+_TINY_HALF = torch.finfo(torch.float16).tiny
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
-_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 class QuantizeError(SettingError):
@@ -97,62 +97,67 @@ class Int8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
-    """4-bit codes in groups of `INT4_GROUP_SIZE` input features; the kernel computes a code q as
-    (q - 8) * scale + zero with its group's scale and zero point (weight-only)."""
+    """4-bit codes in groups of `INT4_GROUP_SIZE` input features, a code q standing for d * q + m with
+    its group's float16 d and m (a GGUF Q4_1 block; Q4_0's d * (q - 8) has m = -8d), run by ponder's
+    CPU kernel (runtime.cpu_kernels), which quantizes the activations per group to int8 on the way in.
+    `weight` holds the codes two to a byte in GGUF's order: byte j of a group is codes j and j + 16."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 bias: torch.Tensor | None = None, group_size: int = INT4_GROUP_SIZE) -> None:
-        """`codes` [out, in] in 0..15; `scales`, `zeros` [out, in / group_size]."""
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+                 bias: torch.Tensor | None = None) -> None:
+        """`codes` [out, in] in 0..15; `d`, `m` [out, in / 32], exact in float16."""
         super().__init__()
+        self.kernel = q4_kernel()
         self.out_features, self.in_features = codes.shape
-        self.group_size = group_size
-        # The packing takes rows in multiples of 16: padding rows are zero and cut off the output.
-        self.padded_out_features = -(-self.out_features // 16) * 16
-        pad = (0, 0, 0, self.padded_out_features - self.out_features)
-        codes, scales, zeros = (F.pad(t, pad) for t in (codes.to(torch.int32), scales.float(), zeros.float()))
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)  # [groups, out, 2]
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        self.group_size = INT4_GROUP_SIZE
+        groups = codes.to(torch.uint8).reshape(self.out_features, -1, 2, INT4_GROUP_SIZE // 2)
+        self.register_buffer("weight", (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(self.out_features, -1))
+        self.register_buffer("d", d.to(torch.float16).contiguous())
+        self.register_buffer("m", None if m is None else m.to(torch.float16).contiguous())
         self.bias = bias
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> "Int4Linear":
-        """Each group's 16 codes spread evenly from its least to its largest weight."""
+    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
+        """Each group's 16 codes spread evenly from its least to its largest weight (d and m rounded
+        to float16 first, and the codes taken against the rounded values)."""
         weight = linear.weight.detach().float()
-        groups = weight.reshape(linear.out_features, linear.in_features // group_size, group_size)
+        groups = weight.reshape(linear.out_features, -1, INT4_GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scales = (high - low).clamp(min=_TINY) / 15
-        codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
-        # The kernel dequantizes a code q as (q - 8) * scale + zero: zero is the group's value at code 8.
-        return cls(codes.reshape(weight.shape), scales, low + 8 * scales, linear.bias, group_size)
+        d = ((high - low) / 15).clamp(min=_TINY_HALF).half().float()
+        m = low.half().float()
+        codes = torch.round((groups - m[..., None]) / d[..., None]).clamp(0, 15)
+        return cls(codes.reshape(weight.shape), d, m, linear.bias)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        y = _INT4_MM(x.to(torch.bfloat16), self.weight, self.group_size, self.scales_and_zeros)
-        if self.padded_out_features != self.out_features:
-            y = y[:, :self.out_features]
-        y = y.to(x.dtype)
+        y = self.kernel(x.float(), self.weight, self.d, self.m).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def fused_rows(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`residual + rms_norm(x) @ W.T` for float32 rows in one kernel call (no bias)."""
+        return self.kernel(x, self.weight, self.d, self.m, norm_weight, eps, residual)
 
     @classmethod
     def concatenated(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
-        """As `Int8Linear.concatenated`; None unless every layer has a multiple of `INT4_PACK_ROWS` rows
-        (the packed weight interleaves rows in blocks of that many, so only whole blocks line up)."""
-        if any(l.out_features % INT4_PACK_ROWS or l.group_size != layers[0].group_size for l in layers):
+        """As `Int8Linear.concatenated`; None when some layers have a zero point and some do not."""
+        if len({l.m is None for l in layers}) > 1:
             return None
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
+        fused.kernel, fused.group_size = layers[0].kernel, INT4_GROUP_SIZE
         fused.in_features, fused.out_features = layers[0].in_features, sum(l.out_features for l in layers)
-        fused.padded_out_features, fused.group_size = fused.out_features, layers[0].group_size
         fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
-        fused.register_buffer("scales_and_zeros", torch.cat([l.scales_and_zeros for l in layers], dim=1).contiguous())
+        fused.register_buffer("d", torch.cat([l.d for l in layers]))
+        fused.register_buffer("m", None if layers[0].m is None else torch.cat([l.m for l in layers]))
         fused.bias = _cat_bias(layers)
         _share_rows(layers, fused.weight)
         return fused
 
     def dequantized(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.weight, self.group_size,
-                                                           self.scales_and_zeros)[:, :self.out_features].T.float()
+        codes = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=1)  # [out, 2, groups * 16]
+        codes = codes.reshape(self.out_features, 2, -1, INT4_GROUP_SIZE // 2).transpose(1, 2)
+        codes = codes.reshape(self.out_features, -1, INT4_GROUP_SIZE).float()
+        w = codes * self.d.float()[..., None] + (0 if self.m is None else self.m.float()[..., None])
+        return w.reshape(self.out_features, self.in_features)
 
 
 def _cat_bias(layers: list[nn.Module]) -> torch.Tensor | None:
@@ -203,6 +208,9 @@ def check_quantizable(model: nn.Module, mode: str) -> None:
         if layer.weight.dtype not in _SUPPORTED_DTYPES:
             raise QuantizeError(f"model.quantize = {mode!r} cannot take {name}: its weights are "
                                 f"{str(layer.weight.dtype).removeprefix('torch.')}")
+        if mode == "int4" and q4_unavailable() is not None:
+            raise QuantizeError(f"model.quantize = 'int4' needs ponder's int4 CPU kernel, which cannot run here: "
+                                f"{q4_unavailable()}; set model.quantize = \"none\"")
         if mode == "int4" and layer.in_features % INT4_GROUP_SIZE:
             raise QuantizeError(f"model.quantize = 'int4' needs in_features divisible by the group size "
                                 f"{INT4_GROUP_SIZE}, and {name} has {layer.in_features}")
@@ -239,7 +247,7 @@ class Quantized:
 
 @torch.no_grad()
 def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None) -> Quantized:
-    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU with native bfloat16, a model
+    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU that runs the int4 kernel, a model
     loaded from a GGUF whose linear layers are stored as 4-bit blocks keeps those very blocks as int4
     layers (any other linear layer, e.g. a head tied to a Q8_0 embedding, is quantized to int4 from
     its loaded weights); anything else keeps its float weights."""
@@ -252,9 +260,10 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
         return Quantized(setting, "none", 0, f"the quantized kernels are the CPU's, and the model is on {device.type}")
     if gguf_path is None:
         return Quantized(setting, "none", 0, "not a GGUF model")
-    if not runs_natively(torch.bfloat16, device):
-        return Quantized(setting, "none", 0, "this CPU has no native bfloat16 arithmetic (AVX512-BF16 or AMX), "
-                                             "without which the int4 kernel is slower than float32")
+    try:
+        q4_kernel()
+    except KernelUnavailable as exc:
+        return Quantized(setting, "none", 0, str(exc))
     from runtime.gguf_blocks import linear_blocks
 
     try:
@@ -273,7 +282,7 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
         elif b is None:
             rest_float += 1
         else:
-            setattr(parent, attribute, Int4Linear(b.codes, *b.scales_and_zeros(), layer.bias))
+            setattr(parent, attribute, Int4Linear(b.codes, *b.d_and_m(), layer.bias))
     _untie(model)
     rest = len(layers) - len(blocks) - rest_float
     detail = f"{len(blocks)} layers keep the GGUF's 4-bit blocks" + \

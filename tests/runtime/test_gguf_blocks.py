@@ -6,18 +6,13 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from runtime.cpu_kernels import KernelUnavailable
 from runtime.gguf_blocks import decode_q4, linear_blocks
 from runtime.quantize import Int4Linear, QuantizeError, apply_quantize, linear_layers
 from tests.gguf_model import write_tiny_gguf
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
-
-
-@pytest.fixture(autouse=True)
-def native_bfloat16(monkeypatch):
-    """`auto` keeps the blocks only where bfloat16 runs natively; the kernels run (slower) anywhere."""
-    monkeypatch.setattr("runtime.quantize.runs_natively", lambda dtype, device: True)
 
 
 @pytest.fixture(scope="module", params=["Q4_1", "Q4_0"])
@@ -50,7 +45,7 @@ def test_every_layer_is_matched_to_the_weights_transformers_loaded(tiny_gguf):
         assert torch.equal(b.dequantized(), modules[name].weight.detach())
 
 
-def test_auto_keeps_the_file_s_blocks_within_bfloat16_rounding(tiny_gguf):
+def test_auto_keeps_the_file_s_blocks_exactly(tiny_gguf):
     model = load(tiny_gguf)
     reference = {name: layer.weight.detach().clone() for name, _, _, layer in linear_layers(model)}
     blocks, _ = linear_blocks(model, str(tiny_gguf))
@@ -61,13 +56,9 @@ def test_auto_keeps_the_file_s_blocks_within_bfloat16_rounding(tiny_gguf):
     for name, b in blocks.items():
         layer = modules[name]
         assert isinstance(layer, Int4Linear)
-        d, zero = b.scales_and_zeros()
-        # The kernel computes a weight as bf16((q - 8) * bf16(scale) + bf16(zero)): each of the three
-        # roundings to bfloat16 is off by at most 2^-8 (its unit roundoff) of what it rounds.
-        group = b.codes.shape[1] // d.shape[1]
-        bound = 2 ** -8 * ((8 * d.abs() + zero.abs()).repeat_interleave(group, dim=1) + reference[name].abs())
-        error = (layer.dequantized() - reference[name]).abs()
-        assert (error <= bound).all(), name
+        d, m = b.d_and_m()
+        assert torch.equal(layer.d.float(), d) and torch.equal(layer.m.float(), m)  # float16 holds them exactly
+        assert torch.equal(layer.dequantized(), reference[name])  # the very weights the file stores
 
 
 def test_the_default_engine_serves_the_gguf_s_int4_and_matches_generate_on_it(tiny_gguf):
@@ -102,8 +93,11 @@ def test_blocks_that_do_not_give_the_loaded_weights_stop_start_up(tiny_gguf):
         apply_quantize(model, "auto", str(tiny_gguf))
 
 
-def test_auto_keeps_float_weights_on_a_cpu_without_native_bfloat16(tiny_gguf, monkeypatch):
-    monkeypatch.setattr("runtime.quantize.runs_natively", lambda dtype, device: False)
+def test_auto_keeps_float_weights_where_the_int4_kernel_cannot_run(tiny_gguf, monkeypatch):
+    def unavailable():
+        raise KernelUnavailable("ponder's int4 CPU kernel cannot run here: it needs AVX2")
+
+    monkeypatch.setattr("runtime.quantize.q4_kernel", unavailable)
     quantized = apply_quantize(load(tiny_gguf), "auto", str(tiny_gguf))
     assert (quantized.mode, quantized.layers) == ("none", 0)
-    assert quantized.detail.startswith("this CPU has no native bfloat16 arithmetic")
+    assert quantized.detail == "ponder's int4 CPU kernel cannot run here: it needs AVX2"

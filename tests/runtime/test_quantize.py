@@ -93,6 +93,17 @@ def test_a_device_or_dtype_the_kernels_cannot_take_stops_start_up():
         quantize_model(nn.Sequential(nn.Linear(64, 64, dtype=torch.float64)), "int4")
 
 
+def test_int4_where_its_kernel_cannot_run_stops_start_up(monkeypatch):
+    monkeypatch.setattr("runtime.cpu_kernels._load", lambda: "it needs AVX2, and torch reports this CPU's vector "
+                                                           "unit as DEFAULT")
+    model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int4' needs ponder's int4 CPU kernel, which cannot "
+                                            r"run here: it needs AVX2, and torch reports this CPU's vector unit as "
+                                            r"DEFAULT; set model\.quantize = \"none\"$"):
+        quantize_model(model, "int4")
+    assert isinstance(model[0], nn.Linear)
+
+
 def test_the_setting_reaches_the_runtime_options(monkeypatch):
     assert Settings.load().runtime_options().quantize == "auto"
     monkeypatch.setenv("PONDER_MODEL__QUANTIZE", "int4")

@@ -1,0 +1,77 @@
+"""ponder's own CPU kernels (`runtime/csrc`), built with the machine's C++ compiler on first use.
+
+`q4_linear` is the int4 layers' kernel (see `runtime/csrc/q4_linear.cpp`): 4-bit weights in GGUF's
+own block layout times activations quantized per group of 32 to int8, exact integer inner products,
+an optional RMS norm before and an optional residual after, each output computed from its own row
+only. It needs an x86-64 CPU with AVX2, FMA and F16C (and runs AVX512-VNNI where there is one).
+
+torch's extension builder compiles it once per machine into its cache (`TORCH_EXTENSIONS_DIR`,
+by default `~/.cache/torch_extensions`), in about 15 s; later loads take milliseconds.
+`q4_kernel()` returns the op, or raises `KernelUnavailable` saying why it cannot run here
+(`q4_unavailable()` says the same without raising).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).parent / "csrc"
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
+
+
+class KernelUnavailable(RuntimeError):
+    """ponder's CPU kernel cannot run on this machine; the message says why."""
+
+
+@functools.cache
+def _load() -> str | None:
+    """None once the kernels are loaded, else why they cannot be."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it is written for x86-64 CPUs, and this one is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"it needs AVX2, and torch reports this CPU's vector unit as {torch.backends.cpu.get_cpu_capability()}"
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja  # the pip package's binary, for a venv whose bin/ is not on PATH
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    except ImportError:
+        pass  # a ninja on PATH, if any, does
+    log.info("loading ponder's CPU kernels (built once per machine, about 15 s the first time)")
+    try:
+        cpp_extension.load("ponder_cpu_kernels", [str(_SOURCES / "q4_linear.cpp")], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCES)],
+                           is_python_module=False)
+    except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a failed build
+        return f"it could not be built ({str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__})"
+    if torch.ops.ponder.q4_best_isa() < 0:
+        return "this CPU lacks AVX2, FMA or F16C"
+    log.info("ponder CPU kernels loaded (%s)", describe_isa())
+    return None
+
+
+def q4_kernel():
+    """The `torch.ops.ponder.q4_linear` op; raises KernelUnavailable where it cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's int4 CPU kernel cannot run here: {reason}")
+    return torch.ops.ponder.q4_linear.default
+
+
+def q4_unavailable() -> str | None:
+    """None where the int4 kernel runs, else why it cannot."""
+    return _load()
+
+
+def describe_isa() -> str:
+    return {0: "AVX2", 1: "AVX512-VNNI"}.get(torch.ops.ponder.q4_best_isa(), "none")
