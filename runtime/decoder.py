@@ -4,7 +4,7 @@ transformers' modules spend most of a small model's decode step on Python and on
 operators: three projections where one matmul would do, rotary embeddings applied to queries and
 keys separately, a module call (with its hooks and keyword plumbing) per norm, projection and
 activation. `LeanDecoder` runs the same arithmetic, operator for operator in the same order and
-dtypes, so its logits are transformers' bits (tested), with:
+dtypes, so its logits are transformers' bits (tested; int4 layers aside, see below), with:
 
 - the q, k and v projections as one matmul, and gate and up as one: their weights are concatenated
   once and the layers' own weights become views of the result (no extra memory; transformers'
@@ -12,6 +12,12 @@ dtypes, so its logits are transformers' bits (tested), with:
   the columns keep their bits (tested for each kind of layer);
 - rotary embeddings applied to queries and keys in one pass over both;
 - no module calls in the layer loop: the weights are read from the modules once.
+
+With int4 layers throughout (and float32 activations), a layer is four calls of ponder's int4 kernel
+(runtime.cpu_kernels), which also computes the RMS norm before the qkv and gate/up projections and
+adds the residual after the o and down projections, plus rotary, attention and the activation: the
+kernel's own arithmetic, so those logits are close to transformers' (tested), not its bits. Each row
+is still computed from its own inputs only, so batching never changes a row.
 
 A model it does not know (another architecture, a projection it cannot fuse, a layer with norms on
 queries and keys) is run by transformers' forward; `LeanDecoder.build` says which by returning None.
@@ -146,15 +152,14 @@ class LeanDecoder:
                 _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                 Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn, rows_call(mlp.down_proj)))
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
-        # also apply the norms and add the residuals (ponder's kernel, not transformers' operators:
-        # the logits are close to transformers', not its bits).
+        # also apply the norms and add the residuals (see the module docstring).
+        sources = [(layer.self_attn.o_proj, layer.mlp.down_proj) for layer in base.layers[:config.num_hidden_layers]]
         self.int4 = self.embed.weight.dtype == torch.float32 and all(
             isinstance(layer.qkv.fused, Int4Linear) and isinstance(layer.gate_up.fused, Int4Linear)
-            for layer in self.layers)
-        for layer, source in zip(self.layers, base.layers):
-            o_proj, down = source.self_attn.o_proj, source.mlp.down_proj
-            self.int4 = self.int4 and all(isinstance(l, Int4Linear) and l.bias is None for l in (o_proj, down))
-            if self.int4:
+            and all(isinstance(l, Int4Linear) and l.bias is None for l in pair)
+            for layer, pair in zip(self.layers, sources))
+        if self.int4:
+            for layer, (o_proj, down) in zip(self.layers, sources):
                 layer.qkv_int4, layer.o_int4 = layer.qkv.fused, o_proj
                 layer.gate_up_int4, layer.down_int4 = layer.gate_up.fused, down
         head = self.head
