@@ -92,7 +92,7 @@ class Int8Linear(QuantizedLinear):
         fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
         fused.register_buffer("scales", torch.cat([l.scales for l in layers]))
         fused.bias = _cat_bias(layers)
-        _share_rows(layers, fused.weight)
+        _share_rows(layers, fused, ("weight", "scales"))
         return fused
 
 
@@ -149,7 +149,7 @@ class Int4Linear(QuantizedLinear):
         fused.register_buffer("d", torch.cat([l.d for l in layers]))
         fused.register_buffer("m", None if layers[0].m is None else torch.cat([l.m for l in layers]))
         fused.bias = _cat_bias(layers)
-        _share_rows(layers, fused.weight)
+        _share_rows(layers, fused, ("weight", "d", "m"))
         return fused
 
     def dequantized(self) -> torch.Tensor:
@@ -164,13 +164,16 @@ def _cat_bias(layers: list[nn.Module]) -> torch.Tensor | None:
     return None if layers[0].bias is None else torch.cat([l.bias.detach() for l in layers])
 
 
-def _share_rows(layers: list[nn.Module], weight: torch.Tensor) -> None:
-    """Make each layer's `weight` buffer a view of its rows of `weight`, so fusing costs no memory."""
-    start = 0
-    for layer in layers:
-        rows = layer.weight.shape[0]
-        layer.weight = weight[start:start + rows]
-        start += rows
+def _share_rows(layers: list[nn.Module], fused: nn.Module, names: tuple[str, ...] = ("weight",)) -> None:
+    """Make each layer's buffers `names` views of its rows of `fused`'s, so fusing costs no memory."""
+    for name in names:
+        whole, start = getattr(fused, name), 0
+        if whole is None:
+            continue
+        for layer in layers:
+            rows = getattr(layer, name).shape[0]
+            setattr(layer, name, whole[start:start + rows])
+            start += rows
 
 
 _MODULES = {"int8": Int8Linear, "int4": Int4Linear.from_linear}

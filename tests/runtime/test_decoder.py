@@ -82,6 +82,8 @@ def test_fused_projections_share_the_layers_weights_and_keep_their_bits(tiny_qwe
     for group, outputs in zip(groups, separate):
         fused = fuse_linears(group)  # the layers are views after the build: this fuses them again
         assert group[0].weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+        if mode == "int4":  # the scales too
+            assert group[0].d.untyped_storage().data_ptr() == fused.d.untyped_storage().data_ptr()
         assert torch.equal(fused(x), torch.cat(outputs, dim=-1))
         assert all(torch.equal(a, b) for a, b in zip(Projections(group)(x), outputs))
     assert attn.q_proj.bias is not None
