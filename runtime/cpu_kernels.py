@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import torch
@@ -52,8 +53,9 @@ def _load() -> str | None:
         cpp_extension.load("ponder_cpu_kernels", [str(_SOURCES / "q4_linear.cpp")], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCES)],
                            is_python_module=False)
-    except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, a failed build
-        return f"it could not be built ({str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__})"
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:  # no compiler or ninja, a failed build
+        last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        return f"it could not be built ({last})"
     if torch.ops.ponder.q4_best_isa() < 0:
         return "this CPU lacks AVX2, FMA or F16C"
     log.info("ponder CPU kernels loaded (%s)", describe_isa())
