@@ -121,11 +121,9 @@ class _Layer:
     gate_up: Projections
     act: nn.Module
     down: object
-    # int4 (see `LeanDecoder.int4`): the fused and the o/down layers, whose kernel also takes the norm
-    # before and the residual after
-    qkv_int4: Int4Linear | None = None
+    # int4 (see `LeanDecoder.int4`): the o and down layers, whose kernel also adds the residual (the
+    # fused qkv and gate/up layers, which also take the norm, are `qkv.fused` and `gate_up.fused`)
     o_int4: Int4Linear | None = None
-    gate_up_int4: Int4Linear | None = None
     down_int4: Int4Linear | None = None
 
 
@@ -160,8 +158,7 @@ class LeanDecoder:
             for layer, pair in zip(self.layers, sources))
         if self.int4:
             for layer, (o_proj, down) in zip(self.layers, sources):
-                layer.qkv_int4, layer.o_int4 = layer.qkv.fused, o_proj
-                layer.gate_up_int4, layer.down_int4 = layer.gate_up.fused, down
+                layer.o_int4, layer.down_int4 = o_proj, down
         head = self.head
         self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
 
@@ -228,18 +225,18 @@ class LeanDecoder:
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for layer in self.layers:
             norm = layer.input_norm
-            qkv = layer.qkv_int4.fused_rows(hidden, norm.weight, norm.eps)
-            if layer.qkv_int4.bias is not None:
-                qkv = qkv + layer.qkv_int4.bias
+            qkv = layer.qkv.fused.fused_rows(hidden, norm.weight, norm.eps)
+            if layer.qkv.fused.bias is not None:
+                qkv = qkv + layer.qkv.fused.bias
             qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
             qk = (qk * cos) + (torch.roll(qk, half, dims=-1) * sin)
             v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling)
             hidden = layer.o_int4.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
             norm = layer.post_norm
-            gate_up = layer.gate_up_int4.fused_rows(hidden, norm.weight, norm.eps)
-            if layer.gate_up_int4.bias is not None:
-                gate_up = gate_up + layer.gate_up_int4.bias
+            gate_up = layer.gate_up.fused.fused_rows(hidden, norm.weight, norm.eps)
+            if layer.gate_up.fused.bias is not None:
+                gate_up = gate_up + layer.gate_up.fused.bias
             gate, up = gate_up.split(layer.gate_up.sizes, dim=-1)
             hidden = layer.down_int4.fused_rows(layer.act(gate) * up, residual=hidden)
         return hidden
