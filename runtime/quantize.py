@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
@@ -32,6 +33,7 @@ from runtime.loader import SettingError
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # the kernel's group, a GGUF block
+INT4_BLOCK_COLUMNS = 8  # output columns the kernel computes side by side
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY = torch.finfo(torch.float32).tiny
 _TINY_HALF = torch.finfo(torch.float16).tiny
@@ -100,7 +102,10 @@ class Int4Linear(QuantizedLinear):
     """4-bit codes in groups of `INT4_GROUP_SIZE` input features, a code q standing for d * q + m with
     its group's float16 d and m (a GGUF Q4_1 block; Q4_0's d * (q - 8) has m = -8d), run by ponder's
     CPU kernel (runtime.cpu_kernels), which quantizes the activations per group to int8 on the way in.
-    `weight` holds the codes two to a byte in GGUF's order: byte j of a group is codes j and j + 16."""
+
+    The buffers are in the kernel's layout (`pack_int4`): output columns in blocks of
+    `INT4_BLOCK_COLUMNS` (the last one padded with zero columns), `weight` [blocks, 4 * in] bytes of
+    codes, `d` and `m` [blocks, in / 32, 8] float16; `codes()` and `group_scales()` read them back."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  bias: torch.Tensor | None = None) -> None:
@@ -109,10 +114,10 @@ class Int4Linear(QuantizedLinear):
         self.kernel = q4_kernel()
         self.out_features, self.in_features = codes.shape
         self.group_size = INT4_GROUP_SIZE
-        groups = codes.to(torch.uint8).reshape(self.out_features, -1, 2, INT4_GROUP_SIZE // 2)
-        self.register_buffer("weight", (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(self.out_features, -1))
-        self.register_buffer("d", d.to(torch.float16).contiguous())
-        self.register_buffer("m", None if m is None else m.to(torch.float16).contiguous())
+        weight, d, m = pack_int4(codes, d, m)
+        self.register_buffer("weight", weight)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
         self.bias = bias
 
     @classmethod
@@ -128,18 +133,19 @@ class Int4Linear(QuantizedLinear):
         return cls(codes.reshape(weight.shape), d, m, linear.bias)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel(x.float(), self.weight, self.d, self.m).to(x.dtype)
+        y = self.kernel(x.float(), self.weight, self.d, self.m, self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def fused_rows(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                    residual: torch.Tensor | None = None) -> torch.Tensor:
         """`residual + rms_norm(x) @ W.T` for float32 rows in one kernel call (no bias)."""
-        return self.kernel(x, self.weight, self.d, self.m, norm_weight, eps, residual)
+        return self.kernel(x, self.weight, self.d, self.m, self.out_features, norm_weight, eps, residual)
 
     @classmethod
     def concatenated(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
-        """As `Int8Linear.concatenated`; None when some layers have a zero point and some do not."""
-        if len({l.m is None for l in layers}) > 1:
+        """As `Int8Linear.concatenated`; None when some layers have a zero point and some do not, or
+        when a layer other than the last does not fill its last block of columns."""
+        if len({l.m is None for l in layers}) > 1 or any(l.out_features % INT4_BLOCK_COLUMNS for l in layers[:-1]):
             return None
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
@@ -152,12 +158,46 @@ class Int4Linear(QuantizedLinear):
         _share_rows(layers, fused, ("weight", "d", "m"))
         return fused
 
+    def codes(self) -> torch.Tensor:
+        """The codes `[out, in]`, 0..15."""
+        blocks, groups = self.weight.shape[0], self.in_features // INT4_GROUP_SIZE
+        raw = self.weight.reshape(blocks, groups, 4, INT4_BLOCK_COLUMNS, 4)  # block, group, chunk, lane, byte
+        codes = torch.stack([raw & 0x0F, raw >> 4], dim=-2)  # block, group, chunk, lane, nibble, byte
+        codes = codes.permute(0, 3, 1, 2, 4, 5).reshape(blocks * INT4_BLOCK_COLUMNS, self.in_features)
+        return codes[:self.out_features]
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(d, m) `[out, in / 32]` in float32 (m None for a layer without zero points)."""
+        def columns(lanes: torch.Tensor) -> torch.Tensor:
+            return lanes.permute(0, 2, 1).reshape(-1, lanes.shape[1])[:self.out_features].float()
+        return columns(self.d), None if self.m is None else columns(self.m)
+
     def dequantized(self) -> torch.Tensor:
-        codes = torch.stack([self.weight & 0x0F, self.weight >> 4], dim=1)  # [out, 2, groups * 16]
-        codes = codes.reshape(self.out_features, 2, -1, INT4_GROUP_SIZE // 2).transpose(1, 2)
-        codes = codes.reshape(self.out_features, -1, INT4_GROUP_SIZE).float()
-        w = codes * self.d.float()[..., None] + (0 if self.m is None else self.m.float()[..., None])
+        d, m = self.group_scales()
+        codes = self.codes().reshape(self.out_features, -1, INT4_GROUP_SIZE).float()
+        w = codes * d[..., None] + (0 if m is None else m[..., None])
         return w.reshape(self.out_features, self.in_features)
+
+
+def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The int4 kernel's layout (runtime/csrc/q4_tile.h) of `codes` [out, in] in 0..15 and `d`, `m`
+    [out, in / 32]: output columns in blocks of 8 (the last padded with zero columns), a block's group
+    as 4 chunks of 32 bytes, where column j's 4 bytes hold codes 8c + t (low nibble) and 8c + 4 + t
+    (high nibble) of chunk c; d and m as [blocks, in / 32, 8] float16."""
+    out_features, in_features = codes.shape
+    blocks = -(-out_features // INT4_BLOCK_COLUMNS)
+    pad = blocks * INT4_BLOCK_COLUMNS - out_features
+    groups = in_features // INT4_GROUP_SIZE
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    c = c.reshape(blocks, INT4_BLOCK_COLUMNS, groups, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # block, group, chunk, lane, nibble, byte
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(blocks, 4 * in_features).contiguous()
+
+    def lanes(v: torch.Tensor) -> torch.Tensor:
+        v = F.pad(v.to(torch.float16), (0, 0, 0, pad))
+        return v.reshape(blocks, INT4_BLOCK_COLUMNS, groups).permute(0, 2, 1).contiguous()
+
+    return packed, lanes(d), None if m is None else lanes(m)
 
 
 def _cat_bias(layers: list[nn.Module]) -> torch.Tensor | None:

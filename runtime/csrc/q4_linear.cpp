@@ -1,14 +1,17 @@
 // ponder's int4 linear kernel for the CPU (runtime.cpu_kernels builds it; runtime.quantize uses it).
 //
 // Weights are 4-bit codes in groups of 32 input features, w = d * q + m with a float16 d and m per
-// group (a GGUF Q4_1 block's own layout and values; Q4_0 has no m). Activations are quantized per
-// group of 32 to int8 on the way in, as llama.cpp does for these blocks, so the inner product is
-// exact integer arithmetic (vpdpbusd with AVX512-VNNI, maddubs + madd with AVX2). The product is
-// rescaled in float32 in a fixed order: each output depends only on its own row and column, so a
-// row's bits never depend on the batch, the thread count or the instruction set.
+// group (a GGUF Q4_1 block's values; Q4_0 has no m), stored in blocks of 8 output columns that the
+// kernel computes side by side, a column a vector lane (runtime.quantize.pack_int4 writes the layout,
+// described at `tile` in q4_tile.h): codes [N / 8, 4 K] bytes, d and m [N / 8, K / 32, 8] float16,
+// N rounded up to a block. Activations are quantized per group of 32 to int8 on the way in, as
+// llama.cpp does for these blocks, so a group's inner product is an exact integer (vpdpbusd with
+// AVX512-VNNI, maddubs + madd with AVX2), rescaled in float32 in a fixed order: each output depends
+// only on its own row and column, so a row's bits never depend on the batch, the thread count or the
+// instruction set.
 //
-// q4_linear(x, codes, d, m, norm_weight, eps, residual, isa) computes, for float32 x [R, K]:
-//   residual + rms_norm(x; norm_weight, eps) @ W.T   (the norm and the residual are optional)
+// q4_linear(x, codes, d, m, n, norm_weight, eps, residual, isa) computes, for float32 x [R, K]:
+//   residual + rms_norm(x; norm_weight, eps) @ W.T   [R, n]   (the norm and the residual are optional)
 // isa: -1 the best this CPU has, 0 AVX2, 1 AVX512-VNNI.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,7 +19,9 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -24,7 +29,7 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define Q4_NAMESPACE avx2
-#define Q4_DOT(q, x) _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+#define Q4_DOT(acc, q, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)))
 // codes <= 15 and |x| <= 127, so a pair of products fits int16 and maddubs never saturates.
 #include "q4_tile.h"
 #undef Q4_DOT
@@ -34,7 +39,7 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 #define Q4_NAMESPACE vnni
-#define Q4_DOT(q, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
+#define Q4_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
 #include "q4_tile.h"
 #undef Q4_DOT
 #undef Q4_NAMESPACE
@@ -52,20 +57,21 @@ int64_t best_isa() { return has_vnni() ? 1 : has_avx2() ? 0 : -1; }
 
 void check_half(const c10::optional<at::Tensor>& t, int64_t count, const char* what) {
   TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == count,
-              "q4_linear: ", what, " must be contiguous float16 [out, in / 32]");
+              "q4_linear: ", what, " must be contiguous float16 [out / 8, in / 32, 8]");
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                     const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& norm_weight,
+                     const c10::optional<at::Tensor>& m, int64_t N, const c10::optional<at::Tensor>& norm_weight,
                      double eps, const c10::optional<at::Tensor>& residual, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be float32 [rows, in]");
-  const int64_t R = x.size(0), K = x.size(1), N = codes.size(0), G = K / 32, Gp = (G + 7) / 8 * 8;
+  const int64_t R = x.size(0), K = x.size(1), B = codes.size(0), G = K / 32;
   TORCH_CHECK(K % 32 == 0, "q4_linear: in_features must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) == K / 2,
-              "q4_linear: codes must be contiguous uint8 [out, in / 2]");
-  check_half(d, N * G, "d");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) == 4 * K,
+              "q4_linear: codes must be contiguous uint8 [out / 8, 4 in]");
+  TORCH_CHECK(N > 8 * (B - 1) && N <= 8 * B, "q4_linear: ", N, " outputs do not fill ", B, " blocks of 8");
+  check_half(d, B * G * 8, "d");
   const bool with_m = m.has_value() && m->defined();
-  if (with_m) check_half(m, N * G, "m");
+  if (with_m) check_half(m, B * G * 8, "m");
   const bool with_norm = norm_weight.has_value() && norm_weight->defined();
   if (with_norm)
     TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() && norm_weight->numel() == K,
@@ -81,14 +87,14 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* xp = xc.data_ptr<float>();
   const float* wp = with_norm ? norm_weight->data_ptr<float>() : nullptr;
   std::vector<int8_t> xq(R * K);
-  std::vector<float> xscale(R * G), xsum(R * Gp, 0.0f), scratch(with_norm ? R * K : 0);
+  std::vector<float> xscale(R * G), xsum(R * G), scratch(with_norm ? R * K : 0);
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* y = with_norm ? scratch.data() + r * K : nullptr;
       if (isa == 1)
-        vnni::prepare(xp + r * K, K, wp, static_cast<float>(eps), y, xq.data() + r * K, xscale.data() + r * G, xsum.data() + r * Gp);
+        vnni::prepare(xp + r * K, K, wp, static_cast<float>(eps), y, xq.data() + r * K, xscale.data() + r * G, xsum.data() + r * G);
       else
-        avx2::prepare(xp + r * K, K, wp, static_cast<float>(eps), y, xq.data() + r * K, xscale.data() + r * G, xsum.data() + r * Gp);
+        avx2::prepare(xp + r * K, K, wp, static_cast<float>(eps), y, xq.data() + r * K, xscale.data() + r * G, xsum.data() + r * G);
     }
   });
   at::Tensor out = at::empty({R, N}, x.options());
@@ -97,11 +103,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const uint16_t* mp = with_m ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
   const float* rp = with_residual ? residual->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, B, 2, [&](int64_t b0, int64_t b1) {
     if (isa == 1)
-      vnni::columns(xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, n0, n1);
+      vnni::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
     else
-      avx2::columns(xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, n0, n1);
+      avx2::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
   });
   return out;
 }
@@ -109,7 +115,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(ponder, m) {
-  m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor? m=None, Tensor? norm_weight=None, float eps=0.0, "
+  m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, int n, Tensor? norm_weight=None, float eps=0.0, "
         "Tensor? residual=None, int isa=-1) -> Tensor");
   m.def("q4_best_isa() -> int", &best_isa);
 }

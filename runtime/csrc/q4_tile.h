@@ -1,5 +1,5 @@
 // The int4 kernel's body, compiled once per instruction set by q4_linear.cpp, which defines
-// Q4_NAMESPACE, Q4_DOT(codes, xq) (8 int32 lanes, each the sum of 4 code * activation products)
+// Q4_NAMESPACE, Q4_DOT(acc, codes, xq) (acc plus 8 int32 lanes, each the sum of 4 code * activation products)
 // and the target before including it. Every integer sum is exact, so both instruction sets give
 // the same bits.
 namespace Q4_NAMESPACE {
@@ -54,69 +54,73 @@ void prepare(const float* x, int64_t K, const float* weight, float eps, float* y
   }
 }
 
-// out[r * ldo] = sum over groups g of d[g] * (xscale[r, g] * <codes_g, xq_r,g>) + m[g] * xsum[r, g]
-// (plus res[r * ldo] when res is given) for TR rows. A row's arithmetic is the same sequence
-// whatever TR and whatever rows are beside it, so batching never changes a row's bits. d, m and
-// each row of xsum hold Gp floats (G rounded up to 8), zero past G.
+// The columns of one block of 8 (a lane each) for TR rows:
+//   out[r * ldo + j] = sum over groups g, in order, of  d[g, j] * (xscale[r, g] * <codes_g,j, xq_r,g>)
+//                      then + m[g, j] * xsum[r, g] when there are zero points  (plus res[r * ldo + j] at the end)
+// A group's inner product is an exact integer, and a lane's arithmetic is the same sequence whatever
+// TR, whatever rows are beside it and whatever the instruction set, so batching never changes a row's
+// bits. `codes` holds the block's 128 bytes a group: chunk c (32 bytes) gives lane j 4 bytes, byte t of
+// which holds code 8c + t (low nibble) and code 8c + 4 + t (high nibble) of column j's group. `d` and
+// `m` hold 8 float16 a group. Only the first `width` lanes are written (a last block may be partial).
 template <int TR>
-void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G, int64_t Gp,
-          const uint8_t* codes, const float* d, const float* m, const float* res, float* out, int64_t ldo) {
-  __m256 even[TR], odd[TR];
-  for (int r = 0; r < TR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G, const uint8_t* codes,
+          const uint16_t* d, const uint16_t* m, const float* res, float* out, int64_t ldo, int64_t width) {
+  __m256 acc[TR];
+  for (int r = 0; r < TR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
-  // Two accumulators a row (even and odd groups), so consecutive groups do not wait on each other.
-  auto group = [&](int64_t g, __m256* acc) __attribute__((always_inline)) {
-    // 16 bytes hold a group's 32 codes: byte j is code j (low nibble) and code j + 16 (high nibble).
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * g));
-    const __m256i q = _mm256_and_si256(
-        _mm256_inserti128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1), low);
-    const __m256 dg = _mm256_broadcast_ss(d + g);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128 * g + 32 * c));
+      lo[c] = _mm256_and_si256(w, low);
+      hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    }
+    const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * g)));
     for (int r = 0; r < TR; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + 32 * g));
-      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(Q4_DOT(q, xv)), _mm256_broadcast_ss(xscale + r * G + g));
+      const int8_t* x = xq + r * K + 32 * g;
+      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();  // two chains, summed exactly
+      for (int c = 0; c < 4; ++c) {
+        int32_t x0, x1;
+        std::memcpy(&x0, x + 8 * c, 4);
+        std::memcpy(&x1, x + 8 * c + 4, 4);
+        a = Q4_DOT(a, lo[c], _mm256_set1_epi32(x0));
+        b = Q4_DOT(b, hi[c], _mm256_set1_epi32(x1));
+      }
+      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)), _mm256_set1_ps(xscale[r * G + g]));
       acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
     }
-  };
-  int64_t g = 0;
-  for (; g + 2 <= G; g += 2) {
-    group(g, even);
-    group(g + 1, odd);
+    if (m != nullptr) {
+      const __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + 8 * g)));
+      for (int r = 0; r < TR; ++r) acc[r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(xsum[r * G + g]), acc[r]);
+    }
   }
-  if (g < G) group(g, even);
   for (int r = 0; r < TR; ++r) {
-    __m256 offsets = _mm256_setzero_ps();
-    for (int64_t j = 0; j < Gp; j += 8)
-      offsets = _mm256_fmadd_ps(_mm256_loadu_ps(m + j), _mm256_loadu_ps(xsum + r * Gp + j), offsets);
-    const float y = hsum(_mm256_add_ps(_mm256_add_ps(even[r], odd[r]), offsets));
-    out[r * ldo] = res == nullptr ? y : res[r * ldo] + y;
+    alignas(32) float y[8];
+    _mm256_store_ps(y, acc[r]);
+    for (int64_t j = 0; j < width; ++j) out[r * ldo + j] = res == nullptr ? y[j] : res[r * ldo + j] + y[j];
   }
 }
 
-// out[0, n) = float(h[0, n)) for n float16 values.
-inline void widen(const uint16_t* h, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-  for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
-}
-
-// Columns [n0, n1) of out [R, N] (plus res [R, N] when given), rows in tiles of up to 4.
-void columns(const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K,
-             const uint8_t* codes, const uint16_t* d16, const uint16_t* m16, const float* res, float* out, int64_t N,
-             int64_t n0, int64_t n1) {
-  const int64_t G = K / 32, Gp = (G + 7) / 8 * 8;
-  std::vector<float> d(Gp, 0.0f), m(Gp, 0.0f);
-  for (int64_t n = n0; n < n1; ++n) {
-    widen(d16 + n * G, G, d.data());
-    if (m16 != nullptr) widen(m16 + n * G, G, m.data());
-    const uint8_t* c = codes + n * (K / 2);
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4)
-      tile<4>(xq + r * K, xscale + r * G, xsum + r * Gp, K, G, Gp, c, d.data(), m.data(), res == nullptr ? nullptr : res + r * N + n, out + r * N + n, N);
-    const int64_t rest = R - r;
-    if (rest == 3) tile<3>(xq + r * K, xscale + r * G, xsum + r * Gp, K, G, Gp, c, d.data(), m.data(), res == nullptr ? nullptr : res + r * N + n, out + r * N + n, N);
-    if (rest == 2) tile<2>(xq + r * K, xscale + r * G, xsum + r * Gp, K, G, Gp, c, d.data(), m.data(), res == nullptr ? nullptr : res + r * N + n, out + r * N + n, N);
-    if (rest == 1) tile<1>(xq + r * K, xscale + r * G, xsum + r * Gp, K, G, Gp, c, d.data(), m.data(), res == nullptr ? nullptr : res + r * N + n, out + r * N + n, N);
+// Column blocks [b0, b1) of out [R, N] (plus res [R, N] when given), rows in tiles of up to 4.
+void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K, const uint8_t* codes,
+            const uint16_t* d, const uint16_t* m, const float* res, float* out, int64_t N, int64_t b0, int64_t b1) {
+  const int64_t G = K / 32;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* c = codes + b * 4 * K;
+    const uint16_t* db = d + b * 8 * G;
+    const uint16_t* mb = m == nullptr ? nullptr : m + b * 8 * G;
+    const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
+    for (int64_t r = 0; r < R; r += 4) {
+      const int8_t* x = xq + r * K;
+      const float* rr = res == nullptr ? nullptr : res + r * N + n;
+      float* o = out + r * N + n;
+      switch (std::min<int64_t>(4, R - r)) {
+        case 4: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+        case 3: tile<3>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+        case 2: tile<2>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+        default: tile<1>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+      }
+    }
   }
 }
 

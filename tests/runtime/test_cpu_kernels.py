@@ -48,10 +48,10 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_and_in_both_instruction_set
         assert torch.equal(layer(x[:rows]), full[:rows])
     for i in range(11):
         assert torch.equal(layer(x[i:i + 1]), full[i:i + 1])
-    avx2 = kernel(x, layer.weight, layer.d, layer.m, None, 0.0, None, 0)
+    avx2 = kernel(x, layer.weight, layer.d, layer.m, 50, None, 0.0, None, 0)
     assert torch.equal(avx2, full)
     if torch.ops.ponder.q4_best_isa() == 1:
-        assert torch.equal(kernel(x, layer.weight, layer.d, layer.m, None, 0.0, None, 1), full)
+        assert torch.equal(kernel(x, layer.weight, layer.d, layer.m, 50, None, 0.0, None, 1), full)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def test_a_zero_row_and_q4_0_layers():
 def test_from_linear_keeps_each_group_within_half_a_step():
     linear = nn.Linear(64, 24)
     layer = Int4Linear.from_linear(linear)
-    step = layer.d.float().repeat_interleave(32, dim=1)
+    step = layer.group_scales()[0].repeat_interleave(32, dim=1)
     error = (layer.dequantized() - linear.weight.detach()).abs()
     assert (error <= step / 2 + 1e-3 * linear.weight.detach().abs().max()).all()  # + the float16 rounding of m
 
@@ -89,6 +89,30 @@ def test_from_linear_keeps_each_group_within_half_a_step():
 def test_bad_shapes_are_refused():
     layer, *_ = random_layer()
     with pytest.raises(RuntimeError, match="x must be float32"):
-        q4_kernel()(torch.randn(2, 96, dtype=torch.float64), layer.weight, layer.d, layer.m)
+        q4_kernel()(torch.randn(2, 96, dtype=torch.float64), layer.weight, layer.d, layer.m, 40)
     with pytest.raises(RuntimeError, match="codes must be contiguous uint8"):
-        q4_kernel()(torch.randn(2, 64), layer.weight, layer.d, layer.m)
+        q4_kernel()(torch.randn(2, 64), layer.weight, layer.d, layer.m, 40)
+    with pytest.raises(RuntimeError, match="41 outputs do not fill 5 blocks of 8"):
+        q4_kernel()(torch.randn(2, 96), layer.weight, layer.d, layer.m, 41)
+    with pytest.raises(RuntimeError, match=r"d must be contiguous float16 \[out / 8, in / 32, 8\]"):
+        q4_kernel()(torch.randn(2, 96), layer.weight, layer.d[:, :2], layer.m, 40)
+
+
+@pytest.mark.parametrize("out_features", [8, 13, 40])
+def test_the_kernel_layout_keeps_every_code_and_scale(out_features):
+    layer, codes, d, m = random_layer(out_features=out_features, in_features=64)
+    assert layer.weight.shape == (-(-out_features // 8), 4 * 64)  # a partial last block is padded
+    assert torch.equal(layer.codes(), codes.to(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(layer.group_scales(), (d, m)))
+    x = torch.randn(3, 64)
+    assert layer(x).shape == (3, out_features)
+    exact = x.double() @ layer.dequantized().double().T
+    assert (layer(x).double() - exact).abs().max() < 0.01 * exact.abs().max()
+
+
+def test_only_whole_blocks_of_columns_concatenate_before_the_last_layer():
+    parts = [random_layer(out_features=n, in_features=64, seed=n)[0] for n in (16, 13)]
+    x = torch.randn(5, 64)
+    fused = Int4Linear.concatenated(parts)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert Int4Linear.concatenated(parts[::-1]) is None  # 13 columns would leave a gap before the next layer

@@ -57,10 +57,9 @@ def test_the_lean_forward_gives_transformers_bits(model_dir, mode, invariant):
 @pytest.mark.parametrize("invariant", [True, False])
 def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transformers(model_dir, invariant):
     # The int4 kernel also computes the norm before a projection and the residual add after it, in its
-    # own order: the logits differ from transformers' operators in the last bits only.
+    # own order: the logits may differ from transformers' operators in the last bits.
     _, logits = lean_and_transformers(model_dir, "int4", invariant)
     for a, b in zip(*logits):
-        assert not torch.equal(a, b)
         assert torch.allclose(a, b, rtol=0, atol=2e-5 * b.abs().max().item())
 
 
