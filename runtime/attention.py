@@ -16,6 +16,12 @@ matmuls depend only on its own context length, so its result is the same bits wh
 the batch, and a token recomputed later gets the KV it had when it was decoded. The query heads
 that share a KV head are one matmul against that head (no copies of K/V per query head). Scores
 and the softmax are computed in float32. Prompts are prefilled with SDPA.
+
+On a CPU with a float32 cache, generated tokens are attended by ponder's own kernel instead
+(`DecodeRows`, runtime/csrc/decode_attention.cpp): each query reads exactly its own context from
+its blocks where they lie, with nothing gathered and nothing padded, in an order fixed per query,
+so it keeps both properties above (a query's bits never depend on the batch, and a recomputed
+token gets the KV it had).
 """
 
 from __future__ import annotations
@@ -67,6 +73,16 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeRows:
+    """Every generated token of the step, for ponder's CPU decode attention kernel."""
+
+    rows: torch.Tensor  # [G] position of each query in the step's row
+    tables: torch.Tensor  # [G, W] each query's block table (padded past its context)
+    ctx: torch.Tensor  # [G] each query's context length
+    kernel: object  # torch.ops.ponder.decode_attention
+
+
+@dataclass
 class AttentionMetadata:
     cache: KVCache
     slot_rows: torch.Tensor  # [2, T, KVH] rows of `KVCache.rows` where layer 0's new keys and values go
@@ -77,6 +93,7 @@ class AttentionMetadata:
     # A per-layer KV provider for the step (runtime.layer_offload.LayerStep): `before(layer)` runs
     # ahead of the layer's cache reads and writes, `after(layer)` once the layer is done with them.
     layers: object | None = None
+    decode_rows: DecodeRows | None = None  # instead of decode_groups, where the CPU kernel runs
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -108,10 +125,15 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling)
     rows = cache.rows()
     layer_offset = layer * cache.layer_rows
     out = None
-    if not meta.decode_only:
+    if not meta.decode_only or meta.decode_rows is not None:
         out = queries.new_empty(num_tokens, num_heads, head_dim)
         if meta.num_padding:
             out[-meta.num_padding:] = 0
+    if meta.decode_rows is not None:
+        d = meta.decode_rows
+        if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view
+            queries = queries.contiguous()
+        d.kernel(queries, d.rows, cache.kv, d.tables, d.ctx, layer, scale, out)
     for group in meta.decode_groups:
         g = group.rows.shape[0]
         # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].

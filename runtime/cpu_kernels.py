@@ -6,6 +6,10 @@ quantized per group of 32 to int8, exact integer inner products,
 an optional RMS norm before and an optional residual after, each output computed from its own row
 only. It needs an x86-64 CPU with AVX2, FMA and F16C (and runs AVX512-VNNI where there is one).
 
+`decode_attention` is decode attention over the paged float32 cache (see
+`runtime/csrc/decode_attention.cpp`): each query attends to exactly its own context, read from its
+blocks where they lie, so nothing is gathered or padded and no query's result depends on the others.
+
 torch's extension builder compiles it once per machine into its cache (`TORCH_EXTENSIONS_DIR`,
 by default `~/.cache/torch_extensions`), in about 15 s; later loads take milliseconds.
 `q4_kernel()` returns the op, or raises `KernelUnavailable` saying why it cannot run here
@@ -26,6 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
+_FILES = ("q4_linear.cpp", "decode_attention.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 
 
@@ -51,7 +56,7 @@ def _load() -> str | None:
         pass  # a ninja on PATH, if any, does
     log.info("loading ponder's CPU kernels (built once per machine, about 15 s the first time)")
     try:
-        cpp_extension.load("ponder_cpu_kernels", [str(_SOURCES / "q4_linear.cpp")], extra_cflags=_FLAGS,
+        cpp_extension.load("ponder_cpu_kernels", [str(_SOURCES / name) for name in _FILES], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCES)],
                            is_python_module=False)
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:  # no compiler or ninja, a failed build
@@ -69,6 +74,14 @@ def q4_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's int4 CPU kernel cannot run here: {reason}")
     return torch.ops.ponder.q4_linear.default
+
+
+def attention_kernel():
+    """The `torch.ops.ponder.decode_attention` op; raises KernelUnavailable where it cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's decode attention kernel cannot run here: {reason}")
+    return torch.ops.ponder.decode_attention.default
 
 
 def q4_unavailable() -> str | None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata, DecodeGroup, PrefillSlice, bucket_blocks
+from runtime.attention import AttentionMetadata, DecodeGroup, DecodeRows, PrefillSlice, bucket_blocks
+from runtime.cpu_kernels import KernelUnavailable, attention_kernel
 from runtime.decoder import LeanDecoder
 from runtime.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence
@@ -26,6 +27,16 @@ from storage.kv_cache import KVCache
 
 
 GATHER_TOKENS = 1 << 16  # keys one attention group may gather (queries x window)
+
+
+def _attention_kernel(cache: KVCache):
+    """ponder's decode attention kernel where it can read this cache (float32, on the CPU), else None."""
+    if cache.device.type != "cpu" or cache.dtype != torch.float32 or cache.shape.head_dim % 8:
+        return None
+    try:
+        return attention_kernel()
+    except KernelUnavailable:
+        return None
 
 
 @dataclass
@@ -56,6 +67,7 @@ class ModelRunner:
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.decoder)
         self.decoder = LeanDecoder.build(model)
+        self.attention_kernel = _attention_kernel(cache)
 
     def padded_rows(self, rows: list[int]) -> list[int]:
         """`rows` with the last repeated up to a row count that keeps each row's bits its own."""
@@ -132,7 +144,11 @@ class ModelRunner:
         table_start_t = torch.tensor(table_starts, dtype=torch.long)
         slot_blocks = table_t[table_start_t[entry_of] + positions // bs]
         slot_offsets = positions % bs
-        decode_groups = self._decode_groups(positions, entry_of, torch.tensor(splits), table_t, table_start_t)
+        decode_rows, decode_groups = None, []
+        if self.attention_kernel is not None:
+            decode_rows = self._decode_rows(positions, entry_of, torch.tensor(splits), table_t, table_start_t)
+        else:
+            decode_groups = self._decode_groups(positions, entry_of, torch.tensor(splits), table_t, table_start_t)
         if num_pad:  # throwaway tokens: keys written to the scratch block, attention output zero
             input_ids.extend([0] * num_pad)
             pad_positions = torch.arange(num_pad)
@@ -147,9 +163,20 @@ class ModelRunner:
             decode_groups[0].rows.shape[0] == num_tokens
         meta = AttentionMetadata(cache=self.cache, slot_rows=slot_rows.to(to),
                                  decode_groups=decode_groups, prefills=prefills, num_padding=num_pad,
-                                 decode_only=decode_only, layers=layers)
+                                 decode_only=decode_only, layers=layers, decode_rows=decode_rows)
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
+
+    def _decode_rows(self, positions: torch.Tensor, entry_of: torch.Tensor, splits: torch.Tensor,
+                     tables: torch.Tensor, table_starts: torch.Tensor) -> DecodeRows | None:
+        """The generated tokens with their block tables and context lengths, for the CPU kernel."""
+        rows = torch.nonzero(positions >= splits[entry_of]).flatten()
+        if not len(rows):
+            return None
+        ctx = positions[rows] + 1
+        width = -(-int(ctx.max()) // self.block_size)
+        index = table_starts[entry_of[rows]][:, None] + torch.arange(width)[None, :]
+        return DecodeRows(rows, tables[index.clamp(max=len(tables) - 1)], ctx, self.attention_kernel)
 
     def _decode_groups(self, positions: torch.Tensor, entry_of: torch.Tensor, splits: torch.Tensor,
                        tables: torch.Tensor, table_starts: torch.Tensor) -> list[DecodeGroup]:

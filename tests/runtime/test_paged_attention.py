@@ -1,16 +1,29 @@
-"""Paged decode attention: windows bucketed by context length, masked exactly, batch-independent."""
+"""Paged decode attention, on both paths: ponder's CPU kernel (each query over exactly its own blocks)
+and the torch one (windows bucketed by context length, masked exactly); both batch-independent."""
 
 import types
 
+import pytest
 import torch
 
 from runtime.attention import bucket_blocks, paged_attention
+from runtime.cpu_kernels import attention_kernel, q4_unavailable
 from runtime.model_runner import ModelRunner
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence
 from storage.kv_cache import KVCache, KVShape
 
 BS, KVH, H, D = 4, 2, 6, 8
+PATHS = [pytest.param("kernel", marks=pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")),
+         "torch"]
+
+
+def _runner(cache, path):
+    runner = ModelRunner(None, cache)
+    assert runner.attention_kernel is not None or q4_unavailable() is not None  # a float32 cache on the CPU
+    if path == "torch":
+        runner.attention_kernel = None  # the path of every other device and dtype
+    return runner
 
 
 def test_windows_round_the_block_count_up_to_two_significant_bits():
@@ -32,16 +45,18 @@ def _decoding(ctx_len: int, first_block: int) -> ScheduledSequence:
     return ScheduledSequence(seq, 1)
 
 
-def _attend(cache, entries, seed=1):
+def _attend(cache, entries, path, seed=1):
     gen = torch.Generator().manual_seed(seed)
     t = len(entries)
     q, k, v = (torch.randn(1, n, t, D, generator=gen) for n in (H, KVH, KVH))
-    step = ModelRunner(None, cache)._prepare(entries, [])
+    step = _runner(cache, path)._prepare(entries, [])
+    assert (step.meta.decode_rows is None) == (path == "torch")
     out, _ = paged_attention(types.SimpleNamespace(layer_idx=0), q, k, v, None, ponder_attention=step.meta)
     return q, out[0]
 
 
-def test_each_query_attends_exactly_its_own_context_and_garbage_past_it_cannot_leak():
+@pytest.mark.parametrize("path", PATHS)
+def test_each_query_attends_exactly_its_own_context_and_garbage_past_it_cannot_leak(path):
     cache = _cache()
     lengths = [5, 9, 13, 14, 30]
     entries, block = [], 0
@@ -52,7 +67,7 @@ def test_each_query_attends_exactly_its_own_context_and_garbage_past_it_cannot_l
     for e, n in zip(entries, lengths):
         cache.kv[e.seq.block_table[-1], 0, :, :, n % BS or BS:] = float("nan")
     cache.kv[cache.scratch_block] = float("inf")
-    q, out = _attend(cache, entries)
+    q, out = _attend(cache, entries, path)
     assert torch.isfinite(out).all()
     for row, (e, n) in enumerate(zip(entries, lengths)):
         keys, values = cache.gather(0, torch.tensor([e.seq.block_table]))
@@ -62,9 +77,10 @@ def test_each_query_attends_exactly_its_own_context_and_garbage_past_it_cannot_l
             torch.testing.assert_close(out[row, h], (w @ values[h // (H // KVH)]).float(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_querys_bits_do_not_depend_on_the_other_queries():
+@pytest.mark.parametrize("path", PATHS)
+def test_a_querys_bits_do_not_depend_on_the_other_queries(path):
     cache = _cache()
-    alone_q, alone = _attend(cache, [_decoding(11, 0)], seed=3)
+    alone_q, alone = _attend(cache, [_decoding(11, 0)], path, seed=3)
     crowd = [_decoding(3, 10), _decoding(11, 0), _decoding(12, 20), _decoding(16, 30)]
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, n, 1, D, generator=gen) for n in (H, KVH, KVH))
@@ -72,6 +88,62 @@ def test_a_querys_bits_do_not_depend_on_the_other_queries():
     others = [torch.randn(1, n, 4, D, generator=gen) for n in (H, KVH, KVH)]
     # The same query (and its key/value) in row 1 of a crowded step.
     qc, kc, vc = (torch.cat([o[:, :, :1], x, o[:, :, 1:3]], dim=2) for o, x in zip(others, (q, k, v)))
-    step = ModelRunner(None, cache)._prepare(crowd, [])
+    step = _runner(cache, path)._prepare(crowd, [])
     out, _ = paged_attention(types.SimpleNamespace(layer_idx=0), qc, kc, vc, None, ponder_attention=step.meta)
     assert torch.equal(out[0, 1], alone[0])
+
+
+def _reference(cache, layer, q, table, ctx, scale):
+    """float64 attention of one query `[H, D]` over the first `ctx` positions of its blocks."""
+    blocks = cache.kv[table][:, layer].double()  # [blocks, 2, KVH, BS, D]
+    keys = blocks[:, 0].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :ctx]
+    values = blocks[:, 1].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :ctx]
+    w = torch.softmax(q.double().view(KVH, H // KVH, D) @ keys.transpose(1, 2) * scale, dim=-1)
+    return (w @ values).reshape(H, D)
+
+
+@pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
+def test_the_kernel_reads_any_layer_any_block_order_and_only_the_rows_asked_for():
+    cache = KVCache(KVShape(3, KVH, D, BS), 40, torch.float32, torch.device("cpu"))
+    cache.kv.normal_(generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)
+    tables = torch.stack([torch.randperm(40, generator=gen)[:12] for _ in range(4)])  # shuffled, shared
+    tables[2, :3] = tables[0, :3]
+    ctx = torch.tensor([1, 17, 45, 48])  # one position, partial blocks, every position of 12 blocks
+    queries = torch.randn(7, H + KVH, D, generator=gen)[:, :H]  # a strided view, as the lean forward's
+    rows = torch.tensor([5, 0, 3, 6])
+    out = torch.full((7, H, D), 7.0)
+    attention_kernel()(queries, rows, cache.kv, tables, ctx, 2, 0.3, out)
+    for g, row in enumerate(rows.tolist()):
+        torch.testing.assert_close(out[row].double(), _reference(cache, 2, queries[row], tables[g], int(ctx[g]), 0.3),
+                                   rtol=1e-5, atol=1e-6)
+    assert (out[[1, 2, 4]] == 7.0).all()  # rows not asked for are left alone
+    alone = torch.zeros(7, H, D)
+    attention_kernel()(queries, rows[2:3], cache.kv, tables[2:3], ctx[2:3], 2, 0.3, alone)
+    assert torch.equal(alone[3], out[3])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        again = torch.full((7, H, D), 7.0)
+        attention_kernel()(queries, rows, cache.kv, tables, ctx, 2, 0.3, again)
+        assert torch.equal(again, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
+def test_the_kernel_refuses_what_it_cannot_read():
+    cache = KVCache(KVShape(2, KVH, D, BS), 8, torch.float32, torch.device("cpu"))
+    q, out = torch.randn(2, H, D), torch.zeros(2, H, D)
+    rows, tables = torch.tensor([0, 1]), torch.tensor([[0, 1], [2, 3]])
+    kernel = attention_kernel()
+    with pytest.raises(RuntimeError, match="does not fit its table"):
+        kernel(q, rows, cache.kv, tables, torch.tensor([3, 9]), 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="no block 8"):
+        kernel(q, rows, cache.kv, torch.tensor([[0, 1], [8, 3]]), torch.tensor([3, 5]), 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="no layer 2"):
+        kernel(q, rows, cache.kv, tables, torch.tensor([3, 5]), 2, 1.0, out)
+    with pytest.raises(RuntimeError, match="row 2 is not a query"):
+        kernel(q, torch.tensor([0, 2]), cache.kv, tables, torch.tensor([3, 5]), 0, 1.0, out)
+    with pytest.raises(RuntimeError, match="cache must be contiguous float32"):
+        kernel(q, rows, cache.kv.half(), tables, torch.tensor([3, 5]), 0, 1.0, out)

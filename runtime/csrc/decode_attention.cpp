@@ -1,0 +1,184 @@
+// ponder's decode attention for the CPU (runtime.cpu_kernels builds it; runtime.attention uses it).
+//
+// Each query attends to exactly its own context, read straight from its paged blocks: no window is
+// gathered, no position is padded. For query g and KV head h, with the query heads that share h
+// (grouped-query attention), in float32 and in a fixed order:
+//   s_j = (q . k_j) * scale                         j < ctx[g], k_j at block tables[g, j / bs], offset j % bs
+//   w_j = exp(s_j - max s) / sum of those exps     (exp: a polynomial, the same bits on every CPU)
+//   out = sum over j, in order, of w_j * v_j
+// A query's result depends on its own query, context and cache only, so it never depends on the
+// batch, the thread count or what else the step holds.
+//
+// decode_attention(queries [T, H, D], rows [G], cache [blocks, layers, 2, KVH, bs, D], tables [G, W],
+//                  ctx [G], layer, scale, out [T, H, D]) writes out[rows[g]] for every g.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+inline float hsum(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+// exp(x) for x <= 0: 2^n * p(r), x = n ln 2 + r, |r| <= ln 2 / 2, p the degree-6 Taylor polynomial
+// (relative error about 2e-7); 0 below -87 (where float32 loses normal numbers).
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 floor_x = _mm256_set1_ps(-87.0f);
+  const __m256 zero_below = _mm256_cmp_ps(x, floor_x, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, floor_x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: r exact-ish
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), zero_below);
+}
+
+struct Layout {
+  int64_t H, KVH, D, bs, W;
+  int64_t q_stride;      // floats from one query row to the next
+  int64_t block_stride;  // floats from one block to the next
+  int64_t layer_offset;  // floats from a block's start to this layer's keys
+};
+
+// One query and one KV head: the `shared` query heads of that KV head. `scores` has room for
+// shared * ctx floats.
+void attend_head(const Layout& s, const float* q, const float* cache, const int64_t* table, int64_t ctx,
+                 int64_t kv_head, float scale, float* out, float* scores) {
+  const int64_t shared = s.H / s.KVH, D = s.D, chunks = D / 8;
+  const int64_t head_offset = kv_head * s.bs * D, value_offset = s.KVH * s.bs * D;
+  const float* qh = q + kv_head * shared * D;
+  for (int64_t j = 0; j < ctx; ++j) {
+    const float* k = cache + table[j / s.bs] * s.block_stride + s.layer_offset + head_offset + (j % s.bs) * D;
+    for (int64_t i = 0; i < shared; ++i) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * D + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+      scores[i * ctx + j] = hsum(acc) * scale;
+    }
+  }
+  for (int64_t i = 0; i < shared; ++i) {
+    float* si = scores + i * ctx;
+    float top = si[0];
+    for (int64_t j = 1; j < ctx; ++j) top = std::max(top, si[j]);
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= ctx; j += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(si + j), top8));
+      _mm256_storeu_ps(si + j, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    if (j < ctx) {  // the tail through a padded vector, so every exp is the same polynomial
+      alignas(32) float tail[8];
+      for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < ctx ? si[j + t] - top : -100.0f;
+      const __m256 e = exp_nonpositive(_mm256_load_ps(tail));
+      _mm256_store_ps(tail, e);
+      for (int64_t t = 0; j + t < ctx; ++t) si[j + t] = tail[t];
+      sum8 = _mm256_add_ps(sum8, e);  // the padding's exps are 0
+    }
+    const float inverse = 1.0f / hsum(sum8);
+    for (int64_t t = 0; t < ctx; ++t) si[t] *= inverse;
+  }
+  for (int64_t i = 0; i < shared; ++i) {
+    const float* wi = scores + i * ctx;
+    float* o = out + (kv_head * shared + i) * D;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+      const int64_t n = std::min<int64_t>(8, chunks - c0);
+      __m256 acc[8];
+      for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < ctx; ++j) {
+        const float* v = cache + table[j / s.bs] * s.block_stride + s.layer_offset + value_offset + head_offset +
+                         (j % s.bs) * D + 8 * c0;
+        const __m256 w = _mm256_set1_ps(wi[j]);
+        if (n == 8) {
+          for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        } else {
+          for (int64_t c = 0; c < n; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+      }
+      for (int64_t c = 0; c < n; ++c) _mm256_storeu_ps(o + 8 * (c0 + c), acc[c]);
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+bool supported() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
+                      const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out) {
+  TORCH_CHECK(supported(), "decode_attention: this CPU lacks AVX2 or FMA");
+  TORCH_CHECK(cache.dim() == 6 && cache.scalar_type() == at::kFloat && cache.is_contiguous(),
+              "decode_attention: cache must be contiguous float32 [blocks, layers, 2, kv_heads, block_size, head_dim]");
+  const int64_t L = cache.size(1), KVH = cache.size(3), bs = cache.size(4), D = cache.size(5);
+  TORCH_CHECK(D % 8 == 0, "decode_attention: head_dim must be a multiple of 8");
+  TORCH_CHECK(layer >= 0 && layer < L, "decode_attention: no layer ", layer);
+  TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.size(2) == D &&
+              queries.stride(2) == 1 && queries.stride(1) == D && queries.size(1) % KVH == 0,
+              "decode_attention: queries must be float32 [tokens, heads, head_dim], each row's heads contiguous");
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.scalar_type() == at::kFloat &&
+              out.size(0) == queries.size(0) && out.size(1) == queries.size(1) && out.size(2) == D,
+              "decode_attention: out must be contiguous float32 shaped like queries");
+  const int64_t G = rows.size(0);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 1,
+              "decode_attention: rows must be contiguous int64 [queries]");
+  TORCH_CHECK(ctx.scalar_type() == at::kLong && ctx.is_contiguous() && ctx.dim() == 1 && ctx.size(0) == G,
+              "decode_attention: ctx must be contiguous int64 [queries]");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == G,
+              "decode_attention: tables must be contiguous int64 [queries, blocks]");
+  const Layout s{queries.size(1), KVH, D, bs, tables.size(1), queries.stride(0), cache.stride(0),
+                 layer * cache.stride(1)};
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* cp = ctx.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t blocks = cache.size(0), T = queries.size(0);
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(rp[g] >= 0 && rp[g] < T, "decode_attention: row ", rp[g], " is not a query");
+    TORCH_CHECK(cp[g] >= 1 && cp[g] <= s.W * bs, "decode_attention: a context of ", cp[g], " does not fit its table");
+    for (int64_t b = 0; b < (cp[g] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tp[g * s.W + b] >= 0 && tp[g * s.W + b] < blocks, "decode_attention: no block ", tp[g * s.W + b]);
+  }
+  int64_t longest = 0;
+  for (int64_t g = 0; g < G; ++g) longest = std::max(longest, cp[g]);
+  const float* qp = queries.data_ptr<float>();
+  const float* kv = cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t shared = s.H / KVH;
+  at::parallel_for(0, G * KVH, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(shared * longest);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / KVH, h = i % KVH;
+      attend_head(s, qp + rp[g] * s.q_stride, kv, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D, scores.data());
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ponder, m) {
+  m.def("decode_attention(Tensor queries, Tensor rows, Tensor cache, Tensor tables, Tensor ctx, int layer, "
+        "float scale, Tensor(a!) out) -> ()");
+}
+TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("decode_attention", &decode_attention); }
