@@ -29,20 +29,24 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define Q4_NAMESPACE avx2
+#define Q4_ROWS 4  // rows a tile: 16 vector registers
 #define Q4_DOT(acc, q, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)))
 // codes <= 15 and |x| <= 127, so a pair of products fits int16 and maddubs never saturates.
 #include "q4_tile.h"
 #undef Q4_DOT
 #undef Q4_NAMESPACE
+#undef Q4_ROWS
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 #define Q4_NAMESPACE vnni
+#define Q4_ROWS 8  // rows a tile: 32 vector registers
 #define Q4_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
 #include "q4_tile.h"
 #undef Q4_DOT
 #undef Q4_NAMESPACE
+#undef Q4_ROWS
 #pragma GCC pop_options
 
 bool has_avx2() {

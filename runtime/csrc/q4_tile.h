@@ -1,5 +1,6 @@
 // The int4 kernel's body, compiled once per instruction set by q4_linear.cpp, which defines
-// Q4_NAMESPACE, Q4_DOT(acc, codes, xq) (acc plus 8 int32 lanes, each the sum of 4 code * activation products)
+// Q4_NAMESPACE, Q4_DOT(acc, codes, xq) (acc plus 8 int32 lanes, each the sum of 4 code * activation products),
+// Q4_ROWS (rows a tile, as many as the vector registers allow)
 // and the target before including it. Every integer sum is exact, so both instruction sets give
 // the same bits.
 namespace Q4_NAMESPACE {
@@ -69,24 +70,23 @@ void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, i
   for (int r = 0; r < TR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
-    __m256i lo[4], hi[4];
+    const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * g)));
+    __m256i a[TR], b[TR];  // two chains a row (low and high nibbles), summed exactly
+    for (int r = 0; r < TR; ++r) a[r] = b[r] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128 * g + 32 * c));
-      lo[c] = _mm256_and_si256(w, low);
-      hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-    }
-    const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * g)));
-    for (int r = 0; r < TR; ++r) {
-      const int8_t* x = xq + r * K + 32 * g;
-      __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();  // two chains, summed exactly
-      for (int c = 0; c < 4; ++c) {
+      const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+      for (int r = 0; r < TR; ++r) {
+        const int8_t* x = xq + r * K + 32 * g + 8 * c;
         int32_t x0, x1;
-        std::memcpy(&x0, x + 8 * c, 4);
-        std::memcpy(&x1, x + 8 * c + 4, 4);
-        a = Q4_DOT(a, lo[c], _mm256_set1_epi32(x0));
-        b = Q4_DOT(b, hi[c], _mm256_set1_epi32(x1));
+        std::memcpy(&x0, x, 4);
+        std::memcpy(&x1, x + 4, 4);
+        a[r] = Q4_DOT(a[r], lo, _mm256_set1_epi32(x0));
+        b[r] = Q4_DOT(b[r], hi, _mm256_set1_epi32(x1));
       }
-      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, b)), _mm256_set1_ps(xscale[r * G + g]));
+    }
+    for (int r = 0; r < TR; ++r) {
+      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a[r], b[r])), _mm256_set1_ps(xscale[r * G + g]));
       acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
     }
     if (m != nullptr) {
@@ -101,7 +101,7 @@ void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, i
   }
 }
 
-// Column blocks [b0, b1) of out [R, N] (plus res [R, N] when given), rows in tiles of up to 4.
+// Column blocks [b0, b1) of out [R, N] (plus res [R, N] when given), rows in tiles of up to Q4_ROWS.
 void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K, const uint8_t* codes,
             const uint16_t* d, const uint16_t* m, const float* res, float* out, int64_t N, int64_t b0, int64_t b1) {
   const int64_t G = K / 32;
@@ -110,16 +110,19 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
     const uint16_t* db = d + b * 8 * G;
     const uint16_t* mb = m == nullptr ? nullptr : m + b * 8 * G;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
-    for (int64_t r = 0; r < R; r += 4) {
+    for (int64_t r = 0; r < R;) {
+      const int64_t rows = std::min<int64_t>(Q4_ROWS, R - r);
       const int8_t* x = xq + r * K;
       const float* rr = res == nullptr ? nullptr : res + r * N + n;
       float* o = out + r * N + n;
-      switch (std::min<int64_t>(4, R - r)) {
-        case 4: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+      switch (rows) {
+        case Q4_ROWS: tile<Q4_ROWS>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
         case 3: tile<3>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
         case 2: tile<2>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
-        default: tile<1>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+        case 1: tile<1>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+        default: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;  // 4 of 8
       }
+      r += rows > 4 && rows < Q4_ROWS ? 4 : rows;
     }
   }
 }

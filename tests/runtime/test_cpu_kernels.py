@@ -104,10 +104,10 @@ def test_the_kernel_layout_keeps_every_code_and_scale(out_features):
     assert layer.weight.shape == (-(-out_features // 8), 4 * 64)  # a partial last block is padded
     assert torch.equal(layer.codes(), codes.to(torch.uint8))
     assert all(torch.equal(a, b) for a, b in zip(layer.group_scales(), (d, m)))
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     assert layer(x).shape == (3, out_features)
     exact = x.double() @ layer.dequantized().double().T
-    assert (layer(x).double() - exact).abs().max() < 0.01 * exact.abs().max()
+    assert (layer(x).double() - exact).abs().max() < 0.03 * exact.abs().max()  # int8 activations
 
 
 def test_only_whole_blocks_of_columns_concatenate_before_the_last_layer():
