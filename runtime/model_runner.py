@@ -144,11 +144,13 @@ class ModelRunner:
         table_start_t = torch.tensor(table_starts, dtype=torch.long)
         slot_blocks = table_t[table_start_t[entry_of] + positions // bs]
         slot_offsets = positions % bs
+        # The generated tokens (and, with exact prefill, every token): they attend one query at a time.
+        generated = torch.nonzero(positions >= torch.tensor(splits)[entry_of]).flatten()
         decode_rows, decode_groups = None, []
         if self.attention_kernel is not None:
-            decode_rows = self._decode_rows(positions, entry_of, torch.tensor(splits), table_t, table_start_t)
+            decode_rows = self._decode_rows(generated, positions, entry_of, table_t, table_start_t)
         else:
-            decode_groups = self._decode_groups(positions, entry_of, torch.tensor(splits), table_t, table_start_t)
+            decode_groups = self._decode_groups(generated, positions, entry_of, table_t, table_start_t)
         if num_pad:  # throwaway tokens: keys written to the scratch block, attention output zero
             input_ids.extend([0] * num_pad)
             pad_positions = torch.arange(num_pad)
@@ -167,10 +169,9 @@ class ModelRunner:
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
 
-    def _decode_rows(self, positions: torch.Tensor, entry_of: torch.Tensor, splits: torch.Tensor,
+    def _decode_rows(self, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
                      tables: torch.Tensor, table_starts: torch.Tensor) -> DecodeRows | None:
-        """The generated tokens with their block tables and context lengths, for the CPU kernel."""
-        rows = torch.nonzero(positions >= splits[entry_of]).flatten()
+        """The tokens at `rows` with their block tables and context lengths, for the CPU kernel."""
         if not len(rows):
             return None
         ctx = positions[rows] + 1
@@ -178,11 +179,10 @@ class ModelRunner:
         index = table_starts[entry_of[rows]][:, None] + torch.arange(width)[None, :]
         return DecodeRows(rows, tables[index.clamp(max=len(tables) - 1)], ctx, self.attention_kernel)
 
-    def _decode_groups(self, positions: torch.Tensor, entry_of: torch.Tensor, splits: torch.Tensor,
+    def _decode_groups(self, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
                        tables: torch.Tensor, table_starts: torch.Tensor) -> list[DecodeGroup]:
-        """The generated tokens grouped by window width (runtime.attention.bucket_blocks of their own
+        """The tokens at `rows` grouped by window width (runtime.attention.bucket_blocks of their own
         context length), each with its window of block ids and the mask of the positions past its context."""
-        rows = torch.nonzero(positions >= splits[entry_of]).flatten()
         if not len(rows):
             return []
         bs = self.block_size
