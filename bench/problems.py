@@ -11,7 +11,13 @@ The same seed always gives the same problems (one `random.Random(seed)` drives e
 5. word problems in three steps (packs, a gift and what one had; wages over two days less spending;
    rows of chairs, some taken away and some brought in).
 
-Every answer is a non-negative integer, computed alongside the text that states it.
+Every answer is a non-negative integer, computed alongside the text that states it. A user's own set
+(`bench.datasets`) gives Problems too, with the answer as the file writes it and a level when it has one.
+
+    levels_in_band({"1": 0.9, "2": 0.45, ...}, low=0.2, high=0.7) -> [2, ...]
+
+picks the levels whose greedy accuracy (a pilot run's `by_level`) lies in [low, high]: there a method and
+greedy decoding disagree most often, so a paired comparison needs the fewest problems (`bench.paired`).
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ CONTAINERS = ("boxes", "bags", "packs", "jars")
 
 @dataclass(frozen=True)
 class Problem:
-    level: int
+    level: int | None  # None: a user's problem from a file without levels
     question: str
-    answer: int
+    answer: int | str  # an int here; a file's answer as written (LaTeX allowed) in bench.datasets
 
     @property
     def gold(self) -> str:
@@ -45,6 +51,21 @@ def problem_set(seed: int = 0, per_level: int = 8, levels: tuple[int, ...] = LEV
         raise ValueError(f"unknown level {unknown[0]}; levels are {', '.join(map(str, LEVELS))}")
     rng = random.Random(seed)
     return [_MAKERS[level](rng) for level in levels for _ in range(per_level)]
+
+
+def select_levels(problems: list[Problem], levels: tuple[int, ...]) -> list[Problem]:
+    """The problems of `levels`, in order; a ValueError when none is left."""
+    chosen = [p for p in problems if p.level in levels]
+    if not chosen:
+        found = sorted({p.level for p in problems if p.level is not None})
+        raise ValueError(f"no problem of level {', '.join(map(str, levels))}; the set has levels "
+                         f"{', '.join(map(str, found)) or 'none'}")
+    return chosen
+
+
+def levels_in_band(accuracy_by_level: dict[str, float], low: float = 0.2, high: float = 0.7) -> list[int]:
+    """The levels whose accuracy lies in [low, high], in order."""
+    return sorted(int(level) for level, accuracy in accuracy_by_level.items() if low <= accuracy <= high)
 
 
 def _plain(level: int, a: int, op: str, b: int) -> Problem:
