@@ -76,7 +76,8 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.planner = StepPlanner(self, config.policy)
         self.model_key = model_key
-        self.padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs) \
+        self.padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs,
+                                        max_model_len=config.max_model_len, block_size=config.block_size) \
             if config.batch_invariant else None
         self._build_pool(config.num_blocks)
         self.streamed = check_granularity(self)

@@ -3,14 +3,19 @@
 A BLAS picks its kernel (and its split of the reduction) by the shape of the call, so a token's
 projections can change in the last bits with the number of tokens in the step: a sequence decoded
 alone and the same sequence decoded beside others would not see identical logits, and a search's
-scores would depend on how its paths were batched. At start-up the runner probes the model's own
-linear layers, at their full shapes, on the device and in the dtype it serves with: every row count
+scores would depend on how its paths were batched. At start-up the runner probes the linear layers
+a step calls, at their full shapes, on the device and in the dtype it serves with: every row count
 up to `SMALL_ROWS`, and every multiple of `BUCKET_ROWS` up to the largest step it will run, each
 against one call of that largest size. Steps are padded up to the nearest count that agreed, so
-batching never changes a result; no count is trusted without having been seen to agree.
+batching never changes a result; no count is trusted without having been seen to agree. The layers
+probed are those that run: where the lean decoder (runtime.decoder) serves the model, its fused
+q/k/v and gate/up layers (built here, before the probe, and shared with the runner), not the
+separate layers whose shapes never reach a kernel.
 
 Decode attention batches queries by context window (runtime.attention); the probe checks that its
-batched matmuls give each query the same bits whatever the batch count. Where either check cannot
+batched matmuls give each query the same bits whatever the batch count, at every window a query can
+reach under `max_model_len` (`attention_windows`) and every batch count a group of that window can
+hold (at most `ATTENTION_BATCH` queries, and at most `GATHER_TOKENS` keys). Where either check cannot
 be passed (a device whose kernels are not deterministic run to run, or whose batched matmul depends
 on the batch count), the deterministic mode is refused at start-up rather than served wrong.
 """
@@ -22,10 +27,15 @@ import bisect
 import torch
 import torch.nn.functional as F
 
+from runtime.attention import bucket_blocks
+from runtime.decoder import LeanDecoder
+
 SMALL_ROWS = 48  # every row count up to this is probed
 BUCKET_ROWS = 64  # above it, steps are padded to multiples of this, each probed
-ATTENTION_BATCH = 64  # batch counts of decode attention probed (queries of one window)
-ATTENTION_WIDTHS = (16, 64, 256)  # context windows, in tokens, the attention probe uses
+ATTENTION_BATCH = 64  # most queries of one window a decode attention group holds
+# Most keys one decode attention group gathers (queries x window): runtime.model_runner.GATHER_TOKENS,
+# which imports this module (tests/runtime/test_row_padding.py checks that the two agree).
+GATHER_TOKENS = 1 << 16
 
 
 class InvarianceUnavailable(RuntimeError):
@@ -54,19 +64,21 @@ class RowPadding:
 
     @classmethod
     @torch.inference_mode()
-    def probe(cls, model: torch.nn.Module, max_rows: int = 2048, max_head_rows: int | None = None) -> "RowPadding":
-        """Probe `model`'s linear layers up to `max_rows` rows (`max_head_rows` for the output head,
-        which only sees the rows whose logits are kept); raise `InvarianceUnavailable` where the
-        device cannot be shown to compute row by row."""
+    def probe(cls, model: torch.nn.Module, max_rows: int = 2048, max_head_rows: int | None = None, *,
+              max_model_len: int | None = None, block_size: int = 16) -> "RowPadding":
+        """Probe the linear layers `model` runs up to `max_rows` rows (`max_head_rows` for the output
+        head, which only sees the rows whose logits are kept), and decode attention at every window of
+        `block_size`-token blocks a context of up to `max_model_len` tokens (default: the model's
+        `max_position_embeddings`) reads; raise `InvarianceUnavailable` where the device cannot be
+        shown to compute row by row."""
         max_rows = max(max_rows, 1)
         candidates = list(range(1, min(SMALL_ROWS, max_rows) + 1))
         candidates += list(range(BUCKET_ROWS, max_rows, BUCKET_ROWS))
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         shapes: dict[tuple, torch.nn.Linear] = {}
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                key = (module.in_features, module.out_features, module.bias is not None, module is head)
-                shapes.setdefault(key, module)
+        for module in executed_linears(model):
+            key = (module.in_features, module.out_features, module.bias is not None, module is head)
+            shapes.setdefault(key, module)
         failing: set[int] = set()
         generator = torch.Generator().manual_seed(0)
         head_rows = max_rows if max_head_rows is None else min(max_rows, _round_up(max_head_rows))
@@ -83,7 +95,10 @@ class RowPadding:
                 if rows < limit and rows not in failing and \
                         not torch.equal(F.linear(x[:rows], weight, bias), reference[:rows]):
                     failing.add(rows)
-        _probe_attention(model, generator)
+        config = _text_config(model)
+        if max_model_len is None:
+            max_model_len = getattr(config, "max_position_embeddings", None) or 2048
+        _probe_attention(model, attention_windows(max_model_len, block_size), generator)
         return cls([r for r in candidates if r not in failing], max_rows)
 
     def __repr__(self) -> str:
@@ -96,27 +111,54 @@ def _round_up(rows: int) -> int:
     return rows if rows <= SMALL_ROWS else -(-rows // BUCKET_ROWS) * BUCKET_ROWS
 
 
-def _probe_attention(model: torch.nn.Module, generator: torch.Generator) -> None:
+def executed_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The `nn.Linear` layers a step of `model` calls. Where the lean decoder serves the model (built
+    here if it was not yet, so its q/k/v and gate/up layers are fused), those are its fused layers in
+    place of the layers whose weights became views of theirs; otherwise every `nn.Linear` of the model."""
+    decoder = LeanDecoder.build(model)
+    fused = [] if decoder is None else [
+        projections.fused for layer in decoder.layers for projections in (layer.qkv, layer.gate_up)
+        if isinstance(projections.fused, torch.nn.Linear)]
+    parts = {layer.weight.untyped_storage().data_ptr() for layer in fused}
+    return [module for module in model.modules() if isinstance(module, torch.nn.Linear)
+            and module.weight.untyped_storage().data_ptr() not in parts] + fused
+
+
+def attention_windows(max_model_len: int, block_size: int) -> list[tuple[int, int]]:
+    """(window in tokens, most queries a group of that window holds) for every window decode
+    attention reads (runtime.model_runner groups queries by `bucket_blocks` of their context's
+    blocks) for contexts of 1 to `max_model_len` tokens in blocks of `block_size` tokens."""
+    num_blocks = -(-max(max_model_len, 1) // block_size)
+    widths = sorted({bucket_blocks(n) * block_size for n in range(1, num_blocks + 1)})
+    return [(width, max(1, min(ATTENTION_BATCH, GATHER_TOKENS // width))) for width in widths]
+
+
+def _text_config(model: torch.nn.Module):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _probe_attention(model: torch.nn.Module, windows: list[tuple[int, int]], generator: torch.Generator) -> None:
     """Decode attention's batched matmuls (scores in float32, weights @ values in the model dtype)
-    must give a query the same bits whatever the number of queries batched with it."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    must give a query the same bits in every batch count a group of its window can hold as in the
+    largest."""
+    config = _text_config(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     parameter = next(model.parameters())
-    for width in ATTENTION_WIDTHS:
-        q = torch.randn(ATTENTION_BATCH, kv_heads, heads // kv_heads, head_dim, generator=generator)
-        k = torch.randn(ATTENTION_BATCH, kv_heads, width, head_dim, generator=generator)
+    for width, most in windows:
+        q = torch.randn(most, kv_heads, heads // kv_heads, head_dim, generator=generator)
+        k = torch.randn(most, kv_heads, width, head_dim, generator=generator)
         q, k = q.to(parameter.device), k.to(parameter.device)
         v = torch.randn(k.shape, generator=generator).to(parameter.device, parameter.dtype)
         scores = torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=-1)
         weights = scores.to(parameter.dtype)
         reference_scores, reference_out = scores, torch.matmul(weights, v)
-        for batch in range(1, ATTENTION_BATCH):
+        for batch in range(1, most):
             same = torch.equal(torch.softmax(torch.matmul(q[:batch], k[:batch].transpose(-1, -2)), dim=-1),
                                reference_scores[:batch]) and \
                 torch.equal(torch.matmul(weights[:batch], v[:batch]), reference_out[:batch])
             if not same:
                 raise InvarianceUnavailable(
                     f"decode attention on {parameter.device} ({parameter.dtype}, window {width}) gives a query "
-                    f"different bits in a batch of {batch} than in one of {ATTENTION_BATCH}")
+                    f"different bits in a batch of {batch} than in one of {most}")

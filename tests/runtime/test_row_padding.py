@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.decoder import LeanDecoder
 from runtime.protocol import Delta, GenerateRequest, SamplingParams
-from runtime.row_padding import RowPadding
+from runtime.row_padding import RowPadding, attention_windows
 from tests.runtime.engine_helpers import engine_for
 
 
@@ -49,6 +50,97 @@ def test_a_device_that_is_not_deterministic_run_to_run_is_refused(monkeypatch):
     monkeypatch.setattr(row_padding.F, "linear", linear)
     with pytest.raises(row_padding.InvarianceUnavailable, match="from one call to the next"):
         RowPadding.probe(model, max_rows=64)
+
+
+def test_the_probe_multiplies_the_layers_the_lean_decoder_runs(tiny_llama, monkeypatch):
+    """The tiny llama (hidden 64, MLP 128, 4 query and 2 KV heads of 16, vocabulary 78): q/k/v run as
+    one 64 -> 128 matmul and gate/up as one 64 -> 256, so those are the shapes probed, never the
+    64 -> 32 of k or v alone."""
+    import runtime.row_padding as row_padding
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    probed = {}
+    real_linear = F.linear
+
+    def linear(x, weight, bias=None):
+        probed.setdefault(tuple(weight.shape), set()).add(weight.data_ptr())
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(row_padding.F, "linear", linear)
+    RowPadding.probe(model, max_rows=64, max_model_len=16, block_size=4)
+    assert sorted(probed) == [(64, 64), (64, 128), (78, 64), (128, 64), (256, 64)]
+    decoder = LeanDecoder.build(model)  # the one the probe built, which the runner's will be
+    assert model._ponder_lean_decoder is decoder
+    first = decoder.layers[0]
+    assert probed[(128, 64)] == {first.qkv.fused.weight.data_ptr()}
+    assert probed[(256, 64)] == {first.gate_up.fused.weight.data_ptr()}
+    # The separate layers' weights are views of the fused ones: the runner multiplies what was probed.
+    assert model.model.layers[0].self_attn.k_proj.weight.data_ptr() == first.qkv.fused.weight.data_ptr() + 64 * 64 * 4
+
+
+def test_a_model_the_lean_decoder_does_not_run_is_probed_layer_by_layer(monkeypatch):
+    import runtime.row_padding as row_padding
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False))
+    model.config = type("Config", (), {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8,
+                                       "max_position_embeddings": 32})()
+    probed = set()
+    real_linear = F.linear
+
+    def linear(x, weight, bias=None):
+        probed.add(tuple(weight.shape))
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(row_padding.F, "linear", linear)
+    RowPadding.probe(model, max_rows=16)
+    assert probed == {(8, 8), (4, 8)}
+
+
+def test_attention_windows_are_every_window_a_context_can_reach():
+    # 512 tokens in blocks of 4: 128 blocks, windows bucketed to two significant bits, 64 queries each.
+    assert attention_windows(512, 4) == [(w, 64) for w in (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)]
+    # 5 blocks read a window of 6: past max_model_len, but a context of 17-20 tokens reads it.
+    assert attention_windows(20, 4) == [(4, 64), (8, 64), (12, 64), (16, 64), (24, 64)]
+    # 32k tokens in blocks of 16: wide windows hold fewer queries (2^16 keys a group at most).
+    assert attention_windows(32768, 16) == [
+        (16, 64), (32, 64), (48, 64), (64, 64), (96, 64), (128, 64), (192, 64), (256, 64), (384, 64), (512, 64),
+        (768, 64), (1024, 64), (1536, 42), (2048, 32), (3072, 21), (4096, 16), (6144, 10), (8192, 8),
+        (12288, 5), (16384, 4), (24576, 2), (32768, 2)]
+
+
+def test_the_windows_probed_are_the_groups_the_runner_makes(tiny_llama):
+    """Every query of one 64-token sequence in blocks of 4, grouped as the runner groups decode
+    attention: the windows and most queries a group of each are those `attention_windows` lists."""
+    import runtime.model_runner as model_runner
+    import runtime.row_padding as row_padding
+
+    assert row_padding.GATHER_TOKENS == model_runner.GATHER_TOKENS
+    assert row_padding.ATTENTION_BATCH == model_runner.ATTENTION_BATCH
+    runner = engine_for(tiny_llama, max_model_len=64).runner
+    positions = torch.arange(64).repeat(3)  # three sequences, so a window's group can fill to 64 queries
+    entry_of = torch.arange(3).repeat_interleave(64)
+    tables = torch.arange(48)
+    groups = runner._decode_groups(torch.arange(192), positions, entry_of, tables, torch.tensor([0, 16, 32]))
+    windows = dict(attention_windows(64, 4))
+    assert sorted({group.width for group in groups}) == sorted(windows) == [4, 8, 12, 16, 24, 32, 48, 64]
+    assert all(group.rows.shape[0] <= windows[group.width] for group in groups)
+
+
+def test_the_engine_probes_attention_at_every_window_its_cache_reaches(tiny_llama, monkeypatch):
+    """Contexts of up to max_model_len 64 in blocks of 4: windows of 4 to 64 tokens, each at every batch
+    count from 1 to 64 queries (the old probe's 16, 64 and 256-token windows missed most of them)."""
+    scored = set()
+    real_matmul = torch.matmul
+
+    def matmul(a, b):
+        if a.dim() == 4 and a.shape[-1] == 16 and b.shape[-2] == 16:  # queries (head dim 16) @ keys^T
+            scored.add((b.shape[-1], a.shape[0]))
+        return real_matmul(a, b)
+
+    monkeypatch.setattr(torch, "matmul", matmul)
+    engine_for(tiny_llama, max_model_len=64)
+    assert scored == {(width, batch) for width in (4, 8, 12, 16, 24, 32, 48, 64) for batch in range(1, 65)}
 
 
 def test_probed_counts_give_every_row_the_bits_of_a_large_call(tiny_llama):
