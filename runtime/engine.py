@@ -298,13 +298,17 @@ class Engine:
         self.stats["preemptions"] += len(plan.preempted) + len(plan.released)
         if plan.is_empty:
             return self._drain()
+        scored = self.plain.prompt_rows(plan.scheduled)  # prompt logprobs: may undo a cached prefix
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
         try:
-            logits = self.runner.execute(plan.scheduled, plan.copies, sampled)
+            logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
         except BlockLost as lost:  # nothing was computed from it: its holders recompute it
             log.warning("%s; recomputing it", lost)
             recompute_lost(self, lost)
             return self._drain()
+        if scored:
+            self.plain.on_prompt_logits(plan.scheduled, scored, logits[len(sampled):])
+            logits = logits[:len(sampled)]
         for entry in plan.scheduled:
             self.kv.commit_computed(entry.seq, entry.seq.num_computed_tokens + entry.num_new_tokens)
         rows: list[int] = []

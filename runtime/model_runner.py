@@ -75,18 +75,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
-                logits_for: Seq[int]) -> torch.Tensor:
+                logits_for: Seq[int], every_row_of: Seq[tuple[int, int]] = ()) -> torch.Tensor:
         """Compute the scheduled tokens; return float32 logits `[len(logits_for), vocab]` at the last
-        new token of each scheduled entry whose index is in `logits_for`."""
+        new token of each scheduled entry whose index is in `logits_for`. Each (entry index, count) of
+        `every_row_of` (prompt logprobs) appends the logits of that entry's first `count` new tokens."""
         step = self._prepare(scheduled, copies)
-        rows = self.padded_rows([step.last_token_index[i] for i in logits_for] or [step.num_tokens - 1])
+        wanted = [step.last_token_index[i] for i in logits_for]
+        for index, count in every_row_of:
+            wanted.extend(range(step.entry_start[index], step.entry_start[index] + count))
+        rows = self.padded_rows(wanted or [step.num_tokens - 1])
         keep = torch.tensor(rows, device=self.device, dtype=torch.long)
         if self.decoder is not None:
             logits = self.decoder.logits(step.input_ids, step.positions, step.meta, keep)
         else:
             logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=keep, ponder_attention=step.meta).logits[0]
-        return logits[:len(logits_for)].float()
+        return logits[:len(wanted)].float()
 
     @torch.inference_mode()
     def hidden_states(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],

@@ -1,12 +1,18 @@
 """Plain (non-search) requests in the engine: their choices fork from the first logits, each sampled
-token goes through stops and detokenization, and every step's new text leaves as `Delta`s."""
+token goes through stops and detokenization, and every step's new text leaves as `Delta`s.
+
+A request may ask for its prompt back (echo) and for prompt logprobs: the log-softmax at every prompt
+position, kept only for the requests that ask (`prompt_rows`, `on_prompt_logits`), chunk by chunk as
+its prompt is prefilled. With max_tokens 0 nothing is sampled: the request ends once its prompt is scored.
+"""
 
 from __future__ import annotations
 
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.protocol import Delta, Finished, FromRuntime, GenerateRequest
-from runtime.requests import ChoiceState, RequestState, token_logprob
-from runtime.sampler import SamplingState, derive_seed
+from runtime.requests import ChoiceState, InvalidRequest, RequestState, token_logprob
+from runtime.sampler import SamplingState, derive_seed, score_tokens
+from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence
 
 
@@ -19,7 +25,14 @@ class PlainRequests:
     def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, streamed: bool = False) -> RequestState:
         """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.streamed)."""
         params = request.sampling
+        if streamed and (params.prompt_logprobs is not None or max_tokens == 0):
+            raise InvalidRequest("prompt logprobs and max_tokens 0 are not served for a request whose KV "
+                                 "outgrows the compute pool", "prompt_logprobs")
         state = RequestState(request.request_id, params, ids, max_tokens)
+        if params.echo:
+            state.prompt_text = request.prompt if request.prompt is not None else self.engine.tokenizer.decode(ids)
+        if params.prompt_logprobs is not None:
+            state.prompt_scores = [None] * len(ids)
         for index in range(params.n):
             sampling = SamplingState(params, derive_seed(params.seed, index), self.engine.device)
             detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
@@ -39,6 +52,58 @@ class PlainRequests:
                 if choice.seq is not None and not choice.seq.is_finished:
                     self.engine.scheduler.finish(choice.seq)
 
+    # -- prompt logprobs --------------------------------------------------------------------------
+    def prompt_rows(self, scheduled: list[ScheduledSequence]) -> list[tuple[int, int]]:
+        """(entry index, count) for each scheduled prompt whose logprobs are asked for: the logits of its
+        first `count` new tokens are kept (ModelRunner.execute). Only such requests cost anything.
+
+        Every prompt position must be computed, so a prefix the cache attached past what was scored is
+        given back here and the sequence admitted again with no more cached than that (the simplest correct
+        choice: such a request recomputes its prompt instead of reusing the cache). The entry keeps its
+        token count, so the step stays within its budget, and needs the same number of new blocks."""
+        rows = []
+        for index, entry in enumerate(scheduled):
+            seq = entry.seq
+            choice = seq.owner
+            if not isinstance(choice, ChoiceState) or not choice.request.is_scoring_prompt:
+                continue
+            request = choice.request
+            if seq.num_computed_tokens > request.num_scored_positions:
+                scheduled[index] = entry = self._uncache(entry, request.num_scored_positions)
+            start = seq.num_computed_tokens
+            count = min(start + entry.num_new_tokens, len(request.prompt_ids) - 1) - start
+            if count > 0:
+                rows.append((index, count))
+        return rows
+
+    def _uncache(self, entry: ScheduledSequence, max_cached_tokens: int) -> ScheduledSequence:
+        """Admit `entry`'s sequence again (it was admitted this step) with at most `max_cached_tokens`
+        tokens from the prefix cache, undoing the first admission's prefix statistics."""
+        kv = self.engine.kv
+        seq = entry.seq
+        if seq.num_preemptions == 0:  # the first admission counted this query and its hit
+            kv.prefix_stats.query_tokens -= len(seq.token_ids)
+            kv.prefix_stats.hit_tokens -= seq.num_computed_tokens
+        kv.free(seq)
+        is_admitted = kv.admit(seq, entry.num_new_tokens, max_cached_tokens=max_cached_tokens)
+        assert is_admitted, "the blocks just given back hold the same prompt chunk"
+        return ScheduledSequence(seq, entry.num_new_tokens)
+
+    def on_prompt_logits(self, scheduled: list[ScheduledSequence], rows: list[tuple[int, int]], logits) -> None:
+        """Score the prompt tokens of `rows` (from `prompt_rows`) with their `logits`, before the step's
+        tokens are committed: the logits at position p score the token at p + 1."""
+        offset = 0
+        for index, count in rows:
+            seq = scheduled[index].seq
+            request = seq.owner.request
+            start = seq.num_computed_tokens
+            scores = score_tokens(logits[offset:offset + count], seq.token_ids[start + 1:start + 1 + count],
+                                  request.params.prompt_logprobs)
+            offset += count
+            request.prompt_scores[start + 1:start + 1 + count] = scores
+            request.num_scored_positions = max(request.num_scored_positions, start + count)
+
+    # -- sampling ---------------------------------------------------------------------------------
     def on_logits(self, choice: ChoiceState, seq: Sequence) -> list[Sequence]:
         """The first logits of a request fork its other choices, which sample from the same row."""
         request = choice.request
@@ -48,6 +113,12 @@ class PlainRequests:
         request.num_cached_tokens = seq.num_cached_tokens
         engine = self.engine
         engine.stats["tokens_cached"] += seq.num_cached_tokens
+        if request.max_tokens == 0:  # the prompt alone (echo, prompt logprobs): nothing is sampled
+            for other in request.choices:
+                other.finish_reason = "length"
+            engine.scheduler.finish(seq)
+            self.touched[request.request_id] = request
+            return []
         targets = []
         for other in request.choices[1:]:
             child = Sequence(seq.token_ids, seq.num_prompt_tokens, owner=other)
@@ -84,15 +155,20 @@ class PlainRequests:
             if request.request_id not in self.requests:
                 continue  # aborted during this step
             for choice in request.choices:
-                if not choice.pending_token_ids:
-                    continue
                 finished = choice.finish_reason is not None
+                if not choice.pending_token_ids and (not finished or choice.has_ended):
+                    continue
                 text = choice.detok.finish() if finished else choice.detok.flush()
+                is_first = not choice.has_started
                 messages.append(Delta(
                     request_id=request.request_id, index=choice.index, text=text,
                     token_ids=tuple(choice.pending_token_ids),
                     logprobs=tuple(choice.pending_logprobs) if request.params.logprobs else None,
-                    finish_reason=choice.finish_reason))
+                    finish_reason=choice.finish_reason,
+                    prompt_text=request.prompt_text if is_first else None,
+                    prompt_logprobs=request.prompt_logprobs(self.engine.tokenizer) if is_first else None))
+                choice.has_started = True
+                choice.has_ended = finished
                 choice.pending_token_ids.clear()
                 choice.pending_logprobs.clear()
             if request.is_finished:

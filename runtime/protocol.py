@@ -32,6 +32,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    # The prompt comes back: its text on each choice's first Delta (`prompt_text`), for /v1/completions' echo.
+    echo: bool = False
+    # k: each prompt token's log-probability given the tokens before it, with the k most likely tokens
+    # there (`prompt_logprobs` on each choice's first Delta). None: not computed (no cost).
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -70,6 +75,23 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = SamplingParams()
     search: SearchParams | None = None
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    """Tokenize a prompt text, or chat messages with the chat template; answered with `Tokenized`."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    """Decode token ids to text; answered with `Detokenized`."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
@@ -123,6 +145,23 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: tuple[TopLogprob, ...] = ()
 
 
+class RankedLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+    rank: int  # 1: the most likely token at that position
+
+
+class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One prompt token, scored by the tokens before it: no logprob or rank for the first token."""
+
+    token_id: int
+    token: str
+    logprob: float | None = None
+    rank: int | None = None
+    top: tuple[RankedLogprob, ...] = ()  # the most likely tokens at that position, best first
+
+
 class StepScore(msgspec.Struct, frozen=True, kw_only=True):
     score: float
     step_scores: tuple[float, ...]
@@ -139,6 +178,9 @@ class Delta(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None
     search: StepScore | None = None  # on the finishing delta of a search choice
+    # On a choice's first Delta only, when asked (SamplingParams.echo, .prompt_logprobs).
+    prompt_text: str | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 class SearchEvent(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
@@ -204,6 +246,17 @@ class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=T
     search: SearchSummary | None = None
 
 
+class Tokenized(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    request_id: str
+    token_ids: tuple[int, ...]
+    max_model_len: int
+
+
+class Detokenized(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    request_id: str
+    text: str
+
+
 class RequestError(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     request_id: str
     status: int
@@ -237,9 +290,10 @@ class RuntimeStats(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_on
     beam_group_sizes: tuple[int, ...] = ()
 
 
-ToRuntime = Union[GenerateRequest, AbortRequest, Shutdown]
+ToRuntime = Union[GenerateRequest, TokenizeRequest, DetokenizeRequest, AbortRequest, Shutdown]
 FromRuntime = Union[
-    Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, SearchTree, Finished, RequestError, RuntimeStats
+    Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, SearchTree, Finished, Tokenized, Detokenized,
+    RequestError, RuntimeStats
 ]
 
 _to_runtime_decoder = msgspec.msgpack.Decoder(ToRuntime)

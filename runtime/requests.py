@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.protocol import GenerateRequest, RequestError, SamplingParams, TokenLogprob, TopLogprob
-from runtime.sampler import SamplingState
+from runtime.protocol import (
+    DetokenizeRequest, Detokenized, GenerateRequest, PromptLogprob, RankedLogprob, RequestError, SamplingParams,
+    TokenizeRequest, Tokenized, TokenLogprob, TopLogprob,
+)
+from runtime.sampler import SamplingState, ScoredToken
 from scheduler.sequence import Sequence
 
 
@@ -32,6 +35,8 @@ class ChoiceState:
     finish_reason: str | None = None
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     pending_token_ids: list[int] = field(default_factory=list)
+    has_started: bool = False  # its first Delta (which carries the echoed prompt) was sent
+    has_ended: bool = False  # its finishing Delta was sent
 
     @property
     def num_output_tokens(self) -> int:
@@ -57,10 +62,40 @@ class RequestState:
     choices: list[ChoiceState] = field(default_factory=list)
     is_forked: bool = False
     num_cached_tokens: int = 0
+    prompt_text: str | None = None  # echo: the prompt as the client sent it (or its ids decoded)
+    # Prompt logprobs (params.prompt_logprobs): the score of the token at each position (None at 0), and
+    # how many positions from the start have had their logits computed, without a gap (the prefix
+    # cache's reuse is undone when it would leave one: runtime.plain).
+    prompt_scores: list[ScoredToken | None] = field(default_factory=list)
+    num_scored_positions: int = 0
+    _prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
     @property
     def is_finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def is_scoring_prompt(self) -> bool:
+        """Prompt logprobs were asked for and some position's logits are still to come (the last prompt
+        position's logits score the first generated token, not a prompt token)."""
+        return self.params.prompt_logprobs is not None and self.num_scored_positions < len(self.prompt_ids) - 1
+
+    def prompt_logprobs(self, tokenizer) -> tuple[PromptLogprob, ...] | None:
+        """Every prompt token's score on the wire, built once the prompt was computed."""
+        if self.params.prompt_logprobs is None:
+            return None
+        if self._prompt_logprobs is None:
+            out = []
+            for position, token_id in enumerate(self.prompt_ids):
+                scored = self.prompt_scores[position] if position < len(self.prompt_scores) else None
+                if scored is None:
+                    out.append(PromptLogprob(token_id, tokenizer.decode([token_id])))
+                    continue
+                top = tuple(RankedLogprob(tid, tokenizer.decode([tid]), lp, rank)
+                            for rank, (tid, lp) in enumerate(scored.top, start=1))
+                out.append(PromptLogprob(token_id, tokenizer.decode([token_id]), scored.logprob, scored.rank, top))
+            self._prompt_logprobs = tuple(out)
+        return self._prompt_logprobs
 
 
 def prompt_token_ids(request: GenerateRequest, tokenizer) -> list[int]:
@@ -99,3 +134,30 @@ def token_logprob(tokenizer, token_id: int, logprob: float, top: list[tuple[int,
         tops.append(TopLogprob(top_text, lp, top_raw))
     text, raw = entry(token_id)
     return TokenLogprob(text, logprob, raw, tuple(tops))
+
+
+def tokenize(request: TokenizeRequest, tokenizer, max_model_len: int) -> Tokenized | RequestError:
+    """/tokenize: a prompt text, or messages through the chat template, as the generation path tokenizes them."""
+    try:
+        if request.messages is not None:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise InvalidRequest("this model has no chat template", "messages")
+            try:
+                text = tokenizer.apply_chat_template(list(request.messages), tokenize=False,
+                                                     add_generation_prompt=request.add_generation_prompt)
+            except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
+                raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None
+        elif request.prompt is not None:
+            text = request.prompt
+        else:
+            raise InvalidRequest("a request needs messages or a prompt", "prompt")
+        ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    except InvalidRequest as err:
+        return err.to_message(request.request_id)
+    return Tokenized(request_id=request.request_id, token_ids=tuple(ids), max_model_len=max_model_len)
+
+
+def detokenize(request: DetokenizeRequest, tokenizer, vocab_size: int) -> Detokenized | RequestError:
+    if any(not 0 <= t < vocab_size for t in request.token_ids):
+        return InvalidRequest(f"token ids must lie in [0, {vocab_size})", "tokens").to_message(request.request_id)
+    return Detokenized(request_id=request.request_id, text=tokenizer.decode(list(request.token_ids)))

@@ -143,3 +143,33 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
             ids = host[n + w + w * top_k + j * top_k:n + w + w * top_k + j * top_k + count]
             out.top = [(int(i), v) for i, v in zip(ids, values)]
     return outputs
+
+
+@dataclass
+class ScoredToken:
+    """A prompt token's log-probability and rank (1: most likely) at its position, and the top (id, logprob)."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def score_tokens(logits: torch.Tensor, targets: list[int], top_k: int) -> list[ScoredToken]:
+    """Row i of `logits` `[R, vocab]` scores `targets[i]`: its log-softmax value, its rank (one plus the
+    tokens strictly more likely) and the `top_k` most likely tokens. One transfer to the host."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target_t = torch.tensor(targets, device=logits.device, dtype=torch.long)[:, None]
+    chosen = logprobs.gather(1, target_t)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    parts = [chosen.flatten().to(torch.float64), ranks.to(torch.float64)]
+    if top_k:
+        values, ids = torch.topk(logprobs, top_k, dim=-1)
+        parts += [values.flatten().to(torch.float64), ids.flatten().to(torch.float64)]
+    host = torch.cat(parts).tolist()
+    r = len(targets)
+    out = []
+    for i in range(r):
+        values = host[2 * r + i * top_k:2 * r + (i + 1) * top_k]
+        ids = host[2 * r + r * top_k + i * top_k:2 * r + r * top_k + (i + 1) * top_k]
+        out.append(ScoredToken(host[i], int(host[r + i]), [(int(t), v) for t, v in zip(ids, values)]))
+    return out
