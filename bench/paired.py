@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from statistics import NormalDist
 
+from bench.problems import levels_in_band
+
 ALPHA = 0.05
 
 
@@ -130,11 +132,16 @@ def sentence(label: str, baseline: str, paired: Paired, alpha: float = ALPHA) ->
     """`best_of_n:confidence N=8 vs greedy: -6.7 points [-12.1, -1.3], p = 0.03, significantly worse`."""
     low, high = paired.interval(alpha)
     return (f"{label} vs {baseline}: {100 * paired.difference:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}], "
-            f"p = {format_p(paired.p_value)}, {paired.verdict(alpha)}")
+            f"{p_clause(paired.p_value)}, {paired.verdict(alpha)}")
 
 
 def format_p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}" if p < 0.01 else f"{p:.2f}"
+
+
+def p_clause(p: float) -> str:
+    """`p = 0.03`, `p = 0.008`, `p < 0.001`."""
+    return "p < 0.001" if p < 0.001 else f"p = {format_p(p)}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,3 +235,120 @@ def _critical(total: int, alpha: float) -> int:
             k += 1
         _CRITICAL[key] = k
     return _CRITICAL[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# a benchmark's rows compared
+
+
+def comparisons(rows: Sequence[dict], alpha: float = ALPHA) -> list[dict]:
+    """Every row of a benchmark (`label`, `method`, `n`, `tokens_generated` per problem, `statuses` per
+    problem, `correct` meaning right) against greedy decoding and against majority voting at equal
+    generated tokens, on the same problems.
+
+    Equal tokens: majority voting runs at the same list of N as the other methods, and a row's baseline is
+    the majority row whose generated tokens per problem are nearest on a log scale (a tie goes to the larger
+    N). Best-of-N samples the same kind of whole answers as voting, so at equal N its tokens match within a
+    few percent; beam search and DVTS spend more (refilled beams, per-step caps), so their match is the
+    nearest N, and `token_ratio` (the row's tokens over the baseline's) says how close it is. The baseline
+    is the engine's own majority answer at that N, what a user asking for it gets, not votes subsampled after
+    the fact. Greedy is compared with nothing; majority rows only with greedy.
+    """
+    greedy = next((r for r in rows if r["method"] == "greedy"), None)
+    majority = [r for r in rows if r["method"] == "majority"]
+    out = []
+    for row in rows:
+        if row["method"] == "greedy":
+            continue
+        entry: dict = {"label": row["label"], "n": row["n"]}
+        if greedy is not None:
+            entry["vs_greedy"] = {"baseline": "greedy", **_paired(row, greedy).as_dict(alpha)}
+        if row["method"] != "majority" and majority:
+            match = nearest_in_tokens(row, majority)
+            entry["vs_majority"] = {"baseline": f"majority N={match['n']}", "baseline_n": match["n"],
+                                    "token_ratio": round(_tokens(row) / _tokens(match), 2),
+                                    **_paired(row, match).as_dict(alpha)}
+        out.append(entry)
+    return out
+
+
+def nearest_in_tokens(row: dict, candidates: Sequence[dict]) -> dict:
+    """The candidate whose generated tokens per problem are nearest the row's (log scale; ties: larger N)."""
+    return min(candidates, key=lambda c: (abs(math.log(_tokens(c) / _tokens(row))), -c["n"]))
+
+
+def comparison_lines(compared: Sequence[dict], alpha: float = ALPHA) -> list[str]:
+    """The comparisons as a table, then in words which differences are significant at `alpha`."""
+    lines = [f"paired against greedy and against majority voting at the nearest generated tokens (same problems; "
+             f"difference in points with Newcombe's 95 % interval, exact McNemar p):",
+             f"{'method':<28} {'vs greedy':>26} {'p':>7}   {'vs majority':<13} {'tok x':>5} {'difference':>26} "
+             f"{'p':>7}"]
+    significant = []
+    for entry in compared:
+        name = f"{entry['label']} N={entry['n']}"
+        cells = []
+        for key in ("vs_greedy", "vs_majority"):
+            cmp = entry.get(key)
+            if cmp is None:
+                cells.append(f"{'-':>26} {'':>7}" if key == "vs_greedy" else f"{'-':<13} {'':>5} {'-':>26} {'':>7}")
+                continue
+            text = f"{_points(cmp['difference'])} [{_points(cmp['ci95'][0])}, {_points(cmp['ci95'][1])}]"
+            cell = f"{text:>26} {format_p(cmp['p_value']):>7}"
+            cells.append(cell if key == "vs_greedy" else f"{cmp['baseline']:<13} {cmp['token_ratio']:>5.2f} {cell}")
+            if cmp["p_value"] < alpha:
+                significant.append(f"{name} vs {cmp['baseline']}: {text.replace('[', 'points [', 1)}, "
+                                   f"{p_clause(cmp['p_value'])}, {cmp['verdict']}")
+        lines.append(f"{name:<28} {cells[0]}   {cells[1]}".rstrip())
+    if significant:
+        lines += [f"significant at {alpha}:"] + [f"  {line}" for line in significant]
+    else:
+        lines.append(f"no difference is significant at {alpha}")
+    return lines
+
+
+def power_lines(table: Sequence[dict]) -> list[str]:
+    """`power_table` as text."""
+    first = table[0]
+    lines = [f"problems needed to detect a {100 * first['difference']:.0f}-point paired difference at "
+             f"{100 * first['power']:.0f} % power, alpha {first['alpha']} two-sided (McNemar):",
+             f"{'discordance':>11} {'Connor 1987':>12} {'exact-test power there':>23} {'exact test':>11}"]
+    for row in table:
+        lines.append(f"{100 * row['discordance']:>10.0f}% {row['connor']:>12} {row['exact_power_at_connor']:>23.3f} "
+                     f"{row['exact']:>11}")
+    lines.append("discordance: the share of problems on which the two methods disagree (one right, one wrong)")
+    return lines
+
+
+def pilot_advice(results: dict, low: float = 0.2, high: float = 0.7, difference: float = 0.10,
+                 alpha: float = ALPHA, power: float = 0.80) -> dict:
+    """What a pilot run (an accuracy benchmark's JSON with a greedy row) says about the powered run: the
+    levels where greedy is right on `low`-`high` of the problems, and per compared row the observed
+    discordance with greedy and the problems a `difference`-point effect at that discordance needs."""
+    greedy = next((r for r in results["results"] if r["method"] == "greedy"), None)
+    if greedy is None:
+        raise ValueError("the pilot has no greedy row; run it with --methods greedy,...")
+    band = levels_in_band(greedy["by_level"], low, high)
+    rows = []
+    for entry in results.get("comparisons", []):
+        cmp = entry.get("vs_greedy")
+        if cmp is None:
+            continue
+        problems = len(greedy["statuses"])
+        discordance = sum(cmp["discordant"]) / problems if problems else 0.0
+        needed = (problems_needed(difference, discordance, alpha, power)
+                  if difference < discordance else None)
+        rows.append({"label": entry["label"], "n": entry["n"], "discordance": round(discordance, 3),
+                     "problems_needed": needed})
+    return {"greedy_by_level": greedy["by_level"], "band": [low, high], "levels_in_band": band, "rows": rows}
+
+
+def _paired(row: dict, baseline: dict) -> Paired:
+    return Paired.of([s == "correct" for s in row["statuses"]], [s == "correct" for s in baseline["statuses"]])
+
+
+def _tokens(row: dict) -> float:
+    return max(float(row["tokens_generated"]), 1.0)
+
+
+def _points(fraction: float) -> str:
+    return f"{100 * fraction:+.1f}"
