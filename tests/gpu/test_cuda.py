@@ -147,12 +147,30 @@ def test_write_block_may_reuse_its_source_at_once():
 
 
 # -- batch invariance ------------------------------------------------------------------------------
-def test_batch_invariance_probe_covers_the_serving_row_counts(tiny_llama):
+def test_padded_row_counts_give_every_row_the_bits_of_the_largest_call(tiny_llama):
+    """Every step size up to 320 rows pads to the smallest count the probe saw agree, and at that
+    count each layer the lean decoder runs (fused q/k/v and gate/up included) gives the step's rows
+    the bits of one 320-row call: what a BLAS's choice of kernel by shape could break."""
+    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
+    from runtime.row_padding import BUCKET_ROWS, SMALL_ROWS, executed_linears
+
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).to(DEVICE)
-    padding = RowPadding.probe(model)
-    assert all(padding.pad(rows) >= rows for rows in range(1, 300))
+    padding = RowPadding.probe(model, max_rows=320, max_model_len=64, block_size=4)
+    safe = padding.safe_counts
+    assert safe[-1] == 320 and all(c <= SMALL_ROWS or c % BUCKET_ROWS == 0 for c in safe)
+    layers = executed_linears(model)
+    assert sorted(tuple(layer.weight.shape) for layer in layers)[-1] == (256, 64)  # gate/up, fused
+    generator = torch.Generator().manual_seed(5)
+    for layer in layers:
+        x = torch.randn(320, layer.in_features, generator=generator).to(DEVICE)
+        reference = F.linear(x, layer.weight, layer.bias)
+        for rows in range(1, 321):
+            padded = padding.pad(rows)
+            assert padded == next(c for c in safe if c >= rows)
+            assert torch.equal(F.linear(x[:padded], layer.weight, layer.bias)[:rows], reference[:rows]), \
+                f"{tuple(layer.weight.shape)}: {rows} rows padded to {padded}"
 
 
 def test_a_sequence_decodes_to_the_same_bits_alone_or_beside_others(tiny_llama):
