@@ -1,10 +1,15 @@
 """Accuracy against compute: does search make the model answer better, and at what token cost?
 
-    ponder bench accuracy [--model PATH] [--quick | --full] [--methods M,...] [--verifiers V,...] [--n 1,4,16]
-                          [--per-level K] [--seed S] [--max-tokens T] [--threads N] [--json PATH] [--plot PATH]
+    ponder bench accuracy [--model PATH] [--config FILE] [--dataset FILE] [--levels 1,2] [--limit K]
+                          [--quick | --full] [--methods M,...] [--verifier V,...] [--n 1,4,16] [--per-level K]
+                          [--seed S] [--max-tokens T] [--threads N] [--json PATH] [--plot PATH]
+    ponder bench accuracy --power [--pilot JSON]
 
-The problems come from `bench.problems` (levels 1-5, exact integer answers, one seed). Each runs through
-the engine's search entry point, one request at a time, exactly as a chat request with `search`:
+The problems come from `bench.problems` (levels 1-5, exact integer answers, one seed) or, with `--dataset`,
+from the user's JSON Lines file in MATH-500, GSM8K or plain question/answer shape (`bench.datasets`).
+`--config` is a `ponder serve` settings file: the generator, device and KV settings are the server's, and
+each `[verifiers.NAME]` reward model in it is loaded and can be named in `--verifier`. Each problem runs
+through the engine's search entry point, one request at a time, exactly as a chat request with `search`:
 
 - `greedy`: one pass at temperature 0 (N = 1 only);
 - `majority`: N independent samples, the most frequent answer (self-consistency);
@@ -12,26 +17,38 @@ the engine's search entry point, one request at a time, exactly as a chat reques
 - `beam`: step-wise beam search, keep N / 4 paths after each step and refill to N;
 - `dvts`: N / 4 independent subtrees, each expands its own best step four ways.
 
-The verifier methods run once per verifier in `--verifiers` (the ones that need no model besides the
-generator: `judge`, `confidence`). The chosen answer is the engine's own (the first choice's
+The verifier methods run once per verifier in `--verifiers` (`judge` and `confidence` need no model
+besides the generator; others come from `--config`). Greedy and majority voting at every N run whatever
+`--methods` says: they are the baselines. The chosen answer is the engine's own (the first choice's
 `search.answer`); it is graded against the exact answer with the same math-verify equivalence the
 search votes with. No extractable, parseable answer counts as wrong and is counted as unparsed.
 
 Reported per method and N: accuracy with a 95 % Wilson interval, per level, the generator's sampled
 tokens and the verifier's prefilled tokens (per problem), wall seconds and generator tokens per second;
-a PNG of accuracy against generated tokens, one line per method.
+a PNG of accuracy against generated tokens, one line per method. Every method is then compared, problem
+by problem, with greedy decoding and with majority voting at the nearest generated tokens
+(`bench.paired.comparisons`): the difference in accuracy with Newcombe's paired 95 % interval and the
+exact McNemar p-value, and in words which differences are significant at 0.05.
+
+`--power` sizes a comparison instead of running one (no model is loaded): the problems McNemar's test needs
+to detect a 10-point difference at 80 % power for discordance rates of 15-30 %; with `--pilot JSON` (an
+earlier run's `--json`, with greedy in it) also the levels where greedy is right on 20-70 % of the problems
+(pass them as `--levels`) and the discordance each method showed there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.problems import LEVELS, Problem, problem_set
+from bench import paired
+from bench.datasets import load_problems
+from bench.problems import LEVELS, Problem, problem_set, select_levels
 from bench.report import emit, plot_path
 from bench.threads import torch_threads
 
@@ -89,14 +106,15 @@ class Outcome:
 # plan and grading
 
 
-def plan(methods: list[str], verifiers: list[str], ns: list[int]) -> list[Config]:
+def plan(methods: list[str], verifiers: list[str], ns: list[int],
+         known_verifiers: tuple[str, ...] = VERIFIERS) -> list[Config]:
     """Every configuration to run, in order; a ValueError names the first bad input."""
     for method in methods:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     for verifier in verifiers:
-        if verifier not in VERIFIERS:
-            raise ValueError(f"unknown verifier {verifier!r}; expected one of {', '.join(VERIFIERS)}")
+        if verifier not in known_verifiers:
+            raise ValueError(f"unknown verifier {verifier!r}; expected one of {', '.join(known_verifiers)}")
     for n in ns:
         if n < 1:
             raise ValueError(f"N must be at least 1, got {n}")
@@ -109,6 +127,13 @@ def plan(methods: list[str], verifiers: list[str], ns: list[int]) -> list[Config
         else:
             configs += [Config(method, verifier, n) for verifier in verifiers for n in ns]
     return configs
+
+
+def with_baselines(configs: list[Config]) -> list[Config]:
+    """`configs` with greedy and majority voting at every N the others use, the baselines first."""
+    ns = sorted({c.n for c in configs if c.method != "greedy"})
+    baselines = [Config("greedy", None, 1)] + [Config("majority", None, n) for n in ns]
+    return baselines + [c for c in configs if c not in baselines]
 
 
 def grade(answer: str | None, problem: Problem) -> str:
@@ -189,7 +214,7 @@ def summarize(config: Config, problems: list[Problem], outcomes: list[Outcome]) 
     seconds = sum(o.seconds for o in outcomes)
     generated = sum(o.tokens_generated for o in outcomes)
     by_level = {}
-    for level in sorted({p.level for p in problems}):
+    for level in levels_of(problems):
         mine = [o for p, o in zip(problems, outcomes) if p.level == level]
         by_level[str(level)] = round(sum(o.status == "correct" for o in mine) / len(mine), 3)
     return {"method": config.method, "verifier": config.verifier, "n": config.n, "label": config.label,
@@ -198,18 +223,21 @@ def summarize(config: Config, problems: list[Problem], outcomes: list[Outcome]) 
             "tokens_generated": round(generated / total, 1),
             "verifier_tokens": round(sum(o.verifier_tokens for o in outcomes) / total, 1),
             "seconds": round(seconds, 2), "tok_s": round(generated / seconds, 2) if seconds else 0.0,
-            "answers": [o.answer for o in outcomes]}
+            "answers": [o.answer for o in outcomes], "statuses": [o.status for o in outcomes]}
 
 
-def run(model: str | None, configs: list[Config], problems: list[Problem], setup: Setup,
-        progress: bool = True) -> dict:
+def levels_of(problems: list[Problem]) -> list[int]:
+    return sorted({p.level for p in problems if p.level is not None})
+
+
+def run(options, configs: list[Config], problems: list[Problem], setup: Setup, progress: bool = True) -> dict:
+    """Every configuration on every problem, on an engine built from `options` (RuntimeOptions)."""
     import torch
     from tqdm import tqdm
 
     from runtime.bootstrap import build_engine
-    from runtime.protocol import RuntimeOptions
 
-    engine, source = build_engine(RuntimeOptions(model=model, device="cpu"))
+    engine, source = build_engine(options)
     solve(engine, problems[0], Config("greedy", None, 1), Setup(max_tokens=4), "accuracy-warm-up")
     bar = tqdm(total=len(configs) * len(problems), desc="accuracy", unit="problem", disable=not progress,
                file=sys.stderr)
@@ -223,10 +251,10 @@ def run(model: str | None, configs: list[Config], problems: list[Problem], setup
         rows.append(summarize(config, problems, outcomes))
     bar.close()
     return {"model": source.name, "threads": torch.get_num_threads(), "problems": len(problems),
-            "levels": sorted({p.level for p in problems}), "seed": setup.seed, "max_tokens": setup.max_tokens,
+            "levels": levels_of(problems), "seed": setup.seed, "max_tokens": setup.max_tokens,
             "max_steps": setup.max_steps, "max_step_tokens": setup.max_step_tokens,
             "temperature": setup.temperature, "beam_width": BEAM_WIDTH, "results": rows,
-            "gold": [p.gold for p in problems]}
+            "comparisons": paired.comparisons(rows), "alpha": paired.ALPHA, "gold": [p.gold for p in problems]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,8 +263,9 @@ def run(model: str | None, configs: list[Config], problems: list[Problem], setup
 
 def table(results: dict) -> str:
     levels = results["levels"]
-    rows = [f"accuracy benchmark: {results['model']}, {results['problems']} problems (levels "
-            f"{','.join(map(str, levels))}, seed {results['seed']}), max_tokens {results['max_tokens']}, "
+    source = results.get("dataset") or "generated"
+    rows = [f"accuracy benchmark: {results['model']}, {results['problems']} problems ({source}; levels "
+            f"{','.join(map(str, levels)) or 'none'}, seed {results['seed']}), max_tokens {results['max_tokens']}, "
             f"steps <= {results['max_steps']} x {results['max_step_tokens']} tokens, temperature "
             f"{results['temperature']}, {results['threads']} threads",
             f"{'method':<22} {'N':>3} {'accuracy':>9} {'95% CI':>13} {'unparsed':>9} "
@@ -249,6 +278,7 @@ def table(results: dict) -> str:
                     + f" {r['tokens_generated']:>8.1f} {r['verifier_tokens']:>10.1f} {r['seconds']:>8.1f} "
                     f"{r['tok_s']:>7.1f}")
     rows.append("tokens are per problem (generator sampled, verifier prefilled); seconds for the whole set")
+    rows += paired.comparison_lines(results["comparisons"], results["alpha"])
     return "\n".join(rows)
 
 
@@ -260,6 +290,9 @@ def plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     labels = list(dict.fromkeys(r["label"] for r in results["results"]))
+    # `*`: significantly different (exact McNemar) from majority voting at the nearest tokens
+    marked = {(c["label"], c["n"]) for c in results["comparisons"]
+              if c.get("vs_majority", {}).get("p_value", 1.0) < results["alpha"]}
     for label in labels:
         rows = sorted((r for r in results["results"] if r["label"] == label), key=lambda r: r["n"])
         xs = [max(r["tokens_generated"], 1.0) for r in rows]
@@ -267,13 +300,15 @@ def plot(results: dict, path: Path) -> None:
         errors = [[r["accuracy"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["accuracy"] for r in rows]]
         line = ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=label, alpha=0.85)
         for x, y, r in zip(xs, ys, rows):
-            ax.annotate(f"N={r['n']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+            star = "*" if (label, r["n"]) in marked else ""
+            ax.annotate(f"N={r['n']}{star}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
                         color=line[0].get_color())
     ax.set_xscale("log")
     ax.set_xlabel("generated tokens per problem (generator)")
     ax.set_ylabel("accuracy (95% Wilson interval)")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{results['model']}: {results['problems']} problems, seed {results['seed']}")
+    ax.set_title(f"{results['model']}: {results['problems']} problems, seed {results['seed']} "
+                 f"(*: differs from majority at equal tokens, p < {results['alpha']})", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -282,11 +317,11 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, what: str = "N") -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"N must be a comma-separated list of integers, got {text!r}") from None
+        raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
 
 
 def _names(text: str) -> list[str]:
@@ -300,16 +335,123 @@ DEFAULT = dict(methods=",".join(METHODS), verifiers=",".join(VERIFIERS), n="1,4,
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.power:
+            return _power(args)
+        chosen = dict(QUICK if args.quick else DEFAULT)
+        if args.full:
+            chosen["n"] = "1,4,16,64"
+        options, known = runtime_options(args.model, args.config)
+        configs = plan(_names(args.methods or chosen["methods"]), _names(args.verifiers or chosen["verifiers"]),
+                       _int_list(args.n or chosen["n"]), known)
+        per_level = args.per_level or chosen["per_level"]
+        if per_level < 1:
+            raise ValueError(f"--per-level must be at least 1, got {per_level}")
+        if args.quick:  # N = 1 is greedy's alone
+            configs = [c for c in configs if c.n > 1 or c.method == "greedy"]
+        problems = choose_problems(args.dataset, args.levels, args.limit, args.seed, per_level)
+    except ValueError as exc:  # a DatasetError too
+        print(f"ponder bench accuracy: error: {exc}", file=sys.stderr)
+        return 2
+    setup = Setup(max_tokens=args.max_tokens or chosen["max_tokens"], max_steps=args.max_steps or chosen["max_steps"],
+                  max_step_tokens=args.max_step_tokens or chosen["max_step_tokens"], seed=args.seed)
+    with torch_threads(args.threads):
+        results = run(options, with_baselines(configs), problems, setup)
+    results["dataset"] = args.dataset
+    path = plot_path(args.plot_path, args.json_path, OUT_DIR / ("accuracy-quick.png" if args.quick else "accuracy.png"))
+    results["plot"] = str(path)
+    plot(results, path)
+    emit(results, table(results), args.json_path)
+    return 0
+
+
+def runtime_options(model: str | None, config: str | None):
+    """The engine's options and the verifier names a run may use. Without `config`: the model on the CPU,
+    as the other benchmarks run; with it: what `ponder serve --config` would load, reward models too."""
+    from runtime.protocol import RuntimeOptions
+
+    if config is None:
+        return RuntimeOptions(model=model, device="cpu"), VERIFIERS
+    from pydantic import ValidationError
+
+    from server.config import Settings
+
+    try:
+        settings = Settings.load(config, model={"path": model})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ValueError(f"{config}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    except (OSError, ValueError) as exc:  # a missing file, TOML that does not parse
+        raise ValueError(f"{config}: {exc}") from None
+    return settings.runtime_options(), VERIFIERS + tuple(settings.verifiers)
+
+
+def choose_problems(dataset: str | None, levels: str | None, limit: int | None, seed: int,
+                    per_level: int) -> list[Problem]:
+    """The user's file, or the generated set; only `levels` of it, and its first `limit` problems."""
+    chosen_levels = tuple(_int_list(levels, "--levels")) if levels else None
+    if dataset is not None:
+        problems = load_problems(dataset)
+        if chosen_levels:
+            problems = select_levels(problems, chosen_levels)
+    else:
+        problems = problem_set(seed, per_level, chosen_levels or LEVELS)
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"--limit must be at least 1, got {limit}")
+        problems = problems[:limit]
+    return problems
+
+
+def _power(args) -> int:
+    table_rows = paired.power_table()
+    results: dict = {"power": table_rows}
+    lines = paired.power_lines(table_rows)
+    if args.pilot:
+        try:
+            with open(args.pilot) as f:
+                pilot = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{args.pilot}: cannot read the pilot: {exc}") from None
+        try:
+            advice = paired.pilot_advice(pilot)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{args.pilot}: not an accuracy benchmark's JSON (no {exc})") from None
+        results["pilot"] = advice
+        band = ",".join(map(str, advice["levels_in_band"])) or "none"
+        lines.append(f"pilot {args.pilot}: greedy accuracy by level {advice['greedy_by_level']}; levels where greedy "
+                     f"is right on 20-70 %: {band}" + (f" (run with --levels {band})" if advice["levels_in_band"] else ""))
+        for row in advice["rows"]:
+            needed = row["problems_needed"] or "- (discordance at or below the difference)"
+            lines.append(f"  {row['label']} N={row['n']}: discordance with greedy {100 * row['discordance']:.0f} %, "
+                         f"problems needed {needed}")
+    emit(results, "\n".join(lines), args.json_path)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ponder bench accuracy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None, help="the generator (default: the config's, else the embedded one)")
+    parser.add_argument("--config", default=None, help="a `ponder serve` TOML settings file: model, device, KV "
+                                                       "settings and [verifiers.NAME] reward models")
+    parser.add_argument("--dataset", default=None, help="JSON Lines: MATH-500 (problem, answer), GSM8K (question, "
+                                                        "answer ending '#### N') or plain (question, answer)")
+    parser.add_argument("--levels", default=None, help="comma-separated levels to keep (generated set, or a "
+                                                       "dataset with a level field)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first K problems")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
                       help="2 problems a level, max_tokens 48, greedy, majority and best_of_n:confidence at N 4 and "
                            "16 (about 7 minutes on 2 cores)")
     size.add_argument("--full", action="store_true", help="N up to 64")
+    size.add_argument("--power", action="store_true", help="print how many problems a paired comparison needs "
+                                                          "(no model is run)")
+    parser.add_argument("--pilot", default=None, help="with --power: an earlier run's JSON to choose levels from")
     parser.add_argument("--methods", default=None, help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--verifiers", default=None, help=f"for {', '.join(VERIFIED)}: of {', '.join(VERIFIERS)}")
+    parser.add_argument("--verifiers", "--verifier", dest="verifiers", default=None,
+                        help=f"for {', '.join(VERIFIED)}: of {', '.join(VERIFIERS)} or a [verifiers.NAME] of --config")
     parser.add_argument("--n", default=None, help="comma-separated N (paths) to try, each >= 1")
     parser.add_argument("--per-level", type=int, default=None, help="problems per level")
     parser.add_argument("--seed", type=int, default=0, help="the problem set's seed and the sampling seed")
@@ -321,31 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None,
                         help="PNG path (default: next to --json, else bench/out/accuracy.png)")
-    args = parser.parse_args(argv)
-    chosen = dict(QUICK if args.quick else DEFAULT)
-    if args.full:
-        chosen["n"] = "1,4,16,64"
-    try:
-        configs = plan(_names(args.methods or chosen["methods"]), _names(args.verifiers or chosen["verifiers"]),
-                       _int_list(args.n or chosen["n"]))
-        per_level = args.per_level or chosen["per_level"]
-        if per_level < 1:
-            raise ValueError(f"--per-level must be at least 1, got {per_level}")
-    except ValueError as exc:
-        print(f"ponder bench accuracy: error: {exc}", file=sys.stderr)
-        return 2
-    if args.quick:  # N = 1 is greedy's alone
-        configs = [c for c in configs if c.n > 1 or c.method == "greedy"]
-    setup = Setup(max_tokens=args.max_tokens or chosen["max_tokens"], max_steps=args.max_steps or chosen["max_steps"],
-                  max_step_tokens=args.max_step_tokens or chosen["max_step_tokens"], seed=args.seed)
-    problems = problem_set(args.seed, per_level, LEVELS)
-    with torch_threads(args.threads):
-        results = run(args.model, configs, problems, setup)
-    path = plot_path(args.plot_path, args.json_path, OUT_DIR / ("accuracy-quick.png" if args.quick else "accuracy.png"))
-    results["plot"] = str(path)
-    plot(results, path)
-    emit(results, table(results), args.json_path)
-    return 0
+    return parser
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ def load_problems(path: str | Path) -> list[Problem]:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.__class__.__name__}: {exc}") from None
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     problems = []
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():

@@ -59,12 +59,29 @@ def test_the_plan_runs_greedy_once_and_every_verified_method_per_verifier_and_n(
         ("beam:confidence", 1), ("beam:confidence", 4)]
 
 
+def test_greedy_and_majority_at_every_n_are_added_as_baselines():
+    configs = accuracy.plan(["beam", "majority"], ["judge"], [4, 16])
+    assert [(c.label, c.n) for c in accuracy.with_baselines(configs)] == [
+        ("greedy", 1), ("majority", 4), ("majority", 16), ("beam:judge", 4), ("beam:judge", 16)]
+
+
+def test_a_verifier_from_the_config_is_a_known_verifier():
+    configs = accuracy.plan(["best_of_n"], ["prm"], [4], known_verifiers=("judge", "confidence", "prm"))
+    assert [c.label for c in configs] == ["best_of_n:prm"]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--methods", "greedy,sampling"], "unknown method 'sampling'; expected one of greedy, majority, "
                                        "best_of_n, beam, dvts"),
     (["--n", "4,0"], "N must be at least 1, got 0"),
     (["--n", "four"], "N must be a comma-separated list of integers, got 'four'"),
     (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence"),
+    (["--levels", "2,6"], "unknown level 6; levels are 1, 2, 3, 4, 5"),
+    (["--levels", "two"], "--levels must be a comma-separated list of integers, got 'two'"),
+    (["--limit", "0"], "--limit must be at least 1, got 0"),
+    (["--power", "--pilot", "/nonexistent/pilot.json"],
+     "/nonexistent/pilot.json: cannot read the pilot: [Errno 2] No such file or directory: "
+     "'/nonexistent/pilot.json'"),
 ])
 def test_bad_input_stops_at_once_with_one_line(args, message, capsys, monkeypatch):
     def no_run(*a, **k):
@@ -100,4 +117,38 @@ def test_a_tiny_model_run_reports_every_configuration_and_plots(tiny_llama, tmp_
             assert row["verifier_tokens"] > 0
         if row["verifier"] is None or row["verifier"] == "confidence":
             assert row["verifier_tokens"] == 0
+        assert row["correct"] == row["statuses"].count("correct") and len(row["statuses"]) == len(LEVELS)
+    compared = {(c["label"], c["n"]): c for c in results["comparisons"]}
+    assert list(compared) == labels[1:]  # everything but greedy, in order
+    assert "vs_majority" not in compared[("majority", 4)]
+    assert compared[("beam:judge", 4)]["vs_majority"]["baseline"].startswith("majority N=")
+    for entry in compared.values():
+        for cmp in filter(None, (entry["vs_greedy"], entry.get("vs_majority"))):
+            assert cmp["ci95"][0] <= cmp["difference"] <= cmp["ci95"][1]
+            assert (cmp["verdict"] == "not significant") == (cmp["p_value"] >= 0.05)
     assert printed[1].startswith("accuracy benchmark:")
+    assert any(line.startswith("paired against greedy and against majority voting") for line in printed)
+
+
+def test_power_prints_the_problems_a_comparison_needs_without_a_model(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(accuracy, "run", lambda *a, **k: pytest.fail("the benchmark ran"))
+    assert accuracy.main(["--power", "--json", str(tmp_path / "power.json")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [(r["discordance"], r["connor"], r["exact"]) for r in json.loads(printed[0])["power"]] == [
+        (0.15, 116, 122), (0.20, 155, 168), (0.25, 194, 207), (0.30, 234, 249)]
+    assert printed[3].split() == ["15%", "116", "0.776", "122"]
+
+
+def test_power_with_a_pilot_names_the_levels_to_run(tmp_path, capsys):
+    greedy = {"label": "greedy", "method": "greedy", "n": 1, "tokens_generated": 30,
+              "by_level": {"1": 0.9, "2": 0.6, "3": 0.3, "4": 0.1, "5": 0.0},
+              "statuses": ["correct"] * 5 + ["wrong"] * 5}
+    vote = {"label": "majority", "method": "majority", "n": 4, "tokens_generated": 120,
+            "statuses": ["correct"] * 3 + ["wrong"] * 2 + ["correct"] * 2 + ["wrong"] * 3}
+    pilot = tmp_path / "pilot.json"
+    pilot.write_text(json.dumps({"results": [greedy, vote],
+                                 "comparisons": accuracy.paired.comparisons([greedy, vote])}))
+    assert accuracy.main(["--power", "--pilot", str(pilot)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2].endswith("levels where greedy is right on 20-70 %: 2,3 (run with --levels 2,3)")
+    assert printed[-1] == "  majority N=4: discordance with greedy 40 %, problems needed 312"
