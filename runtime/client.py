@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator, Callable
 
 from runtime.framing import HEADER
 from runtime.protocol import (
-    AbortRequest, Accepted, Delta, Finished, FromRuntime, GenerateRequest, LoadFailed, LoadProgress, Ready,
-    RequestError, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree, Shutdown, decode_from_runtime, encode,
+    AbortRequest, Accepted, Delta, Detokenized, DetokenizeRequest, Finished, FromRuntime, GenerateRequest, LoadFailed,
+    LoadProgress, Ready, RequestError, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree, Shutdown, Tokenized,
+    TokenizeRequest, decode_from_runtime, encode,
 )
 
 log = logging.getLogger("ponder.client")
@@ -201,7 +202,7 @@ class RuntimeClient:
         handle = self._handles.get(message.request_id)
         if handle is None:
             return  # aborted earlier; late messages are dropped
-        if isinstance(message, (Finished, RequestError)):
+        if isinstance(message, (Finished, RequestError, Tokenized, Detokenized)):  # a request's last message
             del self._handles[message.request_id]
         handle.queue.put_nowait(message)
 
@@ -220,13 +221,21 @@ class RuntimeClient:
         self._writer.write(HEADER.pack(len(payload)) + payload)
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, request: GenerateRequest) -> RequestHandle:
+    def submit(self, request: GenerateRequest | TokenizeRequest | DetokenizeRequest) -> RequestHandle:
         if self.state != READY:
             raise RuntimeUnavailable("the inference runtime is not ready")
         self._send(request)  # first: a request that cannot be sent leaves no handle behind
         handle = RequestHandle(request.request_id)
         self._handles[request.request_id] = handle  # the reader runs on this loop, after we return
         return handle
+
+    async def ask(self, request: TokenizeRequest | DetokenizeRequest) -> Tokenized | Detokenized | RequestError:
+        """A request with one answer (tokenize, detokenize): the answer, or the RequestError."""
+        handle = self.submit(request)
+        try:
+            return await handle.queue.get()
+        finally:
+            self._handles.pop(request.request_id, None)
 
     def abort(self, request_id: str) -> None:
         if self._handles.pop(request_id, None) is not None and self._writer is not None:

@@ -19,8 +19,8 @@ import traceback
 
 from runtime.framing import recv_frame, send_frame
 from runtime.protocol import (
-    AbortRequest, GenerateRequest, LoadFailed, Ready, RequestError, Shutdown, decode_options,
-    decode_to_runtime, encode,
+    AbortRequest, DetokenizeRequest, GenerateRequest, LoadFailed, Ready, RequestError, Shutdown, TokenizeRequest,
+    decode_options, decode_to_runtime, encode,
 )
 
 log = logging.getLogger("ponder.runtime")
@@ -100,6 +100,8 @@ class Stop(Exception):
 
 
 def _loop(channel: Channel, engine, options) -> None:
+    from runtime.requests import detokenize, tokenize  # imports torch: only once the model loaded
+
     last_stats = 0.0
     while True:
         timeout = 0.0 if engine.has_work else 0.05
@@ -115,6 +117,10 @@ def _loop(channel: Channel, engine, options) -> None:
             elif isinstance(message, GenerateRequest):
                 for out in engine.add_request(message):
                     channel.send(out)
+            elif isinstance(message, TokenizeRequest):
+                channel.send(tokenize(message, engine.tokenizer, engine.config.max_model_len))
+            elif isinstance(message, DetokenizeRequest):
+                channel.send(detokenize(message, engine.tokenizer, engine.vocab_size))
             timeout = 0.0
         if engine.has_work:
             try:

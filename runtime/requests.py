@@ -160,4 +160,8 @@ def tokenize(request: TokenizeRequest, tokenizer, max_model_len: int) -> Tokeniz
 def detokenize(request: DetokenizeRequest, tokenizer, vocab_size: int) -> Detokenized | RequestError:
     if any(not 0 <= t < vocab_size for t in request.token_ids):
         return InvalidRequest(f"token ids must lie in [0, {vocab_size})", "tokens").to_message(request.request_id)
-    return Detokenized(request_id=request.request_id, text=tokenizer.decode(list(request.token_ids)))
+    try:
+        text = tokenizer.decode(list(request.token_ids))
+    except Exception as exc:  # noqa: BLE001 - a tokenizer's own refusal is the client's input error
+        return InvalidRequest(f"these token ids cannot be decoded: {exc}", "tokens").to_message(request.request_id)
+    return Detokenized(request_id=request.request_id, text=text)

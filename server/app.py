@@ -15,15 +15,16 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from runtime.client import READY, RuntimeClient
-from runtime.protocol import GenerateRequest
+from runtime.client import READY, RuntimeClient, RuntimeUnavailable
+from runtime.protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
 from server import errors
 from server.config import Settings
 from server.errors import APIError
 from server.generation import Generation
 from server.http_edge import EdgeMetrics, quiet_probe_access_log
 from server.metrics import Metrics
-from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.responses import PromptAsks
+from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
 from server.trees import SearchTrees
 from server.ui import install as install_ui
 
@@ -157,6 +158,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         model = check_model(body.model)
         _check_limits(settings, body, client.info.max_model_len if client.info else None)
         _check_verifier(body, client.info.verifiers if client.info else ())
+        _check_prompt_asks(body)
         options = body.stream_options
         include_events = bool(options and options.include_search_events)
         sampling = body.to_sampling()
@@ -167,9 +169,11 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
             search = msgspec.structs.replace(search, include_tree=True)  # for the page at /ui
         wires = [GenerateRequest(request_id=uuid.uuid4().hex, endpoint=endpoint, sampling=sampling, search=search,
                                  **prompt) for prompt in prompts]
+        asks = PromptAsks(echo_logprobs=getattr(body, "echo_logprobs", None), prompt_logprobs=body.prompt_logprobs,
+                          continuous_usage=bool(options and options.continuous_usage_stats))
         return await Generation(client, metrics, request, model, endpoint, wires, body.n, body.stream,
                                 bool(options and options.include_usage), include_events,
-                                settings.server.sse_keepalive_s, trees).run()
+                                settings.server.sse_keepalive_s, trees, asks).run()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -179,6 +183,31 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     async def completions(body: CompletionRequest, request: Request):
         prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": tuple(p)} for p in body.prompts()]
         return await generate(body, request, "completion", prompts)
+
+    async def ask_runtime(message):
+        try:
+            answer = await client.ask(message)
+        except RuntimeUnavailable as exc:
+            raise APIError(503, str(exc), code="runtime_unavailable") from None
+        if isinstance(answer, RequestError):
+            raise APIError(answer.status, answer.message, answer.param, answer.code, answer.type)
+        return answer
+
+    @app.post("/tokenize", dependencies=[Depends(require_key)])
+    async def tokenize(body: TokenizeBody):
+        """vLLM's /tokenize: the prompt's token ids (messages through the chat template), as generation sees them."""
+        check_model(body.model)
+        add_special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+        answer = await ask_runtime(TokenizeRequest(
+            request_id=uuid.uuid4().hex, prompt=body.prompt, messages=body.wire_messages(),
+            add_special_tokens=add_special, add_generation_prompt=body.add_generation_prompt))
+        return {"tokens": list(answer.token_ids), "count": len(answer.token_ids), "max_model_len": answer.max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(require_key)])
+    async def detokenize(body: DetokenizeBody):
+        check_model(body.model)
+        answer = await ask_runtime(DetokenizeRequest(request_id=uuid.uuid4().hex, token_ids=tuple(body.tokens)))
+        return {"prompt": answer.text}
 
     if trees.is_enabled:
         install_ui(app, trees, api_key, settings.server.sse_keepalive_s)
@@ -190,6 +219,16 @@ def _check_verifier(body, verifiers: tuple[str, ...]) -> None:
     if body.search is not None and body.search.verifier not in verifiers:
         raise APIError(400, f"unknown verifier {body.search.verifier!r}; this server has {', '.join(verifiers)}",
                        "search.verifier")
+
+
+def _check_prompt_asks(body) -> None:
+    """The prompt comes back only from a plain request: a search answers with its paths."""
+    if body.search is None:
+        return
+    if getattr(body, "echo", False):
+        raise APIError(400, "echo cannot be combined with search", "echo")
+    if body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs cannot be combined with search", "prompt_logprobs")
 
 
 def _check_limits(settings: Settings, body, max_model_len: int | None) -> None:

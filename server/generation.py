@@ -9,16 +9,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from runtime.client import RequestHandle, RuntimeClient, RuntimeUnavailable
-from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SearchEvent
+from runtime.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, SearchEvent
 from server.errors import APIError
 from server.metrics import Metrics
 from server.responses import (
-    ChoiceText, ChunkWriter, chat_logprobs, completion_logprobs, search_field, summary_field, usage,
+    ChoiceText, ChunkWriter, PromptAsks, chat_logprobs, completion_logprobs, prompt_logprobs_field, search_field,
+    summary_field, usage,
 )
 from server.trees import CANCELLED, FAILED, FINISHED, SearchTrees
 
@@ -41,7 +43,8 @@ class Generation:
 
     def __init__(self, client: RuntimeClient, metrics: Metrics, http: Request, model: str, endpoint: str,
                  requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
-                 include_search_events: bool, keepalive_s: float, trees: SearchTrees | None = None) -> None:
+                 include_search_events: bool, keepalive_s: float, trees: SearchTrees | None = None,
+                 asks: PromptAsks = PromptAsks()) -> None:
         self.client = client
         self.metrics = metrics
         self.http = http
@@ -55,6 +58,8 @@ class Generation:
         self.include_search_events = include_search_events  # the client asked for search event chunks
         self.keepalive_s = keepalive_s
         self.trees = trees  # where the page at /ui watches each search's tree
+        self.asks = asks  # echoed and prompt logprobs, continuous usage
+        self.prompt_tokens = 0  # of every admitted prompt (Accepted), for continuous usage
         self.is_search = any(r.search is not None for r in requests)
         prefix = "chatcmpl-" if self.is_chat else "cmpl-"
         self.response_id = prefix + uuid.uuid4().hex
@@ -102,6 +107,8 @@ class Generation:
             raise APIError(503, str(exc), code="runtime_unavailable") from None
         for handle in self.handles:
             first = await self._next(handle)
+            if isinstance(first, Accepted):
+                self.prompt_tokens += first.prompt_tokens
             if isinstance(first, RequestError):
                 self._abort_all()
                 if self.trees is not None:  # a rejected request was never a search worth showing
@@ -149,9 +156,7 @@ class Generation:
         async for message in handle.messages():
             if isinstance(message, Delta):
                 self._observe_tokens(message)
-                message = Delta(request_id=message.request_id, index=handle_index * self.n + message.index,
-                                text=message.text, token_ids=message.token_ids, logprobs=message.logprobs,
-                                finish_reason=message.finish_reason, search=message.search)
+                message = msgspec.structs.replace(message, index=handle_index * self.n + message.index)
                 if message.finish_reason is not None:
                     self.finish_reasons.append(message.finish_reason)
             elif isinstance(message, Finished):
@@ -193,19 +198,26 @@ class Generation:
     def _body(self, choices: list[ChoiceText]) -> dict:
         out = []
         for index, c in enumerate(choices):
+            asks = self.asks
             if self.is_chat:
                 item = {"index": index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
                         "finish_reason": c.finish_reason}
             else:
+                echoed = c.prompt_logprobs if asks.echo_logprobs is not None else ()
                 item = {"index": index, "text": c.text,
-                        "logprobs": completion_logprobs(c.logprobs) if c.logprobs else None,
+                        "logprobs": completion_logprobs(c.logprobs, 0, echoed, asks.echo_logprobs or 0)
+                        if c.logprobs or echoed else None,
                         "finish_reason": c.finish_reason}
+                if asks.prompt_logprobs is not None:
+                    item["prompt_logprobs"] = prompt_logprobs_field(c.prompt_logprobs, asks.prompt_logprobs)
             if c.search is not None:
                 item["search"] = search_field(c.search)
             out.append(item)
         body = {"id": self.response_id, "object": "chat.completion" if self.is_chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage(self.finished)}
+        if self.is_chat and self.asks.prompt_logprobs is not None and choices:  # vLLM: one prompt, top level
+            body["prompt_logprobs"] = prompt_logprobs_field(choices[0].prompt_logprobs, self.asks.prompt_logprobs)
         summaries = [f.search for f in self.finished if f.search is not None]
         if summaries:
             body["search"] = summary_field(summaries[0])
@@ -213,7 +225,8 @@ class Generation:
 
     # -- streaming ------------------------------------------------------------------------------
     async def _stream(self) -> AsyncIterator[bytes]:
-        writer = ChunkWriter(self.response_id, self.created, self.model, self.is_chat, self.include_usage)
+        writer = ChunkWriter(self.response_id, self.created, self.model, self.is_chat, self.include_usage, self.asks)
+        writer.prompt_tokens = self.prompt_tokens
         status = 200
         returned = 0
         text_offsets: dict[int, int] = {}
@@ -227,8 +240,10 @@ class Generation:
                 async for message in self._messages(handle_index):
                     if isinstance(message, Delta):
                         returned += len(message.token_ids)
+                        writer.completion_tokens = returned
                         yield writer.delta_chunk(message, text_offsets.get(message.index, 0))
-                        text_offsets[message.index] = text_offsets.get(message.index, 0) + len(message.text)
+                        text_offsets[message.index] = text_offsets.get(message.index, 0) + len(message.text) + \
+                            len(message.prompt_text or "")
                     elif isinstance(message, SearchEvent) and self.include_search_events:
                         yield writer.chunk([], search={"step": message.step, "live_paths": message.live_paths,
                                                        "scores": list(message.scores)})

@@ -61,6 +61,7 @@ class ChatMessage(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far (with include_usage)
     include_search_events: bool = False
 
 
@@ -88,6 +89,8 @@ class SearchRequest(_Wire):
         return SearchParams(**fields, include_events=include_events)
 
 
+MAX_LOGPROBS = 20  # the most top logprobs a position may ask for (logprobs, top_logprobs, prompt_logprobs)
+
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
@@ -112,6 +115,8 @@ class _Generation(_Body):
     stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    # vLLM: each prompt token's logprob, rank and this many most likely tokens at its position
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     search: SearchRequest | None = None
 
     @field_validator("stop")
@@ -130,21 +135,23 @@ class _Generation(_Body):
     def stop_list(self) -> list[str]:
         return self.stop or []  # type: ignore[return-value]
 
-    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int, echo: bool = False,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(self.stop_list()),
             stop_token_ids=tuple(self.stop_token_ids), include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs, n=self.n)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs, n=self.n, echo=echo,
+            prompt_logprobs=prompt_logprobs)
 
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -154,7 +161,7 @@ class ChatCompletionRequest(_Generation):
 
     def to_sampling(self) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(limit, self.logprobs, self.top_logprobs or 0)
+        return self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs)
 
     def wire_messages(self) -> tuple[dict[str, str], ...]:
         return tuple({"role": m.role, "content": m.text()} for m in self.messages)
@@ -162,9 +169,9 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    max_tokens: int | None = Field(16, ge=0)  # 0: the prompt alone, with echo or prompt_logprobs
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # the text starts with the prompt; with logprobs, the logprobs cover the prompt too
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -176,8 +183,8 @@ class CompletionRequest(_Generation):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be at least 1, or 0 with echo or prompt_logprobs (the prompt alone)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -190,6 +197,39 @@ class CompletionRequest(_Generation):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def echo_logprobs(self) -> int | None:
+        """The top logprobs each echoed prompt token carries, or None when the prompt's are not asked for."""
+        return self.logprobs if self.echo else None
+
     def to_sampling(self) -> SamplingParams:
         wants = self.logprobs is not None
-        return self.sampling(self.max_tokens, wants, self.logprobs or 0)
+        asks = [k for k in (self.echo_logprobs, self.prompt_logprobs) if k is not None]
+        return self.sampling(self.max_tokens, wants, self.logprobs or 0, echo=self.echo,
+                             prompt_logprobs=max(asks) if asks else None)
+
+
+class TokenizeBody(_Body):
+    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+    def wire_messages(self) -> tuple[dict[str, str], ...] | None:
+        if self.messages is None:
+            return None
+        return tuple({"role": m.role, "content": m.text()} for m in self.messages)
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -96,3 +96,148 @@ def test_engine_without_prompt_logprobs_keeps_no_prompt_rows(tiny_llama):
     messages = drain(engine, request("plain", PROMPT, max_tokens=2))
     assert calls and all(not extra[0] for extra in calls)  # no prompt rows kept
     assert all(m.prompt_logprobs is None and m.prompt_text is None for m in messages if isinstance(m, Delta))
+
+
+# -- through the HTTP API -----------------------------------------------------------------------
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TEXT = " ".join(f"w{i}" for i in range(22))  # 23 tokens with <s>: cached blocks of 4 on the second request
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with live_server("--model", str(tiny_llama), "--api-key", KEY, "--device", "cpu",
+                     env={"PONDER_CACHE__NUM_BLOCKS": "256", "PONDER_CACHE__BLOCK_SIZE": "4",
+                          "PONDER_SCHEDULER__MAX_NUM_BATCHED_TOKENS": "16"}) as (base, _):
+        yield base
+
+
+def complete(server, **body) -> dict:
+    r = httpx.post(server + "/v1/completions", json={"temperature": 0, **body}, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_echo(choice, ids, tok, ref, k):
+    """OpenAI's echoed logprobs over the prompt `ids`, against the reference log-softmax `ref`."""
+    logprobs = choice["logprobs"]
+    n = len(ids)
+    assert logprobs["tokens"][:n] == [tok.decode([t]) for t in ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for position in range(1, n):
+        row = ref[position - 1]
+        assert abs(logprobs["token_logprobs"][position] - row[ids[position]].item()) < TOL
+        top = logprobs["top_logprobs"][position]
+        best_value, best_id = torch.topk(row, k)
+        expected = {tok.decode([t]): v for t, v in zip(best_id.tolist(), best_value.tolist())}
+        expected[tok.decode([ids[position]])] = row[ids[position]].item()
+        assert top.keys() == expected.keys()
+        assert max(abs(top[t] - v) for t, v in expected.items()) < TOL
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"]))
+
+
+def test_echo_with_logprobs_as_lm_eval_sends_it(server, hf):
+    model, tok = hf
+    ids = tok.encode(TEXT)
+    for attempt in range(2):  # the second time the prompt's first blocks are in the prefix cache
+        body = complete(server, prompt=TEXT, echo=True, logprobs=1, max_tokens=1)
+        choice = body["choices"][0]
+        generated = choice["logprobs"]["tokens"][len(ids):]
+        assert len(generated) == 1 and choice["text"] == TEXT + generated[0]
+        ref = reference(model, ids + [tok.convert_tokens_to_ids(generated[0])])
+        check_echo(choice, ids, tok, ref, 1)
+        assert abs(choice["logprobs"]["token_logprobs"][-1] - ref[len(ids) - 1].max().item()) < TOL  # greedy
+        assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 1
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_max_tokens_zero_scores_the_prompt_alone(server, hf):
+    model, tok = hf
+    ids = tok.encode(TEXT)
+    body = complete(server, prompt=[TEXT, "w3 w4"], echo=True, logprobs=2, max_tokens=0)
+    assert [c["text"] for c in body["choices"]] == [TEXT, "w3 w4"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    check_echo(body["choices"][0], ids, tok, reference(model, ids), 2)
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == len(ids)
+    assert body["usage"]["completion_tokens"] == 0
+    # Token-id prompts echo their decoded text.
+    body = complete(server, prompt=ids, echo=True, max_tokens=0)
+    assert body["choices"][0]["text"] == tok.decode(ids) and body["choices"][0]["logprobs"] is None
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(server, hf):
+    model, tok = hf
+    ids = tok.encode(TEXT)
+    ref = reference(model, ids)
+
+    def check(field):
+        assert field[0] is None and len(field) == len(ids)
+        for position in range(1, len(ids)):
+            row = ref[position - 1]
+            entries = field[position]
+            top_ids = torch.topk(row, 2).indices.tolist()
+            assert set(entries) == {str(t) for t in top_ids + [ids[position]]}
+            for token_id, entry in entries.items():
+                assert abs(entry["logprob"] - row[int(token_id)].item()) < TOL
+                assert entry["rank"] == int((row > row[int(token_id)]).sum()) + 1
+                assert entry["decoded_token"] == tok.decode([int(token_id)])
+
+    body = complete(server, prompt=TEXT, max_tokens=2, prompt_logprobs=2)
+    check(body["choices"][0]["prompt_logprobs"])
+    assert body["choices"][0]["logprobs"] is None and not body["choices"][0]["text"].startswith("w0")
+
+    messages = [{"role": "user", "content": TEXT}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    ref = reference(model, ids)
+    r = httpx.post(server + "/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"messages": messages, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    check(r.json()["prompt_logprobs"])
+
+
+def sse(server, path, body) -> list[dict]:
+    import json
+
+    chunks = []
+    with httpx.stream("POST", server + path, json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_streamed_echo_starts_with_the_prompt(server, hf):
+    model, tok = hf
+    ids = tok.encode(TEXT)
+    chunks = sse(server, "/v1/completions", {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 3,
+                                             "temperature": 0, "stream": True, "ignore_eos": True})
+    whole = complete(server, prompt=TEXT, echo=True, logprobs=1, max_tokens=3, ignore_eos=True)["choices"][0]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert chunks[0]["choices"][0]["text"].startswith(TEXT)
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == whole["logprobs"]["tokens"] and len(tokens) == len(ids) + 3
+    logprobs = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert logprobs[0] is None and logprobs[1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:], abs=TOL)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": TEXT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1 w2"}]})])
+def test_continuous_usage_stats_on_every_chunk(server, path, body):
+    chunks = sse(server, path, {**body, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 4
+    prompt = final["usage"]["prompt_tokens"]
+    assert all(set(c["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"} for c in chunks[:-1])
+    seen = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert seen == sorted(seen) and seen[-1] == 4
+    assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt + k
+               for c, k in zip(chunks[:-1], seen))
+    # Without continuous_usage_stats, only the last chunk counts.
+    chunks = sse(server, path, {**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 2
