@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from runtime import attention
+from runtime.decoder import LeanDecoder
+from runtime.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
-from runtime.loader import ModelSource, load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
+from runtime.loader import (ModelSource, SettingError, load_causal_lm, load_tokenizer, pick_device, pick_dtype,
+                            resolve_model)
 from runtime.protocol import RuntimeOptions
 from runtime.quantize import apply_quantize, check_mode
 from runtime.search.verifier_store import VerifierStore
@@ -37,11 +42,15 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     shape = kv_shape_of(model.config, options.block_size)
     # Reward models load before any pool is sized: a roofline split sizes the pools from all models.
     verifiers = {name: _load_verifier(name, spec, device, dtype) for name, spec in options.verifiers.items()}
-    splitter = _roofline_splitter(options, model, verifiers, max_model_len) if options.kv_split == "roofline" else None
+    kv_bytes = options.kv_memory_bytes
+    if sizes_from_device(options, device):
+        kv_bytes = device_kv_bytes(options, device, model, verifiers, max_model_len)
+    splitter = _roofline_splitter(options, model, verifiers, max_model_len, kv_bytes) \
+        if options.kv_split == "roofline" else None
     if splitter is not None:
         num_blocks = splitter.generator_blocks
     else:
-        num_blocks = options.num_blocks or max(1, options.kv_memory_bytes // shape.bytes_per_block(dtype))
+        num_blocks = options.num_blocks or max(1, kv_bytes // shape.bytes_per_block(dtype))
     config = EngineConfig(max_model_len=max_model_len, num_blocks=num_blocks, block_size=options.block_size,
                           max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
@@ -83,6 +92,39 @@ def speculates(setting: bool | str, device) -> bool:
     return bool(setting)
 
 
+def device_kv_bytes(options: RuntimeOptions, device: torch.device, model, verifiers: dict, max_model_len: int) -> int:
+    """The generator's KV memory on a GPU: what `gpu_memory_fraction` of the device leaves once every
+    model is loaded (and the generator's layers fused, as they will be served), less one step's
+    activations and the reward models' KV pools (runtime.device_memory)."""
+    LeanDecoder.build(model)  # fuse now: the weights measured are the weights served
+    torch.cuda.empty_cache()  # the unfused layers' memory goes back to the device, for the pool
+    free, total = torch.cuda.mem_get_info(device)
+    parameter = next(model.parameters())
+    shape = kv_shape_of(model.config, options.block_size)
+    bytes_per_block = shape.bytes_per_block(parameter.dtype)
+    max_batched_tokens = max(options.max_num_batched_tokens, options.block_size)
+    activations = max(activation_reserve(m.config.get_text_config(), max_batched_tokens, options.max_num_seqs,
+                                         max_model_len, parameter.element_size())
+                      for m in [model] + [v.model for v in verifiers.values()])
+    verifier_pools = len(verifiers) * options.verifier_kv_memory_bytes
+    fraction = options.gpu_memory_fraction
+    if not 0 < fraction <= 1:
+        raise SettingError(f"cache.gpu_memory_fraction = {fraction} is not in (0, 1]")
+    num_blocks = kv_pool_blocks(free, total, fraction, activations + verifier_pools, bytes_per_block)
+    used = total - free
+    if num_blocks < 2:
+        raise SettingError(
+            f"cache.gpu_memory_fraction = {fraction}: of {fraction * total / 2**30:.2f} GiB, the loaded models "
+            f"and everything else on {device} use {used / 2**30:.2f} GiB and a step's activations and the "
+            f"verifier pools need {(activations + verifier_pools) / 2**30:.2f} GiB, which leaves no KV cache; "
+            "raise it, or set cache.compute_memory_gib or cache.num_blocks")
+    log.info("KV cache from gpu_memory_fraction %.2f of %.2f GiB on %s: %.2f GiB in use, %.2f GiB held for "
+             "activations and %.2f GiB for verifier pools leave %d bytes: %d blocks, %d tokens",
+             fraction, total / 2**30, device, used / 2**30, activations / 2**30, verifier_pools / 2**30,
+             num_blocks * bytes_per_block, num_blocks, num_blocks * options.block_size)
+    return num_blocks * bytes_per_block
+
+
 def _load_verifier(name: str, spec: dict[str, str], device, dtype):
     log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
     verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
@@ -91,15 +133,15 @@ def _load_verifier(name: str, spec: dict[str, str], device, dtype):
     return verifier
 
 
-def _roofline_splitter(options: RuntimeOptions, model, verifiers: dict, max_model_len: int) -> KVSplitter | None:
+def _roofline_splitter(options: RuntimeOptions, model, verifiers: dict, max_model_len: int,
+                       kv_bytes: int) -> KVSplitter | None:
     """One budget, the generator's KV memory and every reward model's, split by the roofline model."""
     if not verifiers:
         log.info("kv_split = roofline but no reward-model verifier is configured: the generator keeps its KV memory")
         return None
     generator = model_cost(model, options.block_size, with_head=True)
     costs = {name: model_cost(v.model, options.block_size, with_head=False) for name, v in verifiers.items()}
-    generator_bytes = (options.num_blocks * generator.block_bytes if options.num_blocks
-                       else options.kv_memory_bytes)
+    generator_bytes = options.num_blocks * generator.block_bytes if options.num_blocks else kv_bytes
     budget = generator_bytes + len(verifiers) * options.verifier_kv_memory_bytes
     parameter = next(model.parameters())
     peaks = device_peaks(options.peak_flops, options.memory_bandwidth, parameter.device, parameter.dtype)

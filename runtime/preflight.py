@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from runtime.admission import GRANULARITIES, check_budget
+from runtime.device_memory import sizes_from_device
 from runtime.engine import kv_shape_of
 from runtime.loader import SettingError, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions, decode_options
@@ -26,7 +27,11 @@ def check(options: RuntimeOptions) -> None:
     check_device(options.quantize, device)
     if options.kv_granularity not in GRANULARITIES:
         check_budget(None, 0, 0, options.kv_granularity)
-    if options.kv_split != "roofline":  # the roofline split sizes the pool once every model is loaded
+    fraction = options.gpu_memory_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        raise SettingError(f"cache.gpu_memory_fraction = {fraction} is not in (0, 1]")
+    # The roofline split, and a GPU's free memory, size the pool once every model is loaded.
+    if options.kv_split != "roofline" and not sizes_from_device(options, device):
         _check_budget(options, dtype)
 
 

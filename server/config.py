@@ -46,7 +46,11 @@ class ModelSettings(_Section):
 
 class CacheSettings(_Section):
     block_size: int = Field(16, ge=1, le=1024)
-    compute_memory_gib: float = Field(2.0, gt=0)
+    # KV cache in the compute tier. Unset: 2 GiB on a CPU; on a GPU what gpu_memory_fraction leaves.
+    compute_memory_gib: float | None = Field(None, gt=0)
+    # On a GPU with neither compute_memory_gib nor num_blocks set: the share of the device's memory ponder
+    # may use (weights, activations and KV); the KV pool takes what the loaded models leave of it.
+    gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
     verifier_memory_gib: float = Field(0.5, gt=0)  # each reward model's own KV store
     host_memory_gib: float = Field(0.0, ge=0)  # host tier below the compute tier (pinned on a GPU); 0: none
     disk_dir: str | None = None  # disk tier directory (created 0700, files 0600); None: none
@@ -156,7 +160,8 @@ class Settings(BaseSettings):
             model=self.model.path, served_model_name=self.model.served_name, device=self.model.device,
             dtype=self.model.dtype, max_model_len=self.model.max_model_len,
             trust_remote_code=self.model.trust_remote_code, quantize=self.model.quantize, block_size=self.cache.block_size,
-            kv_memory_bytes=int(self.cache.compute_memory_gib * (1 << 30)), num_blocks=self.cache.num_blocks,
+            kv_memory_bytes=int((self.cache.compute_memory_gib or 2.0) * (1 << 30)), num_blocks=self.cache.num_blocks,
+            gpu_memory_fraction=self.cache.gpu_memory_fraction if self.cache.compute_memory_gib is None else None,
             verifier_kv_memory_bytes=int(self.cache.verifier_memory_gib * (1 << 30)),
             host_kv_memory_bytes=int(self.cache.host_memory_gib * (1 << 30)), disk_kv_dir=self.cache.disk_dir,
             disk_kv_bytes=int(self.cache.disk_gib * (1 << 30)),
