@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +30,11 @@ class ModelSource:
     name: str  # the id clients use in `model`
     directory: str  # what from_pretrained gets
     gguf_file: str | None = None
+
+    @property
+    def path(self) -> str:
+        """The file or directory the user named, for messages."""
+        return f"{self.directory}/{self.gguf_file}" if self.gguf_file else self.directory
 
 
 def default_model_path() -> Path:
@@ -122,6 +129,76 @@ def _device_name(device: torch.device) -> str:
     return f"this CPU ({torch.backends.cpu.get_cpu_capability()})"
 
 
+# ---------------------------------------------------------------------------------------------
+# Strict loading: every parameter comes from the checkpoint, and every tensor in it is read
+
+
+class CheckpointMismatch(RuntimeError):
+    """A checkpoint that leaves parameters at their random initial values or holds tensors nothing
+    reads; the message is one line naming the model path and the first keys."""
+
+
+@dataclass(frozen=True)
+class Ignorable:
+    """Keys a checkpoint may lack (`missing`) or hold without the model reading them (`unexpected`)."""
+
+    side: str  # "missing" or "unexpected"
+    pattern: str  # a regular expression searched in the key
+    reason: str
+
+    def matches(self, side: str, key: str) -> bool:
+        return side == self.side and re.search(self.pattern, key) is not None
+
+
+# Exempt for every model. Each further exemption belongs to the verifier kind that needs it
+# (`Verifier.ignorable_keys`), listed there with its reason.
+ALWAYS_IGNORABLE = (
+    Ignorable("unexpected", r"(^|\.)rotary_emb\.inv_freq$",
+              "a rotary buffer older checkpoints saved; it is recomputed from the config"),
+)
+_SHOWN_KEYS = 3
+
+
+def check_loading(path: str, info: dict, ignorable: Iterable[Ignorable] = ()) -> None:
+    """Raise `CheckpointMismatch` unless transformers' loading info (`output_loading_info=True`) shows
+    every parameter loaded from the checkpoint and every checkpoint tensor read, short of `ignorable`."""
+    rules = (*ALWAYS_IGNORABLE, *ignorable)
+
+    def kept(side: str, keys: Iterable[str]) -> list[str]:
+        return sorted(key for key in keys if not any(rule.matches(side, key) for rule in rules))
+
+    missing = kept("missing", info.get("missing_keys", ()))
+    unexpected = kept("unexpected", info.get("unexpected_keys", ()))
+    mismatched = sorted(f"{key} {tuple(got)} for {tuple(want)}"
+                        for key, got, want in info.get("mismatched_keys", ()))
+    problems = [f"{label} ({_first(keys)})" for label, keys in (
+        (f"{len(missing)} model parameter(s) missing from the checkpoint", missing),
+        (f"{len(unexpected)} checkpoint tensor(s) no parameter reads", unexpected),
+        (f"{len(mismatched)} tensor(s) of the wrong shape", mismatched)) if keys]
+    if problems:
+        raise CheckpointMismatch(f"{path}: {'; '.join(problems)}; ponder serves no weight left at random "
+                                 "(check that the checkpoint is complete and matches its config's architecture)")
+
+
+def _first(keys: list[str]) -> str:
+    more = f", ... {len(keys) - _SHOWN_KEYS} more" if len(keys) > _SHOWN_KEYS else ""
+    return ", ".join(keys[:_SHOWN_KEYS]) + more
+
+
+def load_strictly(model_class, directory: str, *, label: str | None = None,
+                  ignorable: Iterable[Ignorable] = (), **kwargs):
+    """`model_class.from_pretrained(directory, **kwargs)`, refused by `check_loading`."""
+    model, info = model_class.from_pretrained(directory, output_loading_info=True, **kwargs)
+    check_loading(label or directory, info, ignorable)
+    return model
+
+
+def check_checkpoint(model_class, directory: str, *, ignorable: Iterable[Ignorable] = (), **kwargs) -> None:
+    """The same check without reading any weight: the model is built on the meta device, so only the
+    safetensors headers are read. For start-up's settings check (runtime.preflight)."""
+    load_strictly(model_class, directory, ignorable=ignorable, device_map="meta", **kwargs)
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -135,7 +212,16 @@ def load_causal_lm(source: ModelSource, device: torch.device, dtype: torch.dtype
 
     kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {"use_safetensors": True}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = AutoModelForCausalLM.from_pretrained(
-        source.directory, dtype=dtype, attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code, **kwargs)
+    model = load_strictly(AutoModelForCausalLM, source.directory, label=source.path, dtype=dtype,
+                          attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, **kwargs)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def check_causal_lm(source: ModelSource, trust_remote_code: bool = False) -> None:
+    """`load_causal_lm`'s strict check, weights unread; a GGUF file is checked when it loads instead
+    (transformers dequantizes every tensor to map its names)."""
+    from transformers import AutoModelForCausalLM
+
+    if source.gguf_file is None:
+        check_checkpoint(AutoModelForCausalLM, source.directory, label=source.path, use_safetensors=True,
+                         trust_remote_code=trust_remote_code)

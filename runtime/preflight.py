@@ -4,7 +4,8 @@
 
 `ponder serve` runs this first, so a setting this machine cannot honour (`--device cuda` without
 CUDA, a dtype the device only emulates) stops start-up with one line naming the setting instead of
-leaving a server up that answers 503. Exit status 2 and the line on stderr on a bad setting.
+leaving a server up that answers 503. Exit status 2 and the line on stderr on a bad setting; 3 for a checkpoint that would leave a weight at
+random or holds tensors nothing reads (runtime.loader.check_loading).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import sys
 from runtime.admission import GRANULARITIES, check_budget
 from runtime.device_memory import sizes_from_device
 from runtime.engine import kv_shape_of
-from runtime.loader import SettingError, pick_device, pick_dtype, resolve_model
+from runtime.loader import CheckpointMismatch, SettingError, check_causal_lm, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions, decode_options
 from runtime.quantize import check_device, check_mode
+
+
+CHECKPOINT_REFUSED = 3  # the exit status for a checkpoint that does not fill its model (2: a setting)
 
 
 def check(options: RuntimeOptions) -> None:
@@ -33,6 +37,26 @@ def check(options: RuntimeOptions) -> None:
     # The roofline split, and a GPU's free memory, size the pool once every model is loaded.
     if options.kv_split != "roofline" and not sizes_from_device(options, device):
         _check_budget(options, dtype)
+    _check_checkpoints(options)
+
+
+def _check_checkpoints(options: RuntimeOptions) -> None:
+    """Raise `CheckpointMismatch` for a generator or verifier checkpoint that would leave a parameter
+    at random or hold a tensor nothing reads; only the safetensors headers are read."""
+    from runtime.search.verifiers.registry import check_verifier
+
+    checks = [lambda: check_causal_lm(resolve_model(options.model, options.served_model_name),
+                                      options.trust_remote_code)]
+    checks += [lambda spec=spec: check_verifier(spec["kind"], spec["path"],
+                                                trust_remote_code=spec.get("trust_remote_code") == "true")
+               for spec in options.verifiers.values()]
+    for run_check in checks:
+        try:
+            run_check()
+        except CheckpointMismatch:
+            raise
+        except Exception:  # noqa: BLE001 - a model that cannot be read is reported when it loads
+            continue
 
 
 def _check_budget(options: RuntimeOptions, dtype) -> None:
@@ -57,6 +81,9 @@ def main() -> int:
     except SettingError as exc:
         print(exc, file=sys.stderr)
         return 2
+    except CheckpointMismatch as exc:
+        print(exc, file=sys.stderr)
+        return CHECKPOINT_REFUSED
     return 0
 
 

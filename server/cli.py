@@ -61,7 +61,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     problem = _preflight(settings)
     if problem:
-        print(f"ponder: invalid settings: {problem}", file=sys.stderr)
+        print(f"ponder: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("ponder")
@@ -92,7 +92,9 @@ def _preflight(settings) -> str | None:
     if result.returncode == 0:
         return None
     lines = result.stderr.decode(errors="replace").strip().splitlines()
-    return lines[-1] if lines else f"the settings check exited with status {result.returncode}"
+    line = lines[-1] if lines else f"the settings check exited with status {result.returncode}"
+    # Exit status 3: a checkpoint refused by strict loading (runtime.preflight.CHECKPOINT_REFUSED).
+    return f"refusing the checkpoint {line}" if result.returncode == 3 else f"invalid settings: {line}"
 
 
 def _is_loopback(host: str) -> bool:

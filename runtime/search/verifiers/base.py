@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from runtime.loader import Ignorable
+
 
 @dataclass(frozen=True)
 class ScoringInput:
@@ -43,6 +45,8 @@ class Verifier(ABC):
     is_outcome: ClassVar[bool] = False
     # Which Auto class loads this family's checkpoint (see registry.load_verifier).
     auto_class: ClassVar[str] = "AutoModelForCausalLM"
+    # Checkpoint keys this family may lack or hold unread, each with its reason (runtime.loader).
+    ignorable_keys: ClassVar[tuple[Ignorable, ...]] = ()
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 8) -> None:
         if batch_size < 1:
@@ -126,6 +130,10 @@ class Verifier(ABC):
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+
+UNUSED_LM_HEAD = Ignorable("unexpected", r"^lm_head\.weight$",
+                           "a reward model fine-tuned from a causal LM may keep the LM head its scores never read")
 
 
 # ---------------------------------------------------------------------------------------------

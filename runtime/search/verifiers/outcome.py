@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from runtime.search.verifiers.base import ScoringInput, Verifier, length_batches, pad_right
+from runtime.search.verifiers.base import UNUSED_LM_HEAD, ScoringInput, Verifier, length_batches, pad_right
 
 
 class OutcomeVerifier(Verifier):
     kind = "orm"
     is_outcome = True
     auto_class = "AutoModelForSequenceClassification"
+    ignorable_keys = (UNUSED_LM_HEAD,)
 
     def __init__(self, model: Any, tokenizer: Any, *, step_separator: str = "\n\n",
                  batch_size: int = 8) -> None:

@@ -5,9 +5,10 @@ Input: the chat template over system, user = question, assistant = the steps joi
 and ending with `<extra_0>`. Read-out: the head's two logits at each `<extra_0>`, softmax,
 score = P(index 1) (the "correct" class).
 
-The published checkpoint loads with `AutoModel.from_pretrained(..., trust_remote_code=True)`
-(`Qwen2ForProcessRewardModel`); any model with `.base_model` and a `.score` head mapping hidden
-states to 2 logits works, e.g. `Qwen2ForTokenClassification(num_labels=2)`.
+The published checkpoint (`Qwen2ForProcessRewardModel`: a two-layer `score` head) loads without
+remote code into runtime.search.verifiers.qwen_prm_model, or with `trust_remote_code` through
+`AutoModel` as its model card does; any model with `.base_model` and a `.score` head mapping hidden
+states to 2 logits works, e.g. a checkpoint saved from `Qwen2ForTokenClassification(num_labels=2)`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runtime.search.verifiers.base import ScoringInput, Verifier, tokenize_marked
+from runtime.search.verifiers.base import UNUSED_LM_HEAD, ScoringInput, Verifier, tokenize_marked
 
 DEFAULT_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -25,6 +26,7 @@ DEFAULT_SYSTEM_PROMPT = "Please reason step by step, and put your final answer w
 class QwenPRMVerifier(Verifier):
     kind = "qwen-prm"
     auto_class = "AutoModelForTokenClassification"
+    ignorable_keys = (UNUSED_LM_HEAD,)
 
     def __init__(self, model: Any, tokenizer: Any, *, step_token: str = "<extra_0>",
                  system_prompt: str = DEFAULT_SYSTEM_PROMPT, batch_size: int = 8) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from runtime.loader import check_checkpoint, load_strictly
 from runtime.search.verifiers.base import Verifier
 from runtime.search.verifiers.confidence import ConfidenceVerifier
 from runtime.search.verifiers.judge import JudgeVerifier
@@ -38,21 +39,43 @@ def build_verifier(kind: str, model: Any, tokenizer: Any, **options: Any) -> Ver
 
 def load_verifier(kind: str, directory: str | Path, *, device: Any = "cpu", dtype: Any = None,
                   trust_remote_code: bool = False, **options: Any) -> Verifier:
-    """Load a verifier checkpoint (safetensors only) with the Auto class its family needs.
-
-    The published Qwen2.5-Math-PRM checkpoints ship their own model class: with
-    `trust_remote_code=True` a `qwen-prm` loads through `AutoModel` as its model card does, otherwise
-    through `AutoModelForTokenClassification`.
-    """
+    """Load a verifier checkpoint (safetensors only) strictly: a parameter the checkpoint leaves
+    unset, or a tensor nothing reads, stops it (`runtime.loader.CheckpointMismatch`) unless the kind
+    lists that key as ignorable."""
     import transformers
 
     cls = verifier_class(kind)
-    auto_name = cls.auto_class
-    if cls is QwenPRMVerifier and trust_remote_code:
-        auto_name = "AutoModel"
-    auto = getattr(transformers, auto_name)
-    model = auto.from_pretrained(str(directory), dtype=dtype or "auto", use_safetensors=True,
-                                 trust_remote_code=trust_remote_code).to(device)
+    model = load_strictly(verifier_model_class(cls, directory, trust_remote_code), str(directory),
+                          ignorable=cls.ignorable_keys, dtype=dtype or "auto", use_safetensors=True,
+                          trust_remote_code=trust_remote_code).to(device)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory),
                                                            trust_remote_code=trust_remote_code)
     return cls(model, tokenizer, **options)
+
+
+def check_verifier(kind: str, directory: str | Path, *, trust_remote_code: bool = False) -> None:
+    """`load_verifier`'s strict check without reading any weight (start-up's settings check)."""
+    cls = verifier_class(kind)
+    check_checkpoint(verifier_model_class(cls, directory, trust_remote_code), str(directory),
+                     ignorable=cls.ignorable_keys, use_safetensors=True, trust_remote_code=trust_remote_code)
+
+
+def verifier_model_class(cls: type[Verifier], directory: str | Path, trust_remote_code: bool) -> Any:
+    """The class that loads this kind's checkpoint.
+
+    A checkpoint in the published Qwen2.5-Math-PRM layout (`Qwen2ForProcessRewardModel`) loads into
+    ponder's own copy of that layout, its two-layer head included; with `trust_remote_code` it loads
+    through `AutoModel` and the checkpoint's own code, as its model card does. Every other kind uses
+    its family's Auto class.
+    """
+    import transformers
+
+    if cls is QwenPRMVerifier:
+        if trust_remote_code:
+            return transformers.AutoModel
+        from runtime.search.verifiers.qwen_prm_model import ARCHITECTURE, Qwen2ProcessRewardModel
+
+        config = transformers.AutoConfig.from_pretrained(str(directory))
+        if ARCHITECTURE in (config.architectures or ()):
+            return Qwen2ProcessRewardModel
+    return getattr(transformers, cls.auto_class)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from runtime.loader import Ignorable
 from runtime.search.verifiers.base import ScoringInput, Verifier
 
 VALUE_HEAD_PREFIXES = ("v_head.summary.", "value_head.")
@@ -53,6 +54,8 @@ def load_value_head(directory: str | Path) -> torch.nn.Linear:
 
 class SkyworkPRMVerifier(Verifier):
     kind = "skywork"
+    ignorable_keys = (Ignorable("unexpected", r"^(v_head\.summary|value_head)\.(weight|bias)$",
+                                "the value head, which `load_value_head` reads beside the causal LM body"),)
 
     def __init__(self, model: Any, tokenizer: Any, *, value_head: torch.nn.Linear | None = None,
                  step_token: str = "\n", batch_size: int = 8) -> None:
