@@ -222,7 +222,11 @@ def _check_verifier(body, verifiers: tuple[str, ...]) -> None:
 
 
 def _check_prompt_asks(body) -> None:
-    """The prompt comes back only from a plain request: a search answers with its paths."""
+    """max_tokens 0 returns the prompt alone, so something of it must be asked for; and the prompt comes
+    back only from a plain request: a search answers with its paths."""
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo and body.prompt_logprobs is None:
+        raise APIError(400, "max_tokens must be at least 1, or 0 with echo or prompt_logprobs (the prompt alone)",
+                       "max_tokens")
     if body.search is None:
         return
     if getattr(body, "echo", False):

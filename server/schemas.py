@@ -183,8 +183,6 @@ class CompletionRequest(_Generation):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
-            raise ValueError("max_tokens must be at least 1, or 0 with echo or prompt_logprobs (the prompt alone)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

@@ -144,6 +144,9 @@ def test_wrong_method_and_route(server):
     ({"messages": MESSAGES, "stop_token_ids": [10**30]}, "stop_token_ids"),
     ({"messages": MESSAGES, "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MESSAGES, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"messages": MESSAGES, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"messages": MESSAGES, "prompt_logprobs": 1, "search": SEARCH, "max_tokens": 8}, "prompt_logprobs"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, None),
     ({"messages": MESSAGES, "model": "\ud800"}, "model"),
     ({"messages": MESSAGES, "stop": "\udfff"}, "stop"),
@@ -163,8 +166,13 @@ def test_bad_chat_fields(server, body, param):
     ({"prompt": [10**30]}, "prompt"),
     ({"prompt": [[1, 2], [10**6]]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
-    ({"prompt": "w1", "echo": True}, None),
+    ({"prompt": "w1", "echo": True, "search": SEARCH}, "echo"),
+    ({"prompt": "w1", "prompt_logprobs": 1, "search": SEARCH}, "prompt_logprobs"),
     ({"prompt": "w1", "logprobs": 50}, "logprobs"),
+    ({"prompt": "w1", "logprobs": 21, "echo": True}, "logprobs"),
+    ({"prompt": "w1", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "w1", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "w1", "max_tokens": -1, "echo": True}, "max_tokens"),
     ({"prompt": "w1", "max_tokens": 10**9}, "max_tokens"),
     ({"prompt": ["w1"] * 3, "n": 3}, "n"),
 ])
@@ -218,7 +226,8 @@ def test_the_server_still_answers_after_all_that(server):
 
 # -- fuzzing ------------------------------------------------------------------------------------
 
-OPERATIONS = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
+OPERATIONS = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+              ("POST", "/tokenize"), ("POST", "/detokenize")]
 
 
 @pytest.fixture(scope="module")
