@@ -24,6 +24,9 @@ NUM_LAYERS = 2
 NUM_HEADS = 4
 NUM_KV_HEADS = 2
 SHARPEN = 8.0  # final-norm gain: logits an order of magnitude apart, so argmax ties never happen
+# Small embeddings (as trained ones are): the layers' outputs, not the input token, steer the next
+# token, so greedy decoding does not just repeat its input (what a tied head does otherwise).
+EMBED_STD = 0.1
 
 
 def generator(seed_name: str) -> torch.Generator:
@@ -32,11 +35,12 @@ def generator(seed_name: str) -> torch.Generator:
 
 def decoder_tensors(name: str, *, vocab_size: int, head_dim: int, qkv_bias: bool = False,
                     qk_norm: bool = False, sandwich_norms: bool = False, norm_offset: float = 1.0,
-                    final_gain: float = SHARPEN) -> dict[str, torch.Tensor]:
+                    final_gain: float = SHARPEN, query_gain: float = 1.0) -> dict[str, torch.Tensor]:
     """`model.*` tensors of a llama-family decoder, named as Hugging Face checkpoints name them.
 
     `norm_offset` is 1 where a norm multiplies by its weight and 0 for Gemma, whose RMSNorm multiplies
-    by (1 + weight) and whose checkpoints hold weights around 0.
+    by (1 + weight) and whose checkpoints hold weights around 0. `query_gain` scales the queries, so
+    attention scores grow large enough for soft-capping to matter.
     """
     g = generator(name)
 
@@ -46,11 +50,11 @@ def decoder_tensors(name: str, *, vocab_size: int, head_dim: int, qkv_bias: bool
     def norm(size: int, gain: float = 1.0) -> torch.Tensor:
         return gain - 1.0 + norm_offset + 0.1 * torch.randn(size, generator=g)
 
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab_size, HIDDEN, generator=g)}
+    tensors = {"model.embed_tokens.weight": EMBED_STD * torch.randn(vocab_size, HIDDEN, generator=g)}
     q_size, kv_size = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
     for i in range(NUM_LAYERS):
         p = f"model.layers.{i}."
-        tensors[p + "self_attn.q_proj.weight"] = linear(q_size, HIDDEN)
+        tensors[p + "self_attn.q_proj.weight"] = query_gain * linear(q_size, HIDDEN)
         tensors[p + "self_attn.k_proj.weight"] = linear(kv_size, HIDDEN)
         tensors[p + "self_attn.v_proj.weight"] = linear(kv_size, HIDDEN)
         if qkv_bias:
@@ -74,7 +78,7 @@ def decoder_tensors(name: str, *, vocab_size: int, head_dim: int, qkv_bias: bool
 
 
 def lm_head(name: str, vocab_size: int) -> torch.Tensor:
-    return torch.randn(vocab_size, HIDDEN, generator=generator(name + "/lm_head")) / HIDDEN ** 0.5
+    return EMBED_STD * torch.randn(vocab_size, HIDDEN, generator=generator(name + "/lm_head"))
 
 
 def save_weights(directory: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, *,
@@ -339,9 +343,8 @@ def write_gemma2(directory: Path) -> Path:
     write_json(directory, "generation_config.json", {"bos_token_id": 2, "cache_implementation": "hybrid",
                                                      "eos_token_id": [1, 107], "pad_token_id": 0,
                                                      "transformers_version": "4.42.4"})
-    # Logits are capped at 30: a smaller gain keeps the winners apart below the cap.
     tensors = decoder_tensors("gemma2", vocab_size=vocab, head_dim=head_dim, sandwich_norms=True,
-                              norm_offset=0.0, final_gain=2.0)
+                              norm_offset=0.0, query_gain=8.0)
     save_weights(directory, tensors, torch.float32, num_shards=2)
     return directory
 

@@ -1,0 +1,142 @@
+"""ponder's loader and engine on checkpoints laid out as the published generators are (tests/replicas):
+every published tensor is used, and greedy decoding gives transformers' `generate` tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from runtime import attention
+from runtime.loader import load_causal_lm, load_tokenizer, resolve_model
+from tests.replicas.generators import GEMMA2_SLIDING_WINDOW, GENERATOR_FAMILIES, write_generator
+from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3? Please reason step by step."}]
+MAX_TOKENS = 10
+
+# runtime.attention.paged_attention drops the `sliding_window` (and `softcap`) keyword arguments
+# transformers' Gemma 2 attention passes it, so every layer attends to the whole context: ponder's
+# tokens are exactly transformers' with the config's sliding window removed.
+GEMMA2_WINDOW_IGNORED = pytest.mark.xfail(
+    strict=True, reason="ponder's paged attention ignores Gemma 2's sliding window (runtime/attention.py "
+                        "drops the sliding_window and softcap arguments)")
+
+
+@pytest.fixture(scope="module", params=GENERATOR_FAMILIES)
+def replica(request, tmp_path_factory):
+    family = request.param
+    return family, write_generator(family, tmp_path_factory.mktemp(family.replace(".", "_")))
+
+
+@pytest.fixture(scope="module")
+def reference(replica):
+    return AutoModelForCausalLM.from_pretrained(replica[1], dtype=torch.float32).eval()
+
+
+def published_tensors(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    return tensors
+
+
+def prompt_ids(directory, messages=QUESTION) -> list[int]:
+    tokenizer = load_tokenizer(resolve_model(str(directory)))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_shards_and_their_index_agree(replica):
+    _, directory = replica
+    index_path = directory / "model.safetensors.index.json"
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not index_path.exists():
+        assert files == ["model.safetensors"]
+        return
+    weight_map = json.loads(index_path.read_text())["weight_map"]
+    assert sorted(set(weight_map.values())) == files
+    assert set(weight_map) == set(published_tensors(directory))
+
+
+def test_ponder_loads_every_published_tensor(replica):
+    family, directory = replica
+    config = json.loads((directory / "config.json").read_text())
+    model = load_causal_lm(resolve_model(str(directory)), torch.device("cpu"), torch.float32,
+                           attention.register())
+    state = model.state_dict()
+    tensors = published_tensors(directory)
+    for name, tensor in tensors.items():
+        assert name in state, (family, name)
+        assert torch.equal(state[name], tensor.float()), (family, name)
+    if config.get("tie_word_embeddings", True):
+        assert "lm_head.weight" not in tensors
+        assert torch.equal(model.get_output_embeddings().weight, tensors["model.embed_tokens.weight"].float())
+    # Nothing the model holds was left at its random initialisation.
+    assert set(state) - set(tensors) <= {"lm_head.weight"}, set(state) - set(tensors)
+
+
+def test_the_chat_template_renders_the_published_turn_markers(replica):
+    family, directory = replica
+    tokenizer = load_tokenizer(resolve_model(str(directory)))
+    text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    expected = {
+        "llama3": ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n",
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        "qwen2.5": ("<|im_start|>system\nYou are Qwen", "<|im_end|>\n<|im_start|>assistant\n"),
+        "qwen3": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
+        "mistral": ("<s>[INST] ", "[/INST]"),
+        "gemma2": ("<bos><start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),
+    }[family]
+    assert text.startswith(expected[0]) and text.endswith(expected[1]), text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(tokenizer.bos_token_id) == (tokenizer.bos_token_id is not None)
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_greedy_decoding_matches_transformers_generate(replica, reference, batch_invariant, request):
+    family, directory = replica
+    if family == "gemma2":  # the prompts and their tokens outgrow the shrunk window
+        request.applymarker(GEMMA2_WINDOW_IGNORED)
+    prompts = [prompt_ids(directory),
+               prompt_ids(directory, [{"role": "user", "content": "Tom has 5 apples."}])]
+    engine = engine_for(directory, batch_invariant=batch_invariant)
+    results = run(engine, [request(str(i), p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        expected = hf_greedy(reference, prompt, MAX_TOKENS)
+        assert len(expected) == MAX_TOKENS
+        assert results[str(i)]["choices"][0] == expected, (family, prompt)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    directory = write_generator("gemma2", tmp_path_factory.mktemp("gemma2_window"))
+    return directory, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def test_gemma2_greedy_decoding_within_the_sliding_window(gemma2):
+    """Soft-capping, sandwich norms, (1 + w) norms and scaled embeddings, with every position inside
+    the window."""
+    directory, reference = gemma2
+    prompt = prompt_ids(directory, [{"role": "user", "content": "Hi"}])
+    assert len(prompt) + MAX_TOKENS <= GEMMA2_SLIDING_WINDOW
+    results = run(engine_for(directory), [request("r", prompt, max_tokens=MAX_TOKENS)])
+    assert results["r"]["choices"][0] == hf_greedy(reference, prompt, MAX_TOKENS)
+
+
+@GEMMA2_WINDOW_IGNORED
+def test_gemma2_greedy_decoding_past_the_sliding_window(gemma2):
+    """Gemma 2's even layers attend to the last `sliding_window` positions only."""
+    directory, reference = gemma2
+    prompt = prompt_ids(directory, [{"role": "user", "content": "Tom has 5 apples and buys 3 more. "
+                                                                "Janet has 3 ducks and they lay 16 eggs."}])
+    assert len(prompt) > GEMMA2_SLIDING_WINDOW
+    # The window changes transformers' own tokens here (checked: without it they are different).
+    windowless = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, sliding_window=4096)
+    assert hf_greedy(windowless.eval(), prompt, MAX_TOKENS) != hf_greedy(reference, prompt, MAX_TOKENS)
+    results = run(engine_for(directory), [request("r", prompt, max_tokens=MAX_TOKENS)])
+    assert results["r"]["choices"][0] == hf_greedy(reference, prompt, MAX_TOKENS)
