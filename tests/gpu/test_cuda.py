@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from storage.host_tier import HostTier
 from storage.kv_cache import KVCache, KVShape
 from storage.tiers import TierChain, TransferEngine
 from tests.runtime.engine_helpers import engine_for, request, run
-from tests.server.live import live_server
+from tests.server.live import live_server, metric
 
 DEVICE = torch.device(os.environ.get("PONDER_TEST_DEVICE", "cuda"))
 
@@ -199,3 +200,55 @@ def test_a_served_request_end_to_end_plain_and_with_search(tiny_llama):
         assert found.status_code == 200, found.text
         assert found.json()["search"]["paths_explored"] >= 4
         assert f'device="{DEVICE.type}' in httpx.get(base + "/metrics").text
+
+
+# -- served searches scored by a model: the judge (the generator itself) and a PRM of its own ------
+@pytest.fixture(scope="module")
+def qwen_prm_dir(tmp_path_factory):
+    """A tiny Qwen2.5-Math-PRM stand-in: a qwen2 body with a 2-label `score` head and a chat-templated
+    byte-level BPE tokenizer holding `<extra_0>` (tests/runtime/search/conftest.py's)."""
+    from transformers import Qwen2ForTokenClassification
+
+    from tests.runtime.search.conftest import build_tokenizer, model_config, save
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(1)
+    model = Qwen2ForTokenClassification(model_config("qwen2", len(tokenizer), num_labels=2))
+    return save(tmp_path_factory.mktemp("qwen-prm"), model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def search_server(tiny_llama, qwen_prm_dir, tmp_path_factory):
+    config = tmp_path_factory.mktemp("config") / "ponder.toml"
+    config.write_text(f'[verifiers.prm]\nkind = "qwen-prm"\npath = "{qwen_prm_dir}"\n')
+    env = {"PONDER_CACHE__NUM_BLOCKS": "1024", "PONDER_CACHE__BLOCK_SIZE": "4"}
+    with live_server("--model", str(tiny_llama), "--device", DEVICE.type, "--config", str(config), env=env) as (base, _):
+        yield base
+
+
+@pytest.mark.parametrize("verifier", ["judge", "prm"])
+def test_a_served_search_scored_by_a_model_end_to_end(search_server, verifier):
+    """A beam search whose every step is scored by the judge (the generator asked Yes/No about the
+    step) or by a process reward model with its own KV store, through the HTTP API on the device."""
+    base = search_server
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    search = {"strategy": "beam", "n": 4, "beam_width": 2, "max_steps": 3, "max_step_tokens": 4,
+              "verifier": verifier}
+    body = {"model": model, "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 12, "seed": 1,
+            "temperature": 1.0, "n": 2, "search": search}
+    found = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)
+    assert found.status_code == 200, found.text
+    answer = found.json()
+    assert len(answer["choices"]) == 2
+    for choice in answer["choices"]:
+        assert 0.0 <= choice["search"]["score"] <= 1.0 and choice["search"]["step_scores"]
+    summary = answer["search"]
+    assert summary["strategy"] == "beam" and summary["paths_explored"] >= 4
+    assert summary["verifier_calls"] > 0 and summary["verifier_tokens_prefilled"] > 0
+    # Each path's steps were scored: one score a verified step, the aggregate (last) its final one.
+    for choice in answer["choices"]:
+        assert choice["search"]["score"] == choice["search"]["step_scores"][-1]
+    deadline = time.monotonic() + 10  # the runtime's statistics arrive every 0.2 s (live_server)
+    while metric(base, "ponder_verifier_seconds_count") < summary["verifier_calls"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(base, "ponder_verifier_seconds_count") >= summary["verifier_calls"]
