@@ -40,16 +40,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench import paired
+from bench.accuracy_report import pilot_lines, plot, table
 from bench.datasets import load_problems
 from bench.problems import LEVELS, Problem, problem_set, select_levels
-from bench.accuracy_report import pilot_lines, plot, table
 from bench.report import emit, plot_path
 from bench.threads import torch_threads
 
@@ -154,12 +153,7 @@ def grade(answer: str | None, problem: Problem) -> str:
 
 def wilson(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
     """The Wilson score interval of a proportion."""
-    if total == 0:
-        return 0.0, 1.0
-    p = correct / total
-    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return paired.wilson(correct, total, z)
 
 
 # ---------------------------------------------------------------------------------------------
