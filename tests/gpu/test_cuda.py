@@ -205,16 +205,11 @@ def test_a_served_request_end_to_end_plain_and_with_search(tiny_llama):
 # -- served searches scored by a model: the judge (the generator itself) and a PRM of its own ------
 @pytest.fixture(scope="module")
 def qwen_prm_dir(tmp_path_factory):
-    """A tiny Qwen2.5-Math-PRM stand-in: a qwen2 body with a 2-label `score` head and a chat-templated
-    byte-level BPE tokenizer holding `<extra_0>` (tests/runtime/search/conftest.py's)."""
-    from transformers import Qwen2ForTokenClassification
+    """A tiny replica of Qwen/Qwen2.5-Math-PRM-7B in its published layout (tests/replicas/verifiers.py):
+    a qwen2 body, the two-layer `score` head, `<extra_0>` steps, bf16 shards."""
+    from tests.replicas.verifiers import write_verifier
 
-    from tests.runtime.search.conftest import build_tokenizer, model_config, save
-
-    tokenizer = build_tokenizer()
-    torch.manual_seed(1)
-    model = Qwen2ForTokenClassification(model_config("qwen2", len(tokenizer), num_labels=2))
-    return save(tmp_path_factory.mktemp("qwen-prm"), model, tokenizer)
+    return write_verifier("qwen-prm", tmp_path_factory.mktemp("qwen-prm"))
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +224,8 @@ def search_server(tiny_llama, qwen_prm_dir, tmp_path_factory):
 @pytest.mark.parametrize("verifier", ["judge", "prm"])
 def test_a_served_search_scored_by_a_model_end_to_end(search_server, verifier):
     """A beam search whose every step is scored by the judge (the generator asked Yes/No about the
-    step) or by a process reward model with its own KV store, through the HTTP API on the device."""
+    step) or by a process reward model (the Qwen PRM replica) with its own KV store, through the HTTP
+    API on the device."""
     base = search_server
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
     search = {"strategy": "beam", "n": 4, "beam_width": 2, "max_steps": 3, "max_step_tokens": 4,
