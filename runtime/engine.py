@@ -268,6 +268,14 @@ class Engine:
     def observe_verifier(self, seconds: float) -> None:
         self.verifier_samples.append(seconds)
 
+    def abandon_scoring(self, controller: SearchController) -> None:
+        """Drop every verification `controller` has under way: queued reward-model jobs, and the
+        judge's questions, whether computing or kept for its next verification."""
+        for store in self.verifier_stores:
+            store.abort(controller)
+        for seq in self.scoring.pop(controller.request_id, []):
+            self.release_sequence(seq)
+
     def search_finished(self, controller: SearchController) -> None:
         self.searches.pop(controller.request_id, None)
         for seq in self.scoring.pop(controller.request_id, []):
@@ -279,6 +287,8 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
+        for controller in list(self.searches.values()):
+            controller.check_deadline()  # a search past its deadline answers now, verified or not
         if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
             return self._drain()
         for store in self.verifier_stores:

@@ -234,6 +234,10 @@ class SearchSummary(msgspec.Struct, frozen=True, kw_only=True):
     seconds_generating: float
     seconds_verifying: float
     timed_out: bool = False  # the search ran out of timeout_s and answered with its best path so far
+    # With timed_out: whether the step cut short was verified (a free verifier, `confidence`, always
+    # is), or the answer was chosen by the scores of the last step verified in full (a model's
+    # verification is not started past the deadline, and one still running then is abandoned).
+    cut_step_verified: bool | None = None
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

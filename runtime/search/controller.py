@@ -69,13 +69,29 @@ class SearchController(DecodingAhead, SearchOutput):
         self._phase_started = time.perf_counter()
         self.deadline = time.monotonic() + search.timeout_s if search.timeout_s is not None else None
         self.timed_out = False
+        self.cut_step_verified: bool | None = None
+        self.scores_before: dict[SearchPath, int] = {}  # per path under verification: its scores before it
 
     def _out_of_time(self) -> bool:
-        """Past `search.timeout_s`, every running step ends at its next token and the search finishes
-        after verifying it, choosing among the paths it has (live ones count as cut short)."""
+        """Past `search.timeout_s`, every running step ends at its next token and the search finishes,
+        choosing among the paths it has (live ones count as cut short). The step cut short is verified
+        only by a free verifier (`confidence`); with a model the answer is chosen by the scores of the
+        last step verified in full, so no verifier runs past the deadline (`check_deadline`)."""
         if not self.timed_out and self.deadline is not None and time.monotonic() >= self.deadline:
             self.timed_out = True
         return self.timed_out
+
+    def check_deadline(self) -> None:
+        """Called by the engine before every step: a model's verification still running at the
+        deadline is abandoned, its scores so far taken back, and the search answers at once."""
+        if not self.pending_scores or self.is_finished or not self._out_of_time():
+            return
+        self.engine.abandon_scoring(self)
+        for path, count in self.scores_before.items():
+            del path.step_scores[count:]
+        self.pending_scores = 0
+        self.cut_step_verified = False
+        self._settle()
 
     # -- paths ----------------------------------------------------------------------------------
     def _new_path(self, seq: Sequence, subtree: int) -> SearchPath:
@@ -240,6 +256,11 @@ class SearchController(DecodingAhead, SearchOutput):
         self.verify_now = (self.step_index % self.search.granularity == 0
                            or self.step_index >= self.search.max_steps)
         to_score = [p for p in self.stepped if self.verify_now or p.is_done]
+        if self._out_of_time():
+            self.cut_step_verified = bool(to_score) and getattr(self.verifier, "is_free", False)
+            if to_score and not self.cut_step_verified:
+                self._settle()
+                return
         known = []
         for path in to_score:
             unit_ids = path.seq.token_ids[path.chunk_start:path.step_end]
@@ -268,6 +289,7 @@ class SearchController(DecodingAhead, SearchOutput):
     def _submit_scores(self) -> None:
         if self.to_verify:
             self.stats["verifier_calls"] += 1
+            self.scores_before = {path: len(path.step_scores) for path in self.to_verify}
             self.verifier.submit(self, self.to_verify)
         if self.pending_scores == 0 and not self.is_finished:
             self._settle()

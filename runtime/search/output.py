@@ -47,7 +47,9 @@ class SearchOutput:
             request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
             completion_tokens=returned,
             search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
-                                 timed_out=self.timed_out, **self.stats)))
+                                 timed_out=self.timed_out,
+                                 cut_step_verified=self.cut_step_verified if self.timed_out else None,
+                                 **self.stats)))
         self.engine.search_finished(self)
 
 

@@ -29,6 +29,7 @@ from scheduler.sequence import Sequence
 
 class ConfidenceScorer:
     name = "confidence"
+    is_free = True  # scores from logprobs already at hand: still worth taking past a search's deadline
 
     def submit(self, controller, paths) -> None:
         for path in paths:

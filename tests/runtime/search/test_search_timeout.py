@@ -70,3 +70,61 @@ def test_no_timeout_means_none(tiny_llama, clock):
     clock.now += 10**9
     _, summary = run(engine, request("untimed", timeout_s=None), clock, jump_after_step=None)
     assert summary.steps == 8 and summary.timed_out is False
+
+
+def judged(request_id: str, timeout_s: float) -> GenerateRequest:
+    search = SearchParams(strategy="beam", n=4, beam_width=2, max_steps=8, max_step_tokens=3, verifier="judge",
+                          timeout_s=timeout_s)
+    return GenerateRequest(request_id=request_id, endpoint="chat", messages=MESSAGES, search=search,
+                           sampling=SamplingParams(max_tokens=40, temperature=1.0, seed=4, ignore_eos=True))
+
+
+def finish(engine, req_id: str, messages: list):
+    while engine.has_work:
+        messages += engine.step()
+        engine.check_integrity()
+    deltas = [m for m in messages if isinstance(m, Delta) and m.finish_reason is not None]
+    (finished,) = [m for m in messages if isinstance(m, Finished)]
+    assert engine.searches == {} and engine.scoring == {}
+    return deltas, finished.search
+
+
+def test_past_the_deadline_a_models_verification_is_not_started(tiny_llama, clock):
+    """The step cut short is not judged: the answer is chosen by the scores of the steps judged in full."""
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    deltas, summary = run(engine, judged("cut", timeout_s=60), clock, jump_after_step=2)
+    assert summary.steps == 3 and summary.timed_out is True and summary.cut_step_verified is False
+    assert len(deltas[0].search.step_scores) == 2
+    assert summary.verifier_calls == 2
+
+
+def test_a_verification_running_at_the_deadline_is_abandoned(tiny_llama, clock):
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    req = judged("late", timeout_s=60)
+    assert not isinstance(engine.add_request(req)[0], RequestError)
+    messages = []
+    while True:  # until the third step's judge questions are under way
+        messages += engine.step()
+        search = engine.searches[req.request_id]
+        if search.step_index == 3 and search.pending_scores:
+            break
+    clock.now += 3600
+    before = len(messages)
+    messages += engine.step()  # the next step answers: no question is computed any more
+    assert any(isinstance(m, Finished) for m in messages[before:])
+    deltas, summary = finish(engine, req.request_id, messages)
+    assert summary.steps == 3 and summary.timed_out is True and summary.cut_step_verified is False
+    assert len(deltas[0].search.step_scores) == 2  # the third step's scores, if any arrived, taken back
+
+
+def test_the_confidence_verifier_still_scores_the_cut_step(tiny_llama, clock):
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    deltas, summary = run(engine, request("free", timeout_s=60), clock, jump_after_step=2)
+    assert summary.timed_out is True and summary.cut_step_verified is True
+    assert len(deltas[0].search.step_scores) == 3
+
+
+def test_no_deadline_reports_no_cut_step(tiny_llama, clock):
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    _, summary = run(engine, judged("whole", timeout_s=60), clock, jump_after_step=None)
+    assert summary.timed_out is False and summary.cut_step_verified is None
