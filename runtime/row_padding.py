@@ -15,7 +15,9 @@ separate layers whose shapes never reach a kernel.
 Decode attention batches queries by context window (runtime.attention); the probe checks that its
 batched matmuls give each query the same bits whatever the batch count, at every window a query can
 reach under `max_model_len` (`attention_windows`) and every batch count a group of that window can
-hold (at most `ATTENTION_BATCH` queries, and at most `GATHER_TOKENS` keys). Where either check cannot
+hold (at most `ATTENTION_BATCH` queries, and at most `GATHER_TOKENS` keys). Where ponder's CPU
+kernel attends instead (float32 on a CPU), each query is computed on its own in a fixed order, and
+there is no batched matmul to probe. Where either check cannot
 be passed (a device whose kernels are not deterministic run to run, or whose batched matmul depends
 on the batch count), the deterministic mode is refused at start-up rather than served wrong.
 """
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention import bucket_blocks
+from runtime.cpu_kernels import KernelUnavailable, attention_kernel
 from runtime.decoder import LeanDecoder
 
 SMALL_ROWS = 48  # every row count up to this is probed
@@ -98,7 +101,9 @@ class RowPadding:
         config = _text_config(model)
         if max_model_len is None:
             max_model_len = getattr(config, "max_position_embeddings", None) or 2048
-        _probe_attention(model, attention_windows(max_model_len, block_size), generator)
+        parameter = next(model.parameters())
+        if decode_attention_is_batched(parameter.device, parameter.dtype, _head_dim(config)):
+            _probe_attention(model, attention_windows(max_model_len, block_size), generator)
         return cls([r for r in candidates if r not in failing], max_rows)
 
     def __repr__(self) -> str:
@@ -133,8 +138,26 @@ def attention_windows(max_model_len: int, block_size: int) -> list[tuple[int, in
     return [(width, max(1, min(ATTENTION_BATCH, GATHER_TOKENS // width))) for width in widths]
 
 
+def decode_attention_is_batched(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode attention runs as batched matmuls over groups of one window, or (False) ponder's
+    CPU kernel attends each query alone: a float32 cache on a CPU, `head_dim` a multiple of 8, and the
+    kernel built (runtime.model_runner's `_attention_kernel`; tests/runtime/test_row_padding.py checks
+    that the two agree)."""
+    if device.type != "cpu" or dtype != torch.float32 or head_dim % 8:
+        return True
+    try:
+        attention_kernel()
+    except KernelUnavailable:
+        return True
+    return False
+
+
 def _text_config(model: torch.nn.Module):
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _probe_attention(model: torch.nn.Module, windows: list[tuple[int, int]], generator: torch.Generator) -> None:
@@ -144,7 +167,7 @@ def _probe_attention(model: torch.nn.Module, windows: list[tuple[int, int]], gen
     config = _text_config(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = _head_dim(config)
     parameter = next(model.parameters())
     for width, most in windows:
         q = torch.randn(most, kv_heads, heads // kv_heads, head_dim, generator=generator)

@@ -127,20 +127,55 @@ def test_the_windows_probed_are_the_groups_the_runner_makes(tiny_llama):
     assert all(group.rows.shape[0] <= windows[group.width] for group in groups)
 
 
-def test_the_engine_probes_attention_at_every_window_its_cache_reaches(tiny_llama, monkeypatch):
-    """Contexts of up to max_model_len 64 in blocks of 4: windows of 4 to 64 tokens, each at every batch
-    count from 1 to 64 queries (the old probe's 16, 64 and 256-token windows missed most of them)."""
+def probed_attention(monkeypatch, build):
+    """(window, batch count) of every queries @ keys^T matmul (head dim 16) while `build()` runs."""
     scored = set()
     real_matmul = torch.matmul
 
     def matmul(a, b):
-        if a.dim() == 4 and a.shape[-1] == 16 and b.shape[-2] == 16:  # queries (head dim 16) @ keys^T
+        if a.dim() == 4 and a.shape[-1] == 16 and b.shape[-2] == 16:
             scored.add((b.shape[-1], a.shape[0]))
         return real_matmul(a, b)
 
     monkeypatch.setattr(torch, "matmul", matmul)
-    engine_for(tiny_llama, max_model_len=64)
+    build()
+    monkeypatch.setattr(torch, "matmul", real_matmul)
+    return scored
+
+
+def test_the_engine_probes_attention_at_every_window_its_cache_reaches(tiny_llama, monkeypatch):
+    """Contexts of up to max_model_len 64 in blocks of 4: windows of 4 to 64 tokens, each at every batch
+    count from 1 to 64 queries (the old probe's 16, 64 and 256-token windows missed most of them), where
+    decode attention runs as batched matmuls (here: a CPU where ponder's attention kernel does not build)."""
+    import runtime.row_padding as row_padding
+    from runtime.cpu_kernels import KernelUnavailable
+
+    def unavailable():
+        raise KernelUnavailable("no compiler")
+
+    monkeypatch.setattr(row_padding, "attention_kernel", unavailable)
+    scored = probed_attention(monkeypatch, lambda: engine_for(tiny_llama, max_model_len=64))
     assert scored == {(width, batch) for width in (4, 8, 12, 16, 24, 32, 48, 64) for batch in range(1, 65)}
+
+
+def test_where_the_cpu_kernel_attends_there_is_no_batched_attention_to_probe(tiny_llama, monkeypatch):
+    engines = []
+    scored = probed_attention(monkeypatch, lambda: engines.append(engine_for(tiny_llama, max_model_len=64)))
+    if engines[0].runner.attention_kernel is None:
+        pytest.skip("ponder's CPU attention kernel does not build here")
+    assert scored == set()
+
+
+@pytest.mark.parametrize("device, dtype, head_dim", [
+    ("cpu", torch.float32, 16), ("cpu", torch.float32, 12), ("cpu", torch.bfloat16, 16), ("meta", torch.float32, 16)])
+def test_the_probe_and_the_runner_agree_on_which_attention_runs(device, dtype, head_dim):
+    from runtime.model_runner import _attention_kernel
+    from runtime.row_padding import decode_attention_is_batched
+    from storage.kv_cache import KVCache, KVShape
+
+    cache = KVCache(KVShape(num_layers=1, num_kv_heads=1, head_dim=head_dim, block_size=4), 2, dtype,
+                    torch.device(device))
+    assert decode_attention_is_batched(cache.device, dtype, head_dim) == (_attention_kernel(cache) is None)
 
 
 def test_probed_counts_give_every_row_the_bits_of_a_large_call(tiny_llama):
