@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from runtime import attention
 from runtime.loader import load_causal_lm, load_tokenizer, resolve_model
 from tests.replicas.generators import GEMMA2_SLIDING_WINDOW, GENERATOR_FAMILIES, write_generator
-from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
+from tests.runtime.engine_helpers import engine_for, run
+from tests.runtime.engine_helpers import request as generate_request
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3? Please reason step by step."}]
 MAX_TOKENS = 10
@@ -24,6 +25,16 @@ MAX_TOKENS = 10
 GEMMA2_WINDOW_IGNORED = pytest.mark.xfail(
     strict=True, reason="ponder's paged attention ignores Gemma 2's sliding window (runtime/attention.py "
                         "drops the sliding_window and softcap arguments)")
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens):
+    """transformers' greedy `generate` with the request's parameters only. Published generation
+    configs carry sampling defaults (Qwen2.5-Instruct's repetition_penalty 1.1) that `generate` would
+    apply and ponder does not read, so the penalty is named here, as the engine's request has it."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             repetition_penalty=1.0, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
 
 
 @pytest.fixture(scope="module", params=GENERATOR_FAMILIES)
@@ -105,7 +116,7 @@ def test_greedy_decoding_matches_transformers_generate(replica, reference, batch
     prompts = [prompt_ids(directory),
                prompt_ids(directory, [{"role": "user", "content": "Tom has 5 apples."}])]
     engine = engine_for(directory, batch_invariant=batch_invariant)
-    results = run(engine, [request(str(i), p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)])
+    results = run(engine, [generate_request(str(i), p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         expected = hf_greedy(reference, prompt, MAX_TOKENS)
         assert len(expected) == MAX_TOKENS
@@ -124,7 +135,7 @@ def test_gemma2_greedy_decoding_within_the_sliding_window(gemma2):
     directory, reference = gemma2
     prompt = prompt_ids(directory, [{"role": "user", "content": "Hi"}])
     assert len(prompt) + MAX_TOKENS <= GEMMA2_SLIDING_WINDOW
-    results = run(engine_for(directory), [request("r", prompt, max_tokens=MAX_TOKENS)])
+    results = run(engine_for(directory), [generate_request("r", prompt, max_tokens=MAX_TOKENS)])
     assert results["r"]["choices"][0] == hf_greedy(reference, prompt, MAX_TOKENS)
 
 
@@ -138,5 +149,5 @@ def test_gemma2_greedy_decoding_past_the_sliding_window(gemma2):
     # The window changes transformers' own tokens here (checked: without it they are different).
     windowless = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, sliding_window=4096)
     assert hf_greedy(windowless.eval(), prompt, MAX_TOKENS) != hf_greedy(reference, prompt, MAX_TOKENS)
-    results = run(engine_for(directory), [request("r", prompt, max_tokens=MAX_TOKENS)])
+    results = run(engine_for(directory), [generate_request("r", prompt, max_tokens=MAX_TOKENS)])
     assert results["r"]["choices"][0] == hf_greedy(reference, prompt, MAX_TOKENS)
