@@ -154,10 +154,21 @@ class ScoredToken:
     top: list[tuple[int, float]]
 
 
+SCORE_ROWS = 256  # rows of a prompt's logits scored at once: bounds the float32 [rows, vocab] temporaries
+
+
 def score_tokens(logits: torch.Tensor, targets: list[int], top_k: int) -> list[ScoredToken]:
     """Row i of `logits` `[R, vocab]` scores `targets[i]`: its log-softmax value, its rank (one plus the
-    tokens strictly more likely) and the `top_k` most likely tokens. One transfer to the host."""
+    tokens strictly more likely) and the `top_k` most likely tokens. One transfer per SCORE_ROWS rows."""
+    out = []
+    for start in range(0, len(targets), SCORE_ROWS):
+        out += _score_rows(logits[start:start + SCORE_ROWS], targets[start:start + SCORE_ROWS], top_k)
+    return out
+
+
+def _score_rows(logits: torch.Tensor, targets: list[int], top_k: int) -> list[ScoredToken]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top_k = min(top_k, logprobs.shape[-1])
     target_t = torch.tensor(targets, device=logits.device, dtype=torch.long)[:, None]
     chosen = logprobs.gather(1, target_t)
     ranks = (logprobs > chosen).sum(dim=-1) + 1

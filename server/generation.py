@@ -197,8 +197,8 @@ class Generation:
 
     def _body(self, choices: list[ChoiceText]) -> dict:
         out = []
+        asks = self.asks
         for index, c in enumerate(choices):
-            asks = self.asks
             if self.is_chat:
                 item = {"index": index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
@@ -216,8 +216,8 @@ class Generation:
             out.append(item)
         body = {"id": self.response_id, "object": "chat.completion" if self.is_chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": out, "usage": usage(self.finished)}
-        if self.is_chat and self.asks.prompt_logprobs is not None and choices:  # vLLM: one prompt, top level
-            body["prompt_logprobs"] = prompt_logprobs_field(choices[0].prompt_logprobs, self.asks.prompt_logprobs)
+        if self.is_chat and asks.prompt_logprobs is not None and choices:  # vLLM: one prompt, at the top level
+            body["prompt_logprobs"] = prompt_logprobs_field(choices[0].prompt_logprobs, asks.prompt_logprobs)
         summaries = [f.search for f in self.finished if f.search is not None]
         if summaries:
             body["search"] = summary_field(summaries[0])

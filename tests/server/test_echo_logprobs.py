@@ -241,3 +241,19 @@ def test_continuous_usage_stats_on_every_chunk(server, path, body):
     # Without continuous_usage_stats, only the last chunk counts.
     chunks = sse(server, path, {**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
     assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_score_tokens_over_several_slices_of_rows():
+    from runtime.sampler import SCORE_ROWS, score_tokens
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2 * SCORE_ROWS + 5, 50, generator=generator) * 4
+    targets = torch.randint(0, 50, (logits.shape[0],), generator=generator).tolist()
+    scored = score_tokens(logits, targets, 3)
+    ref = logits.log_softmax(-1)
+    assert len(scored) == len(targets)
+    for row, (s, t) in enumerate(zip(scored, targets)):
+        assert s.logprob == pytest.approx(ref[row, t].item(), abs=1e-6)
+        assert s.rank == int((ref[row] > ref[row, t]).sum()) + 1
+        assert [i for i, _ in s.top] == torch.topk(ref[row], 3).indices.tolist()
+    assert score_tokens(logits[:2], targets[:2], 500)[0].top[-1][0] == int(ref[0].argmin())  # k capped at vocab
