@@ -344,7 +344,7 @@ def write_gemma2(directory: Path) -> Path:
                                                      "eos_token_id": [1, 107], "pad_token_id": 0,
                                                      "transformers_version": "4.42.4"})
     tensors = decoder_tensors("gemma2", vocab_size=vocab, head_dim=head_dim, sandwich_norms=True,
-                              norm_offset=0.0, query_gain=8.0)
+                              norm_offset=0.0, query_gain=16.0)
     save_weights(directory, tensors, torch.float32, num_shards=2)
     return directory
 
