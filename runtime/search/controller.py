@@ -326,6 +326,8 @@ class SearchController(DecodingAhead, SearchOutput):
         for path in set(stepped) - set(final) - set(live):
             self._discard(path)  # pruned by settling (DVTS keeps only its best)
             self.tree.change(path.node, "pruned")
+        if self._out_of_time() and self.cut_step_verified is None:
+            self.cut_step_verified = True  # the deadline passed while this step's scores came in
         if self.step_index >= self.search.max_steps or not live or self._out_of_time():
             for path in live:
                 path.finish_reason = "length"

@@ -49,7 +49,8 @@ class VerifierStore:
         self.pool = BlockPool(num_blocks, shape.block_size)
         self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode())
         self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
-        padding = RowPadding.probe(model, max_batched_tokens) if engine.config.batch_invariant else None
+        padding = RowPadding.probe(model, max_batched_tokens, max_model_len=engine.config.max_model_len,
+                                   block_size=shape.block_size) if engine.config.batch_invariant else None
         self.runner = ModelRunner(model, self.cache, padding)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
