@@ -97,25 +97,27 @@ class AttentionMetadata:
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The attention function transformers' modules call: query `[1, H, T, D]`, key/value `[1, KVH, T, D]`."""
+    """The attention function transformers' modules call: query `[1, H, T, D]`, key/value `[1, KVH, T, D]`.
+    Gemma 2's `softcap` (attention-logit soft-capping) and `sliding_window` (its local layers) are honoured."""
     out = attend(kwargs["ponder_attention"], module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                 value[0].transpose(0, 1), scaling)
+                 value[0].transpose(0, 1), scaling, softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"))
     return out.unsqueeze(0), None
 
 
 def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           scaling: float | None) -> torch.Tensor:
+           scaling: float | None, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """Write the step's new keys and values `[T, KVH, D]` of `layer` and attend its queries `[T, H, D]`;
-    returns `[T, H, D]`."""
+    returns `[T, H, D]`. `softcap`: scores become softcap * tanh(score / softcap); `window`: a query at
+    position p attends to positions p - window + 1 .. p only (transformers' sliding window)."""
     if meta.layers is not None:
         meta.layers.before(layer)
-    out = _attend(meta, layer, queries, keys, values, scaling)
+    out = _attend(meta, layer, queries, keys, values, scaling, softcap or None, window or None)
     if meta.layers is not None:
         meta.layers.after(layer)
     return out
 
 
-def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling):
+def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling, softcap, window):
     cache = meta.cache
     cache.write_rows(layer, meta.slot_rows, keys, values)
     num_tokens, num_heads, head_dim = queries.shape
@@ -133,7 +135,7 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling)
         d = meta.decode_rows
         if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view
             queries = queries.contiguous()
-        d.kernel(queries, d.rows, cache.kv, d.tables, d.ctx, layer, scale, out)
+        d.kernel(queries, d.rows, cache.kv, d.tables, d.ctx, layer, scale, out, float(softcap or 0), int(window or 0))
     for group in meta.decode_groups:
         g = group.rows.shape[0]
         # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].
@@ -144,9 +146,13 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling)
         k, v = kv.unbind(0)
         if k.dtype != torch.float32:
             q, k = q.float(), k.float()
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = _capped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+        masked = group.masked
+        if window is not None:  # positions before the query's window: its context less `window`
+            ctx = (~masked).sum(-1, keepdim=True)
+            masked = masked | (torch.arange(group.width, device=ctx.device) < ctx - window)
         # A masked position's weight is exactly 0 and its value finite (see DecodeGroup.kv_rows).
-        weights = torch.softmax(scores.masked_fill_(group.masked, float("-inf")), dim=-1)
+        weights = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
         attended = torch.matmul(weights if weights.dtype == v.dtype else weights.to(v.dtype), v)
         if out is None:  # the step's only group, every row in order
             return attended.view(g, num_heads, head_dim)
@@ -154,7 +160,15 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling)
 
     for p in meta.prefills:
         q = queries[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
-        if p.mask is None:
+        if softcap is not None or window is not None:  # SDPA has no soft-capping: the plain arithmetic
+            if p.mask is None:
+                k = keys[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
+                v = values[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
+            else:
+                k, v = cache.gather(layer, p.block_table)
+                k, v = k[:, :, :p.ctx_len], v[:, :, :p.ctx_len]
+            o = _prefill_capped(q, k, v, p.ctx_len, scale, softcap, window)
+        elif p.mask is None:
             k = keys[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
             v = values[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
@@ -164,6 +178,27 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling, enable_gqa=True)
         out[p.q_start:p.q_start + p.q_len] = o[0].transpose(0, 1)
     return out
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _prefill_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float,
+                    softcap: float | None, window: int | None) -> torch.Tensor:
+    """A prompt slice's attention in float32 with soft-capping and a sliding window: q `[1, H, Q, D]`
+    at positions ctx_len - Q .. ctx_len - 1, k/v `[1, KVH, ctx_len, D]`; returns `[1, H, Q, D]`."""
+    heads, q_len, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    k = k.float().repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = _capped(torch.matmul(q.float(), k.transpose(-1, -2)) * scale, softcap)
+    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+    key_pos = torch.arange(ctx_len, device=q.device)[None, :]
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden = hidden | (key_pos <= query_pos - window)
+    weights = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 def _no_mask(*args, **kwargs):

@@ -4,13 +4,16 @@
 // gathered, no position is padded. For query g and KV head h, with the query heads that share h
 // (grouped-query attention), in float32 and in a fixed order:
 //   s_j = (q . k_j) * scale                         j < ctx[g], k_j at block tables[g, j / bs], offset j % bs
+//   s_j = softcap * tanh(s_j / softcap)              with soft-capping (Gemma 2), softcap > 0
+//                                                  with a sliding window, only j >= ctx[g] - window
 //   w_j = exp(s_j - max s) / sum of those exps     (exp: a polynomial, the same bits on every CPU)
 //   out = sum over j, in order, of w_j * v_j
 // A query's result depends on its own query, context and cache only, so it never depends on the
 // batch, the thread count or what else the step holds.
 //
 // decode_attention(queries [T, H, D], rows [G], cache [blocks, layers, 2, KVH, bs, D], tables [G, W],
-//                  ctx [G], layer, scale, out [T, H, D]) writes out[rows[g]] for every g.
+//                  ctx [G], layer, scale, out [T, H, D], softcap, window) writes out[rows[g]] for every g;
+// softcap 0 and window 0 mean none.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -54,25 +57,31 @@ inline __m256 exp_nonpositive(__m256 x) {
 
 struct Layout {
   int64_t H, KVH, D, bs, W;
+  float softcap;   // 0: none
+  int64_t window;  // 0: the whole context
   int64_t q_stride;      // floats from one query row to the next
   int64_t block_stride;  // floats from one block to the next
   int64_t layer_offset;  // floats from a block's start to this layer's keys
 };
 
 // One query and one KV head: the `shared` query heads of that KV head. `scores` has room for
-// shared * ctx floats.
-void attend_head(const Layout& s, const float* q, const float* cache, const int64_t* table, int64_t ctx,
+// shared * ctx floats. With a window, the context is its last `window` positions: `first` on.
+void attend_head(const Layout& s, const float* q, const float* cache, const int64_t* table, int64_t full_ctx,
                  int64_t kv_head, float scale, float* out, float* scores) {
   const int64_t shared = s.H / s.KVH, D = s.D, chunks = D / 8;
   const int64_t head_offset = kv_head * s.bs * D, value_offset = s.KVH * s.bs * D;
+  const int64_t first = s.window > 0 && full_ctx > s.window ? full_ctx - s.window : 0;
+  const int64_t ctx = full_ctx - first;
   const float* qh = q + kv_head * shared * D;
   for (int64_t j = 0; j < ctx; ++j) {
-    const float* k = cache + table[j / s.bs] * s.block_stride + s.layer_offset + head_offset + (j % s.bs) * D;
+    const int64_t p = first + j;
+    const float* k = cache + table[p / s.bs] * s.block_stride + s.layer_offset + head_offset + (p % s.bs) * D;
     for (int64_t i = 0; i < shared; ++i) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * D + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
-      scores[i * ctx + j] = hsum(acc) * scale;
+      const float score = hsum(acc) * scale;
+      scores[i * ctx + j] = s.softcap > 0 ? std::tanh(score / s.softcap) * s.softcap : score;
     }
   }
   for (int64_t i = 0; i < shared; ++i) {
@@ -106,8 +115,9 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
       __m256 acc[8];
       for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
       for (int64_t j = 0; j < ctx; ++j) {
-        const float* v = cache + table[j / s.bs] * s.block_stride + s.layer_offset + value_offset + head_offset +
-                         (j % s.bs) * D + 8 * c0;
+        const int64_t p = first + j;
+        const float* v = cache + table[p / s.bs] * s.block_stride + s.layer_offset + value_offset + head_offset +
+                         (p % s.bs) * D + 8 * c0;
         const __m256 w = _mm256_set1_ps(wi[j]);
         if (n == 8) {
           for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
@@ -127,7 +137,9 @@ bool supported() {
 }
 
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
-                      const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out) {
+                      const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out,
+                      double softcap, int64_t window) {
+  TORCH_CHECK(softcap >= 0 && window >= 0, "decode_attention: softcap and window must be >= 0 (0: none)");
   TORCH_CHECK(supported(), "decode_attention: this CPU lacks AVX2 or FMA");
   TORCH_CHECK(cache.dim() == 6 && cache.scalar_type() == at::kFloat && cache.is_contiguous(),
               "decode_attention: cache must be contiguous float32 [blocks, layers, 2, kv_heads, block_size, head_dim]");
@@ -147,8 +159,8 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
               "decode_attention: ctx must be contiguous int64 [queries]");
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 && tables.size(0) == G,
               "decode_attention: tables must be contiguous int64 [queries, blocks]");
-  const Layout s{queries.size(1), KVH, D, bs, tables.size(1), queries.stride(0), cache.stride(0),
-                 layer * cache.stride(1)};
+  const Layout s{queries.size(1), KVH, D, bs, tables.size(1), static_cast<float>(softcap), window,
+                 queries.stride(0), cache.stride(0), layer * cache.stride(1)};
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -179,6 +191,6 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {
   m.def("decode_attention(Tensor queries, Tensor rows, Tensor cache, Tensor tables, Tensor ctx, int layer, "
-        "float scale, Tensor(a!) out) -> ()");
+        "float scale, Tensor(a!) out, float softcap=0, int window=0) -> ()");
 }
 TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -93,13 +93,38 @@ def test_a_querys_bits_do_not_depend_on_the_other_queries(path):
     assert torch.equal(out[0, 1], alone[0])
 
 
-def _reference(cache, layer, q, table, ctx, scale):
-    """float64 attention of one query `[H, D]` over the first `ctx` positions of its blocks."""
+def _reference(cache, layer, q, table, ctx, scale, softcap=0.0, window=0):
+    """float64 attention of one query `[H, D]` over the first `ctx` positions of its blocks (the last
+    `window` of them with a window), scores soft-capped with `softcap`."""
     blocks = cache.kv[table][:, layer].double()  # [blocks, 2, KVH, BS, D]
-    keys = blocks[:, 0].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :ctx]
-    values = blocks[:, 1].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :ctx]
-    w = torch.softmax(q.double().view(KVH, H // KVH, D) @ keys.transpose(1, 2) * scale, dim=-1)
-    return (w @ values).reshape(H, D)
+    first = max(0, ctx - window) if window else 0
+    keys = blocks[:, 0].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, first:ctx]
+    values = blocks[:, 1].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, first:ctx]
+    scores = q.double().view(KVH, H // KVH, D) @ keys.transpose(1, 2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return (torch.softmax(scores, dim=-1) @ values).reshape(H, D)
+
+
+@pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
+@pytest.mark.parametrize("softcap, window", [(0.5, 0), (0.0, 5), (0.5, 20)])
+def test_the_kernel_caps_scores_and_keeps_to_a_sliding_window(softcap, window):
+    """Gemma 2's attention: softcap * tanh(score / softcap), and only the last `window` positions."""
+    cache = KVCache(KVShape(2, KVH, D, BS), 16, torch.float32, torch.device("cpu"))
+    cache.kv.normal_(generator=torch.Generator().manual_seed(8))
+    gen = torch.Generator().manual_seed(9)
+    tables = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(3)])
+    ctx = torch.tensor([3, 17, 31])  # inside the window, across it, far past it
+    queries = torch.randn(3, H, D, generator=gen) * 4  # large scores, so capping changes them
+    rows = torch.arange(3)
+    out = torch.zeros(3, H, D)
+    attention_kernel()(queries, rows, cache.kv, tables, ctx, 1, 0.3, out, softcap, window)
+    for g in range(3):
+        torch.testing.assert_close(out[g].double(), _reference(cache, 1, queries[g], tables[g], int(ctx[g]), 0.3,
+                                                               softcap, window), rtol=1e-5, atol=1e-6)
+    plain = torch.zeros(3, H, D)
+    attention_kernel()(queries, rows, cache.kv, tables, ctx, 1, 0.3, plain)
+    assert not torch.allclose(plain[2], out[2])  # the features change the result
 
 
 @pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
@@ -147,3 +172,23 @@ def test_the_kernel_refuses_what_it_cannot_read():
         kernel(q, torch.tensor([0, 2]), cache.kv, tables, torch.tensor([3, 5]), 0, 1.0, out)
     with pytest.raises(RuntimeError, match="cache must be contiguous float32"):
         kernel(q, rows, cache.kv.half(), tables, torch.tensor([3, 5]), 0, 1.0, out)
+
+
+def test_both_paths_cap_scores_and_keep_to_a_sliding_window_alike():
+    """Gemma 2's soft-capping and sliding window reach the torch path too (every other device and
+    dtype): its results equal the kernel's, and differ from attention without them."""
+    if q4_unavailable() is not None:
+        pytest.skip("needs ponder's CPU kernels")
+    cache = _cache()
+    entries = [_decoding(3, 0), _decoding(10, 2), _decoding(23, 6)]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, n, 3, D, generator=gen) * 3 for n in (H, KVH, KVH))
+    results = {}
+    for path in ("kernel", "torch"):
+        for features in ({}, {"softcap": 0.7, "sliding_window": 6}):
+            step = _runner(cache, path)._prepare(entries, [])
+            out, _ = paged_attention(types.SimpleNamespace(layer_idx=0), q, k, v, None, ponder_attention=step.meta,
+                                     **features)
+            results[path, bool(features)] = out[0]
+    torch.testing.assert_close(results["torch", True], results["kernel", True], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(results["torch", True], results["torch", False])

@@ -19,15 +19,6 @@ from tests.runtime.engine_helpers import request as generate_request
 QUESTION = [{"role": "user", "content": "What is 2 + 3? Please reason step by step."}]
 MAX_TOKENS = 10
 
-# runtime.attention.paged_attention drops the `sliding_window` and `softcap` keyword arguments that
-# transformers' Gemma 2 attention passes it: every layer attends to the whole context with uncapped
-# scores, and ponder's tokens are exactly transformers' with both removed from the config.
-GEMMA2_WINDOW_IGNORED = pytest.mark.xfail(
-    strict=True, reason="ponder's paged attention ignores Gemma 2's sliding window (runtime/attention.py "
-                        "drops the sliding_window argument)")
-GEMMA2_SOFTCAP_IGNORED = pytest.mark.xfail(
-    strict=True, reason="ponder's paged attention ignores Gemma 2's attention-logit soft-capping "
-                        "(runtime/attention.py drops the softcap argument)")
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens):
@@ -112,10 +103,8 @@ def test_the_chat_template_renders_the_published_turn_markers(replica):
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
-def test_greedy_decoding_matches_transformers_generate(replica, reference, batch_invariant, request):
+def test_greedy_decoding_matches_transformers_generate(replica, reference, batch_invariant):
     family, directory = replica
-    if family == "gemma2":  # capped scores change tokens, and the tokens outgrow the shrunk window
-        request.applymarker(GEMMA2_SOFTCAP_IGNORED)
     prompts = [prompt_ids(directory),
                prompt_ids(directory, [{"role": "user", "content": "Tom has 5 apples."}])]
     engine = engine_for(directory, batch_invariant=batch_invariant)
@@ -153,7 +142,6 @@ def test_gemma2_greedy_decoding_where_capping_changes_no_token(gemma2):
     assert results["r"]["choices"][0] == expected
 
 
-@GEMMA2_SOFTCAP_IGNORED
 def test_gemma2_attention_softcapping(gemma2):
     """Attention scores pass through 50 * tanh(score / 50) before the softmax; every position is
     inside the window, so only the capping is under test."""
@@ -165,17 +153,18 @@ def test_gemma2_attention_softcapping(gemma2):
     assert results["r"]["choices"][0] == expected
 
 
-@GEMMA2_WINDOW_IGNORED
-def test_gemma2_sliding_window(gemma2):
-    """Gemma 2's even layers attend to the last `sliding_window` positions only. The reference runs
-    without soft-capping (which ponder drops too, see above), so only the window is under test."""
-    directory, _ = gemma2
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_gemma2_sliding_window(gemma2, batch_invariant):
+    """Gemma 2's even layers attend to the last `sliding_window` positions only: in the prompt's
+    prefill (exact or SDPA's place) and in decoding. Against the very same model without the window,
+    the tokens differ, so the window is under test."""
+    directory, reference = gemma2
     prompt = prompt_ids(directory, [{"role": "user", "content": "Tom has 5 apples and buys 3 more. "
                                                                 "Janet has 3 ducks and they lay 16 eggs."}])
     assert len(prompt) > GEMMA2_SLIDING_WINDOW
-    uncapped = gemma2_without(directory, attn_logit_softcapping=None)
-    expected = hf_greedy(uncapped, prompt, MAX_TOKENS)
-    windowless = gemma2_without(directory, attn_logit_softcapping=None, sliding_window=4096)
+    expected = hf_greedy(reference, prompt, MAX_TOKENS)
+    windowless = gemma2_without(directory, sliding_window=4096)
     assert hf_greedy(windowless, prompt, MAX_TOKENS) != expected
-    results = run(engine_for(directory), [generate_request("r", prompt, max_tokens=MAX_TOKENS)])
+    results = run(engine_for(directory, batch_invariant=batch_invariant),
+                  [generate_request("r", prompt, max_tokens=MAX_TOKENS)])
     assert results["r"]["choices"][0] == expected
