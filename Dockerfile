@@ -35,7 +35,7 @@ RUN apt-get update \
 # Debian-based images have no uid 1000; an Ubuntu base ships "ubuntu" with it, which ponder takes.
 RUN if id -u ubuntu > /dev/null 2>&1; then userdel --remove ubuntu; fi \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin ponder \
-    && mkdir -p /models /home/ponder/.cache/huggingface /home/ponder/.cache/torch_extensions /var/lib/ponder/kv \
+    && mkdir -p /models /home/ponder/.cache/huggingface /var/lib/ponder/kv \
     && chown -R ponder:ponder /models /home/ponder/.cache /var/lib/ponder
 
 # The largest layer first, so that changes to the project do not download it again.
@@ -58,13 +58,14 @@ RUN pip install $PIP_EXTRA_ARGS . && ponder --help > /dev/null \
 # Everything is local: models come from /models, the embedded one or an already filled cache.
 ENV PONDER_CACHE__DISK_DIR=/var/lib/ponder/kv \
     HF_HOME=/home/ponder/.cache/huggingface \
-    HF_HUB_OFFLINE=1 \
-    TORCH_EXTENSIONS_DIR=/home/ponder/.cache/torch_extensions
+    HF_HUB_OFFLINE=1
 
 USER ponder
 WORKDIR /home/ponder
-# ponder's CPU kernels, built where the runtime looks for them, so that a container starts without
-# compiling. A failed compile fails the build; a CPU they cannot run on (no AVX2, not x86-64) only says so.
+# ponder's CPU kernels, built by the runtime user into the cache under its home where the runtime
+# looks for them, so that a container on a CPU like the builder's starts without compiling (another
+# CPU builds its own copy at first start, with the g++ above). A failed compile fails the build; a
+# CPU they cannot run on (no AVX2, not x86-64) only says so.
 RUN python -c "import sys; from runtime import cpu_kernels; reason = cpu_kernels.q4_unavailable(); \
 sys.exit('ponder CPU kernels: ' + reason) if reason and 'could not be built' in reason else None; \
 print('ponder CPU kernels:', reason or 'built (' + cpu_kernels.describe_isa() + ')')"

@@ -422,8 +422,11 @@ def test_dockerfile_builds_the_cpu_kernels_as_the_runtime_user():
     last_user = max(n for n, (i, _) in enumerate(instructions) if i == "USER")
     (kernels,) = [n for n, (i, a) in enumerate(instructions) if i == "RUN" and "cpu_kernels" in a]
     assert kernels > last_user
-    env = " ".join(instruction_args("ENV"))
-    assert "TORCH_EXTENSIONS_DIR=/home/ponder/.cache/torch_extensions" in env
+    # The runtime finds them under the user's ~/.cache: nothing moves that cache elsewhere.
+    (user,) = {a for i, a in instructions if i == "USER"}
+    assert any(f"chown -R {user}:{user}" in a and f"/home/{user}/.cache" in a for i, a in instructions if i == "RUN")
+    env_names = {word.partition("=")[0] for args in instruction_args("ENV") for word in args.split()}
+    assert "HF_HOME" in env_names and not env_names & {"HOME", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR"}
 
 
 def test_ci_runs_the_image_check_after_the_tests():
