@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -11,10 +12,10 @@ from runtime.decoder import LeanDecoder
 from runtime.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig, kv_shape_of
 from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
-from runtime.loader import (ModelSource, SettingError, load_causal_lm, load_tokenizer, pick_device, pick_dtype,
-                            resolve_model)
+from runtime.cached_model import load_quantized_model
+from runtime.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions
-from runtime.quantize import apply_quantize, check_mode
+from runtime.quantize import check_mode
 from runtime.search.verifier_store import VerifierStore
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
@@ -30,12 +31,14 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     dtype = pick_dtype(options.dtype, device)
     check_mode(options.quantize)  # an unknown mode fails before anything loads
     log.info("loading tokenizer from %s", source.directory)
+    started = time.perf_counter()
     tokenizer = load_tokenizer(source, options.trust_remote_code)
+    log.info("tokenizer loaded in %.2f s", time.perf_counter() - started)
     log.info("loading model %s (%s on %s)", source.name, str(dtype).removeprefix("torch."), device)
-    model = load_causal_lm(source, device, dtype, attention.register(), options.trust_remote_code)
-    gguf_path = f"{source.directory}/{source.gguf_file}" if source.gguf_file else None
-    quantized = apply_quantize(model, options.quantize, gguf_path)
-    log.info("%s", quantized.describe())
+    started = time.perf_counter()
+    model, quantized = load_quantized_model(source, device, dtype, attention.register(), options.quantize,
+                                            options.trust_remote_code)
+    log.info("model loaded in %.2f s; %s", time.perf_counter() - started, quantized.describe())
     text_config = model.config.get_text_config()
     limit = getattr(text_config, "max_position_embeddings", None) or 2048
     max_model_len = min(options.max_model_len or limit, limit)

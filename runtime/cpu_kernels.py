@@ -10,8 +10,11 @@ only. It needs an x86-64 CPU with AVX2, FMA and F16C (and runs AVX512-VNNI where
 `runtime/csrc/decode_attention.cpp`): each query attends to exactly its own context, read from its
 blocks where they lie, so nothing is gathered or padded and no query's result depends on the others.
 
-torch's extension builder compiles it once per machine into its cache (`TORCH_EXTENSIONS_DIR`,
-by default `~/.cache/torch_extensions`), in about 15 s; later loads take milliseconds.
+torch's extension builder compiles them once into ponder's start-up cache (runtime.startup_cache,
+`~/.cache/ponder/kernels/`), keyed by the sources' contents, the flags, the torch version and the CPU's
+vector unit, in about 15 s (minutes on a loaded machine); a later process loads the built library
+directly, in milliseconds. (Loading through the extension builder every time re-ran ninja in one
+shared build directory, and any other checkout or flag set rebuilt it there: 19 s a start.)
 `q4_kernel()` returns the op, or raises `KernelUnavailable` saying why it cannot run here
 (`q4_unavailable()` says the same without raising).
 """
@@ -23,6 +26,7 @@ import logging
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 _SOURCES = Path(__file__).parent / "csrc"
 _FILES = ("q4_linear.cpp", "decode_attention.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
+_NAME = "ponder_cpu_kernels"
+_LIBRARY = f"{_NAME}.so"
 
 
 class KernelUnavailable(RuntimeError):
@@ -45,6 +51,33 @@ def _load() -> str | None:
         return f"it is written for x86-64 CPUs, and this one is {platform.machine()}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"it needs AVX2, and torch reports this CPU's vector unit as {torch.backends.cpu.get_cpu_capability()}"
+    from runtime.startup_cache import Entry, runtime_sources, sources_hash
+
+    sources = sorted(path for path in _SOURCES.iterdir() if path.suffix in (".cpp", ".h"))
+    entry = Entry("kernels", {"sources": sources_hash(sources), "flags": _FLAGS,
+                              "loader": sources_hash(runtime_sources("cpu_kernels.py"))})
+    library = entry.path / _LIBRARY
+    if entry.is_present():
+        try:
+            torch.ops.load_library(str(library))
+        except OSError as exc:
+            log.warning("ponder's built CPU kernels at %s do not load (%s); building them again", library, exc)
+            entry.discard()
+        else:
+            log.info("ponder CPU kernels loaded from %s (%s)", entry.path, describe_isa())
+            return None if torch.ops.ponder.q4_best_isa() >= 0 else "this CPU lacks AVX2, FMA or F16C"
+    reason = _build(entry)
+    if reason is not None:
+        return reason
+    if torch.ops.ponder.q4_best_isa() < 0:
+        return "this CPU lacks AVX2, FMA or F16C"
+    log.info("ponder CPU kernels built and loaded (%s)", describe_isa())
+    return None
+
+
+def _build(entry) -> str | None:
+    """Compile the kernels into `entry` (or, where the cache cannot be written, a scratch directory) and
+    load them; None once loaded, else why they could not be built."""
     from torch.utils import cpp_extension
 
     try:
@@ -54,17 +87,23 @@ def _load() -> str | None:
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     except ImportError:
         pass  # a ninja on PATH, if any, does
-    log.info("loading ponder's CPU kernels (built once per machine, about 15 s the first time)")
-    try:
-        cpp_extension.load("ponder_cpu_kernels", [str(_SOURCES / name) for name in _FILES], extra_cflags=_FLAGS,
+    log.info("building ponder's CPU kernels (once per version and machine, about 15 s)")
+    built: list[Path] = []
+
+    def compile_into(directory: Path) -> None:
+        cpp_extension.load(_NAME, [str(_SOURCES / name) for name in _FILES], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(_SOURCES)],
-                           is_python_module=False)
+                           build_directory=str(directory), is_python_module=False)
+        built.append(directory)
+
+    try:
+        if not entry.write(compile_into):
+            if not built:  # the cache cannot be written: build in a scratch directory for this process
+                compile_into(Path(tempfile.mkdtemp(prefix="ponder-kernels-")))
+            return None
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:  # no compiler or ninja, a failed build
         last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         return f"it could not be built ({last})"
-    if torch.ops.ponder.q4_best_isa() < 0:
-        return "this CPU lacks AVX2, FMA or F16C"
-    log.info("ponder CPU kernels loaded (%s)", describe_isa())
     return None
 
 

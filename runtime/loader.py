@@ -200,10 +200,23 @@ def check_checkpoint(model_class, directory: str, *, ignorable: Iterable[Ignorab
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    """A GGUF's tokenizer comes from the start-up cache (runtime.startup_cache) once its vocabulary
+    was converted: the conversion takes seconds, loading the saved fast tokenizer a fraction of one."""
     from transformers import AutoTokenizer
 
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code, **kwargs)
+    if not source.gguf_file:
+        return AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code)
+    from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
+
+    entry = Entry("tokenizer", {"model": file_identity(source.path), "trust_remote_code": trust_remote_code,
+                                "code": sources_hash(runtime_sources("loader.py", "startup_cache.py"))})
+    cached = entry.read(lambda directory: AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code))
+    if cached is not None:
+        return cached
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code,
+                                              gguf_file=source.gguf_file)
+    entry.write(tokenizer.save_pretrained)
+    return tokenizer
 
 
 def load_causal_lm(source: ModelSource, device: torch.device, dtype: torch.dtype,

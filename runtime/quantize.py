@@ -121,6 +121,21 @@ class Int4Linear(QuantizedLinear):
         self.bias = bias
 
     @classmethod
+    def from_packed(cls, in_features: int, out_features: int, weight: torch.Tensor, d: torch.Tensor,
+                    m: torch.Tensor | None, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """A layer from buffers already in the kernel's layout (`pack_int4`'s outputs, e.g. a start-up
+        cache's), taken as they are."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.kernel, layer.group_size = q4_kernel(), INT4_GROUP_SIZE
+        layer.in_features, layer.out_features = in_features, out_features
+        layer.register_buffer("weight", weight)
+        layer.register_buffer("d", d)
+        layer.register_buffer("m", m)
+        layer.bias = bias
+        return layer
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
         """Each group's 16 codes spread evenly from its least to its largest weight (d and m rounded
         to float16 first, and the codes taken against the rounded values)."""

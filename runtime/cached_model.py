@@ -1,0 +1,157 @@
+"""A GGUF model with int4 layers, loaded from the start-up cache (runtime.startup_cache) when it can be.
+
+The first start loads the GGUF as always (transformers dequantizes every tensor, `apply_quantize`
+keeps the file's 4-bit blocks as int4 layers), then saves what it served: the config, and every
+parameter and buffer of the finished model (the int4 layers' packed codes and scales, the float
+embeddings and norms, the rotary tables) in one safetensors file. A later start builds the model's
+skeleton on the meta device from that config, puts int4 layers where the file says, and assigns every
+tensor from the file: no float round trip, nothing packed again, the very same bits (tested).
+
+Strict as `runtime.loader.load_strictly`: the entry must hold exactly the skeleton's parameters and
+buffers, each of its shape, and no tensor may stay on the meta device; an entry that does not is
+discarded and rebuilt from the GGUF, which is checked as every start checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.loader import ModelSource, load_causal_lm
+from runtime.quantize import Int4Linear, Quantized, apply_quantize
+from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
+
+log = logging.getLogger(__name__)
+
+_TENSORS = "tensors.safetensors"
+_LAYOUT = "layout.json"
+_CONFIG = "config"
+# The files whose code decides what the cached tensors are.
+_CODE = ("loader.py", "quantize.py", "gguf_blocks.py", "cached_model.py", "startup_cache.py")
+
+
+class CacheMismatch(RuntimeError):
+    """A cache entry that does not fill the model it describes exactly."""
+
+
+def model_entry(source: ModelSource, dtype: torch.dtype, attn_implementation: str, setting: str,
+                trust_remote_code: bool) -> Entry:
+    return Entry("int4", {"model": file_identity(source.path), "dtype": str(dtype), "quantize": setting,
+                          "attention": attn_implementation, "trust_remote_code": trust_remote_code,
+                          "code": sources_hash(runtime_sources(*_CODE))})
+
+
+def is_cacheable(source: ModelSource, device: torch.device, setting: str) -> bool:
+    """Only a GGUF model on a CPU whose setting may keep int4 layers is cached; others load as before."""
+    from runtime.cpu_kernels import q4_unavailable
+
+    return source.gguf_file is not None and device.type == "cpu" and setting in ("auto", "int4") \
+        and q4_unavailable() is None
+
+
+def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch.dtype, attn_implementation: str,
+                         setting: str, trust_remote_code: bool = False) -> tuple[nn.Module, Quantized]:
+    """The model with `setting` applied, from the cache where an entry matches, else from the file (and
+    then cached when its layers became int4)."""
+    entry = None
+    if is_cacheable(source, device, setting):
+        entry = model_entry(source, dtype, attn_implementation, setting, trust_remote_code)
+        cached = entry.read(lambda directory: read_model(directory, dtype, attn_implementation, trust_remote_code))
+        if cached is not None:
+            log.info("model loaded from the start-up cache %s", entry.path)
+            return cached
+    model = load_causal_lm(source, device, dtype, attn_implementation, trust_remote_code)
+    quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)
+    if entry is not None and quantized.mode == "int4" and entry.write(lambda directory: write_model(directory, model, quantized)):
+        log.info("model saved to the start-up cache %s", entry.path)
+    return model, quantized
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (persistent or not) by qualified name."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return named
+
+
+def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None:
+    from safetensors.torch import save_file
+
+    int4 = {name: {"in_features": module.in_features, "out_features": module.out_features,
+                   "zero_points": module.m is not None, "bias": module.bias is not None}
+            for name, module in model.named_modules() if isinstance(module, Int4Linear)}
+    tensors = {name: tensor.detach().contiguous() for name, tensor in _tensors(model).items()}
+    shared = {}
+    for name, tensor in tensors.items():  # safetensors stores no tensor twice: later names point to the first
+        shared.setdefault((tensor.data_ptr(), tensor.shape, tensor.dtype), []).append(name)
+    aliases = {name: names[0] for names in shared.values() for name in names[1:]}
+    save_file({name: t for name, t in tensors.items() if name not in aliases}, str(directory / _TENSORS))
+    model.config.save_pretrained(directory / _CONFIG)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(directory / _CONFIG)
+    layout = {"int4": int4, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
+                                                              quantized.detail]}
+    (directory / _LAYOUT).write_text(json.dumps(layout))
+
+
+@torch.no_grad()
+def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
+               trust_remote_code: bool) -> tuple[nn.Module, Quantized]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    layout = json.loads((directory / _LAYOUT).read_text())
+    config = AutoConfig.from_pretrained(directory / _CONFIG, trust_remote_code=trust_remote_code)
+    config.name_or_path = layout["name_or_path"]  # the model's own, not the cache's directory
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    if (directory / _CONFIG / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory / _CONFIG)
+    modules = dict(model.named_modules())
+    for name, spec in layout["int4"].items():
+        parent_name, _, attribute = name.rpartition(".")
+        placeholder = Int4Linear.from_packed(spec["in_features"], spec["out_features"], *_meta_int4(spec))
+        setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
+    tensors = load_file(str(directory / _TENSORS))
+    for name, first in layout["aliases"].items():
+        tensors[name] = tensors[first]
+    _assign(model, tensors)
+    return model.eval(), Quantized(*layout["quantized"])
+
+
+def _meta_int4(spec: dict) -> tuple:
+    """Meta tensors standing for an int4 layer's buffers until the cached ones are assigned."""
+    meta = torch.empty(0, device="meta")
+    bias = nn.Parameter(torch.empty(spec["out_features"], device="meta")) if spec["bias"] else None
+    return meta, meta, meta if spec["zero_points"] else None, bias
+
+
+def _assign(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Give every parameter and buffer of `model` its tensor from `tensors`; raises CacheMismatch unless
+    the names match exactly, the float shapes agree, and no tensor is left on the meta device."""
+    expected = _tensors(model)
+    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
+    if missing or unexpected:
+        raise CacheMismatch(f"the entry lacks {missing[:3]} and holds {unexpected[:3]} nothing reads")
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    by_tensor: dict[int, torch.Tensor] = {}  # tied parameters stay tied: one new tensor per old one
+    for name, tensor in tensors.items():
+        old = expected[name]
+        if old.numel() and (old.shape != tensor.shape or old.dtype != tensor.dtype):
+            raise CacheMismatch(f"{name} is {tuple(tensor.shape)} {tensor.dtype}, the model wants "
+                                f"{tuple(old.shape)} {old.dtype}")
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if name in parameters:
+            new = by_tensor.setdefault(id(old), nn.Parameter(tensor, requires_grad=old.requires_grad))
+            parent._parameters[attribute] = new
+        else:
+            parent._buffers[attribute] = tensor
+    left = [name for name, tensor in _tensors(model).items() if tensor.is_meta]
+    if left:
+        raise CacheMismatch(f"{len(left)} tensor(s) left unloaded ({', '.join(left[:3])})")
