@@ -34,6 +34,23 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
+// hsum of four vectors at once, each summed in hsum's order: (lo + hi), then lanes (0 + 2) and
+// (1 + 3), then those two. Float addition commutes exactly, so each result has hsum's bits.
+inline void hsum4(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+  // Per 128-bit lane: [x0 + x2, x1 + x3, y0 + y2, y1 + y3] for (x, y) = (a, c) low and (b, d) high.
+  const __m256 pairs = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 sums = _mm256_hadd_ps(pairs, pairs);  // low lane [a, c, a, c], high lane [b, d, b, d]
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sums);
+  out[0] = lanes[0];
+  out[1] = lanes[4];
+  out[2] = lanes[1];
+  out[3] = lanes[5];
+}
+
 // exp(x) for x <= 0: 2^n * p(r), x = n ln 2 + r, |r| <= ln 2 / 2, p the degree-6 Taylor polynomial
 // (relative error about 2e-7); 0 below -87 (where float32 loses normal numbers).
 inline __m256 exp_nonpositive(__m256 x) {
@@ -64,6 +81,43 @@ struct Layout {
   int64_t layer_offset;  // floats from a block's start to this layer's keys
 };
 
+// out[i] = sum over j, in order, of w[i][j] * v_j for the S query heads of one KV head, four chunks
+// of 8 at a time: each value chunk is loaded once for all S heads. Every output element is the same
+// FMA chain over the positions as one head at a time would compute, so the bits are the same.
+template <int S>
+void weighted_values(const Layout& s, const float* values, const int64_t* table, int64_t first, int64_t ctx,
+                     const float* weights, float* out) {
+  const int64_t D = s.D, chunks = D / 8;
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    const int64_t n = std::min<int64_t>(4, chunks - c0);
+    __m256 acc[S][4];
+    for (int i = 0; i < S; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < ctx;) {
+      const int64_t p = first + j, offset = p % s.bs, run = std::min(s.bs - offset, ctx - j);
+      const float* block = values + table[p / s.bs] * s.block_stride + offset * D + 8 * c0;
+      for (int64_t t = 0; t < run; ++t, ++j) {
+        const float* v = block + t * D;
+        __m256 w[S];
+        for (int i = 0; i < S; ++i) w[i] = _mm256_set1_ps(weights[i * ctx + j]);
+        if (n == 4) {
+          for (int c = 0; c < 4; ++c) {
+            const __m256 vc = _mm256_loadu_ps(v + 8 * c);
+            for (int i = 0; i < S; ++i) acc[i][c] = _mm256_fmadd_ps(w[i], vc, acc[i][c]);
+          }
+        } else {
+          for (int64_t c = 0; c < n; ++c) {
+            const __m256 vc = _mm256_loadu_ps(v + 8 * c);
+            for (int i = 0; i < S; ++i) acc[i][c] = _mm256_fmadd_ps(w[i], vc, acc[i][c]);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < S; ++i)
+      for (int64_t c = 0; c < n; ++c) _mm256_storeu_ps(out + i * D + 8 * (c0 + c), acc[i][c]);
+  }
+}
+
 // One query and one KV head: the `shared` query heads of that KV head. `scores` has room for
 // shared * ctx floats. With a window, the context is its last `window` positions: `first` on.
 void attend_head(const Layout& s, const float* q, const float* cache, const int64_t* table, int64_t full_ctx,
@@ -73,15 +127,40 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
   const int64_t first = s.window > 0 && full_ctx > s.window ? full_ctx - s.window : 0;
   const int64_t ctx = full_ctx - first;
   const float* qh = q + kv_head * shared * D;
-  for (int64_t j = 0; j < ctx; ++j) {
+  const auto key = [&](int64_t j) {
     const int64_t p = first + j;
-    const float* k = cache + table[p / s.bs] * s.block_stride + s.layer_offset + head_offset + (p % s.bs) * D;
+    return cache + table[p / s.bs] * s.block_stride + s.layer_offset + head_offset + (p % s.bs) * D;
+  };
+  const auto store = [&](int64_t i, int64_t j, float dot) {
+    const float score = dot * scale;
+    scores[i * ctx + j] = s.softcap > 0 ? std::tanh(score / s.softcap) * s.softcap : score;
+  };
+  // Four keys at a time: each query chunk is loaded once for four products. Every score is still
+  // the same FMA chain over the chunks and the same reduction (hsum4), so its bits do not change.
+  int64_t j = 0;
+  for (; j + 4 <= ctx; j += 4) {
+    const float* k0 = key(j), *k1 = key(j + 1), *k2 = key(j + 2), *k3 = key(j + 3);
+    for (int64_t i = 0; i < shared; ++i) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m256 qc = _mm256_loadu_ps(qh + i * D + 8 * c);
+        a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), a0);
+        a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + 8 * c), a1);
+        a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + 8 * c), a2);
+        a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + 8 * c), a3);
+      }
+      alignas(16) float dots[4];
+      hsum4(a0, a1, a2, a3, dots);
+      for (int64_t t = 0; t < 4; ++t) store(i, j + t, dots[t]);
+    }
+  }
+  for (; j < ctx; ++j) {
+    const float* k = key(j);
     for (int64_t i = 0; i < shared; ++i) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * D + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
-      const float score = hsum(acc) * scale;
-      scores[i * ctx + j] = s.softcap > 0 ? std::tanh(score / s.softcap) * s.softcap : score;
+      store(i, j, hsum(acc));
     }
   }
   for (int64_t i = 0; i < shared; ++i) {
@@ -107,6 +186,15 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
     const float inverse = 1.0f / hsum(sum8);
     for (int64_t t = 0; t < ctx; ++t) si[t] *= inverse;
   }
+  float* heads_out = out + kv_head * shared * D;
+  const float* values = cache + s.layer_offset + value_offset + head_offset;
+  switch (shared) {  // the query heads of this KV head together: each value row is read once
+    case 1: return weighted_values<1>(s, values, table, first, ctx, scores, heads_out);
+    case 2: return weighted_values<2>(s, values, table, first, ctx, scores, heads_out);
+    case 3: return weighted_values<3>(s, values, table, first, ctx, scores, heads_out);
+    case 4: return weighted_values<4>(s, values, table, first, ctx, scores, heads_out);
+    default: break;
+  }
   for (int64_t i = 0; i < shared; ++i) {
     const float* wi = scores + i * ctx;
     float* o = out + (kv_head * shared + i) * D;
@@ -114,15 +202,19 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
       const int64_t n = std::min<int64_t>(8, chunks - c0);
       __m256 acc[8];
       for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < ctx; ++j) {
-        const int64_t p = first + j;
-        const float* v = cache + table[p / s.bs] * s.block_stride + s.layer_offset + value_offset + head_offset +
-                         (p % s.bs) * D + 8 * c0;
-        const __m256 w = _mm256_set1_ps(wi[j]);
-        if (n == 8) {
-          for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
-        } else {
-          for (int64_t c = 0; c < n; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      // Block by block (no division per position), positions in order as before.
+      for (int64_t j = 0; j < ctx;) {
+        const int64_t p = first + j, offset = p % s.bs, run = std::min(s.bs - offset, ctx - j);
+        const float* block = cache + table[p / s.bs] * s.block_stride + s.layer_offset + value_offset +
+                             head_offset + offset * D + 8 * c0;
+        for (int64_t t = 0; t < run; ++t, ++j) {
+          const float* v = block + t * D;
+          const __m256 w = _mm256_set1_ps(wi[j]);
+          if (n == 8) {
+            for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+          } else {
+            for (int64_t c = 0; c < n; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+          }
         }
       }
       for (int64_t c = 0; c < n; ++c) _mm256_storeu_ps(o + 8 * (c0 + c), acc[c]);
