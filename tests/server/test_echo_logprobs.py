@@ -109,7 +109,7 @@ TEXT = " ".join(f"w{i}" for i in range(22))  # 23 tokens with <s>: cached blocks
 def server(tiny_llama):
     with live_server("--model", str(tiny_llama), "--api-key", KEY, "--device", "cpu",
                      env={"PONDER_CACHE__NUM_BLOCKS": "256", "PONDER_CACHE__BLOCK_SIZE": "4",
-                          "PONDER_SCHEDULER__MAX_NUM_BATCHED_TOKENS": "16"}) as (base, _):
+                          "PONDER_SCHEDULER__MAX_NUM_BATCHED_TOKENS": "16"}, timeout=600) as (base, _):
         yield base
 
 

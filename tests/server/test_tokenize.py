@@ -16,7 +16,7 @@ MESSAGES = [{"role": "system", "content": "w5"}, {"role": "user", "content": "w1
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     with live_server("--model", str(tiny_llama), "--api-key", KEY, "--device", "cpu", "--max-model-len", "64",
-                     env={"PONDER_CACHE__NUM_BLOCKS": "64", "PONDER_CACHE__BLOCK_SIZE": "4"}) as (base, _):
+                     env={"PONDER_CACHE__NUM_BLOCKS": "64", "PONDER_CACHE__BLOCK_SIZE": "4"}, timeout=600) as (base, _):
         yield base
 
 
