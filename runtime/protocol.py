@@ -163,7 +163,7 @@ class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class StepScore(msgspec.Struct, frozen=True, kw_only=True):
-    score: float
+    score: float | None  # None: no step of the path was verified (a deadline came first)
     step_scores: tuple[float, ...]
     answer: str | None
 
@@ -187,7 +187,7 @@ class SearchEvent(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_onl
     request_id: str
     step: int
     live_paths: int
-    scores: tuple[float, ...]
+    scores: tuple[float | None, ...]  # None for a path none of whose steps is verified yet
 
 
 # The search tree: one node per step of each path, and the prompt as its root (node 0, step 0).

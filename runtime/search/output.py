@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from runtime.protocol import Delta, Finished, SearchEvent, SearchSummary, StepScore
 from runtime.search.answers import Candidate, extract_answer, select
 from runtime.search.paths import SearchPath
@@ -19,7 +21,7 @@ class SearchOutput:
         if self.search.include_events:
             live = sorted(live, key=lambda p: p.uid)
             self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
-                                         scores=tuple(p.score for p in live)))
+                                         scores=tuple(_reported(p.score) for p in live)))
 
     def _finish(self) -> None:
         self.is_finished = True
@@ -36,11 +38,11 @@ class SearchOutput:
             self.engine.emit(Delta(
                 request_id=self.request_id, index=index, text=text, token_ids=tuple(output_ids),
                 finish_reason=path.finish_reason or "stop",
-                search=StepScore(score=path.score, step_scores=tuple(path.step_scores),
+                search=StepScore(score=_reported(path.score), step_scores=tuple(path.step_scores),
                                  answer=candidates[self.final.index(path)].answer)))
         if self.search.include_events:
             self.engine.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
-                                         scores=tuple(p.score for p in chosen)))
+                                         scores=tuple(_reported(p.score) for p in chosen)))
         self.tree.select(path.node for path in chosen)
         self.tree.flush(done=True)
         self.engine.emit(Finished(
@@ -51,6 +53,11 @@ class SearchOutput:
                                  cut_step_verified=self.cut_step_verified if self.timed_out else None,
                                  **self.stats)))
         self.engine.search_finished(self)
+
+
+def _reported(score: float) -> float | None:
+    """A path's score as clients see it: None where no step was verified (ranked as -inf here)."""
+    return score if math.isfinite(score) else None
 
 
 def _common_prefix(texts: list[str]) -> str:

@@ -128,3 +128,12 @@ def test_no_deadline_reports_no_cut_step(tiny_llama, clock):
     engine = engine_for(tiny_llama, num_blocks=1024)
     _, summary = run(engine, judged("whole", timeout_s=60), clock, jump_after_step=None)
     assert summary.timed_out is False and summary.cut_step_verified is None
+
+
+def test_a_deadline_before_the_first_verification_reports_no_score(tiny_llama, clock):
+    """No step was verified: the paths rank as unscored and the answer says so with a null score
+    (a float infinity is not JSON)."""
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    deltas, summary = run(engine, judged("first", timeout_s=60), clock, jump_after_step=0)
+    assert summary.steps == 1 and summary.timed_out is True and summary.cut_step_verified is False
+    assert deltas[0].search.score is None and deltas[0].search.step_scores == ()
