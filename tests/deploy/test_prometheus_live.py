@@ -30,18 +30,24 @@ RATE_INTERVAL = "1m"  # what Grafana's $__rate_interval stands for here: every r
 
 
 def test_promtool_accepts_the_shipped_config():
-    result = subprocess.run([PROMTOOL, "check", "config", str(DEPLOY / "prometheus.yml")],
+    # --syntax-only: the key file it names is the compose secret, which exists only in the container.
+    result = subprocess.run([PROMTOOL, "check", "config", "--syntax-only", str(DEPLOY / "prometheus.yml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def loopback_config(target: str, directory: Path) -> Path:
-    """deploy/prometheus.yml with its ponder job pointed at `target`, scraping every second."""
+    """deploy/prometheus.yml with its ponder job pointed at `target`, scraping every second with the
+    key read from a file here rather than the compose secret."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "ponder"]
     job["static_configs"] = [{"targets": [target]}]
     job["scrape_interval"] = "1s"
     job["scrape_timeout"] = "1s"
+    key_file = directory / "ponder_api_key"
+    key_file.write_text(KEY)
+    assert job["authorization"]["credentials_file"] == "/run/secrets/ponder_api_key"
+    job["authorization"]["credentials_file"] = str(key_file)
     path = directory / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run([PROMTOOL, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
@@ -52,7 +58,7 @@ def loopback_config(target: str, directory: Path) -> Path:
 @pytest.fixture(scope="module")
 def ponder(tiny_llama):
     env = {"PONDER_CACHE__NUM_BLOCKS": "256", "PONDER_CACHE__BLOCK_SIZE": "4", "PONDER_SERVER__API_KEY": KEY,
-           "PONDER_SERVER__PUBLIC_METRICS": "true", "PONDER_SERVER__MAX_BODY_BYTES": "4096"}
+           "PONDER_SERVER__MAX_BODY_BYTES": "4096"}  # /metrics needs the key, as in deploy/compose.yaml
     with live_server("--model", str(tiny_llama), "--device", "cpu", env=env) as (base, _):
         yield base
 
@@ -111,7 +117,8 @@ def wait_for_scrape_of(ponder: str, prometheus: str, instance: str) -> None:
     """Until Prometheus holds the count of chat requests the server reports now."""
     from tests.server.live import metric
 
-    expected = sum(metric(ponder, "ponder_http_requests_total", default=0, route=CHAT, method="POST", status=s)
+    expected = sum(metric(ponder, "ponder_http_requests_total", headers=AUTH, default=0, route=CHAT, method="POST",
+                          status=s)
                    for s in ("200", "400", "401", "404", "413"))
     expr = f'sum(ponder_http_requests_total{{instance="{instance}",route="{CHAT}"}})'
     deadline = time.monotonic() + 30
