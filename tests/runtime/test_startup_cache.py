@@ -252,3 +252,15 @@ def test_the_embedded_model_s_cached_tokenizer_encodes_and_templates_as_the_conv
         cold.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert (warm.eos_token_id, warm.bos_token_id, warm.pad_token_id) == \
         (cold.eos_token_id, cold.bos_token_id, cold.pad_token_id)
+
+
+# --- the config, for the settings check ------------------------------------------------------------
+
+
+def test_the_cached_config_is_the_one_read_from_the_gguf(gguf, cache_dir):
+    from transformers import AutoConfig
+
+    reference = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert cached_model.gguf_config(source_of(gguf)).to_dict() == reference.to_dict()  # a miss: read, saved
+    assert entries(cache_dir, "config")
+    assert cached_model.gguf_config(source_of(gguf)).to_dict() == reference.to_dict()  # a hit
