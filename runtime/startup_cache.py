@@ -114,8 +114,11 @@ class Entry:
             return False
         try:
             writer(staging)
+            if self.is_present():  # another process wrote it meanwhile: keep theirs, which may be in use
+                shutil.rmtree(staging, ignore_errors=True)
+                return True
             (staging / KEY_FILE).write_text(self.text)
-            self.discard()
+            self.discard()  # a directory without this key file: a damaged entry
             os.rename(staging, self.path)
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be written only costs time
             shutil.rmtree(staging, ignore_errors=True)

@@ -264,3 +264,15 @@ def test_the_cached_config_is_the_one_read_from_the_gguf(gguf, cache_dir):
     assert cached_model.gguf_config(source_of(gguf)).to_dict() == reference.to_dict()  # a miss: read, saved
     assert entries(cache_dir, "config")
     assert cached_model.gguf_config(source_of(gguf)).to_dict() == reference.to_dict()  # a hit
+
+
+def test_an_entry_written_meanwhile_by_another_process_is_kept(tmp_path):
+    entry = Entry("thing", {"a": 1}, root=tmp_path)
+
+    def slow_writer(directory):
+        (directory / "x").write_text("mine")
+        Entry("thing", {"a": 1}, root=tmp_path).write(lambda d: (d / "x").write_text("theirs"))  # finishes first
+
+    assert entry.write(slow_writer)
+    assert entry.read(lambda d: (d / "x").read_text()) == "theirs"
+    assert [p.name for p in (tmp_path / "thing").iterdir()] == [entry.path.name]  # no staging left behind
