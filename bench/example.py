@@ -51,9 +51,9 @@ class StepLog:
         self.prefill: list[tuple[int, float]] = []  # (tokens, seconds) of the other steps
         runner.execute = self
 
-    def __call__(self, scheduled, copies, sampled):
+    def __call__(self, scheduled, copies, sampled, *rest):
         started = time.perf_counter()
-        logits = self.execute(scheduled, copies, sampled)
+        logits = self.execute(scheduled, copies, sampled, *rest)
         seconds = time.perf_counter() - started
         tokens = sum(entry.num_new_tokens for entry in scheduled)
         if tokens == len(scheduled):

@@ -233,8 +233,8 @@ def load_causal_lm(source: ModelSource, device: torch.device, dtype: torch.dtype
 def check_causal_lm(source: ModelSource, trust_remote_code: bool = False) -> None:
     """`load_causal_lm`'s strict check, weights unread; a GGUF file is checked when it loads instead
     (transformers dequantizes every tensor to map its names)."""
-    from transformers import AutoModelForCausalLM
-
     if source.gguf_file is None:
+        from transformers import AutoModelForCausalLM
+
         check_checkpoint(AutoModelForCausalLM, source.directory, label=source.path, use_safetensors=True,
                          trust_remote_code=trust_remote_code)

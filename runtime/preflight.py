@@ -43,13 +43,14 @@ def check(options: RuntimeOptions) -> None:
 def _check_checkpoints(options: RuntimeOptions) -> None:
     """Raise `CheckpointMismatch` for a generator or verifier checkpoint that would leave a parameter
     at random or hold a tensor nothing reads; only the safetensors headers are read."""
-    from runtime.search.verifiers.registry import check_verifier
+    def check_verifier(spec: dict[str, str]) -> None:
+        from runtime.search.verifiers.registry import check_verifier as check
+
+        check(spec["kind"], spec["path"], trust_remote_code=spec.get("trust_remote_code") == "true")
 
     checks = [lambda: check_causal_lm(resolve_model(options.model, options.served_model_name),
                                       options.trust_remote_code)]
-    checks += [lambda spec=spec: check_verifier(spec["kind"], spec["path"],
-                                                trust_remote_code=spec.get("trust_remote_code") == "true")
-               for spec in options.verifiers.values()]
+    checks += [lambda spec=spec: check_verifier(spec) for spec in options.verifiers.values()]
     for run_check in checks:
         try:
             run_check()
@@ -65,8 +66,12 @@ def _check_budget(options: RuntimeOptions, dtype) -> None:
 
     try:
         source = resolve_model(options.model, options.served_model_name)
-        kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-        config = AutoConfig.from_pretrained(source.directory, trust_remote_code=options.trust_remote_code, **kwargs)
+        if source.gguf_file:  # transformers parses the whole vocabulary for it: kept once read
+            from runtime.cached_model import gguf_config
+
+            config = gguf_config(source, options.trust_remote_code)
+        else:
+            config = AutoConfig.from_pretrained(source.directory, trust_remote_code=options.trust_remote_code)
     except Exception:  # noqa: BLE001 - a model that cannot be read is reported when it loads
         return
     shape = kv_shape_of(config, options.block_size)
