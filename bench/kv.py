@@ -24,7 +24,7 @@ import torch
 from bench import served
 from bench.report import columns, emit
 from bench.transfer_model import KVLayout, beam_request_bytes, layerwise_request_bytes
-from runtime.engine import kv_shape_of
+from storage.kv_cache import kv_shape_of
 
 
 def run(args) -> dict:

@@ -20,7 +20,8 @@ import torch
 from bench.threads import torch_threads
 from runtime import attention
 from runtime.bootstrap import tier_chain
-from runtime.engine import Engine, EngineConfig, kv_shape_of
+from runtime.engine import Engine, EngineConfig
+from storage.kv_cache import kv_shape_of
 from runtime.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
 

@@ -7,7 +7,6 @@ from runtime.head_pieces import plan_pieces
 from runtime.loader import SettingError
 from runtime.protocol import GenerateRequest
 from runtime.requests import InvalidRequest, prompt_token_ids
-from runtime.streamed import StreamedRequests
 
 GRANULARITIES = ("block", "head")
 
@@ -80,9 +79,11 @@ def check_budget(shape, num_blocks: int, max_model_len: int, granularity: str) -
                                f"stream one sequence of max_model_len {max_model_len} tokens: {exc}") from None
 
 
-def check_granularity(engine) -> StreamedRequests | None:
+def check_granularity(engine) -> "StreamedRequests | None":
     """The head-wise server of requests over the compute pool when `kv_granularity = head`, after
     `check_budget`."""
+    from runtime.streamed import StreamedRequests  # the model side: start-up's settings check needs none of it
+
     config = engine.config
     check_budget(engine.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)
     return StreamedRequests(engine) if config.kv_granularity == "head" else None

@@ -10,7 +10,8 @@ import torch
 from runtime import attention
 from runtime.decoder import LeanDecoder
 from runtime.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
-from runtime.engine import Engine, EngineConfig, kv_shape_of
+from runtime.engine import Engine, EngineConfig
+from storage.kv_cache import kv_shape_of
 from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
 from runtime.cached_model import load_quantized_model
 from runtime.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model

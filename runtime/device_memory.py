@@ -13,7 +13,6 @@ been checked against a GPU's peak (no GPU was at hand), hence the factor of two.
 
 from __future__ import annotations
 
-from runtime.row_padding import GATHER_TOKENS
 
 FLOAT32_BYTES = 4
 
@@ -34,6 +33,8 @@ def activation_reserve(text_config, num_tokens: int, num_logit_rows: int, max_mo
     its product, the down projection); one decode attention group (`GATHER_TOKENS` keys and values
     gathered, keys in float32, scores and weights in float32); a prefill chunk's cached keys and
     values gathered over `max_model_len` tokens; the logits with their float32 copies for sampling."""
+    from runtime.row_padding import GATHER_TOKENS  # the model side: start-up's settings check imports this module
+
     hidden = text_config.hidden_size
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads

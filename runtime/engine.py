@@ -25,7 +25,7 @@ from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from storage.block_pool import BlockPool
-from storage.kv_cache import KVCache, KVShape
+from storage.kv_cache import KVCache, KVShape, kv_shape_of
 
 
 log = logging.getLogger("ponder.runtime")
@@ -43,14 +43,6 @@ class EngineConfig:
     kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.streamed)
     speculative_extension: bool = True
     batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
-
-
-def kv_shape_of(model_config, block_size: int) -> KVShape:
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    num_heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-    return KVShape(text_config.num_hidden_layers, num_kv_heads, head_dim, block_size)
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.device_profile import measure_bandwidth, measure_flops
-from runtime.engine import kv_shape_of
+from storage.kv_cache import kv_shape_of
 from runtime.quantize import QuantizedLinear
 from scheduler.roofline import BatchCaps, DevicePeaks, KVSplit, ModelCost, Workload, choose_batches, choose_split
 

@@ -14,7 +14,7 @@ import sys
 
 from runtime.admission import GRANULARITIES, check_budget
 from runtime.device_memory import sizes_from_device
-from runtime.engine import kv_shape_of
+from storage.kv_cache import kv_shape_of
 from runtime.loader import CheckpointMismatch, SettingError, check_causal_lm, pick_device, pick_dtype, resolve_model
 from runtime.protocol import RuntimeOptions, decode_options
 from runtime.quantize import check_device, check_mode

@@ -113,3 +113,12 @@ class KVCache:
         if not (is_private and payload.is_pinned()):
             payload = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True).copy_(payload)
         target.copy_(payload, non_blocking=True)
+
+
+def kv_shape_of(model_config, block_size: int) -> KVShape:
+    """The KV shape of a transformers model config (its text config for a multimodal one)."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    num_heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    return KVShape(text_config.num_hidden_layers, num_kv_heads, head_dim, block_size)
