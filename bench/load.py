@@ -338,12 +338,27 @@ def build_tiny_model(directory: Path) -> Path:
 
 
 @contextlib.contextmanager
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def serve(model: Path, log_path: Path, device: str = "auto", env: dict | None = None,
           timeout_s: float = 300.0) -> Iterator[str]:
     """`ponder serve` on a free loopback port; yields its base URL once /health is 200."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     full_env = {**os.environ, "PONDER_SERVER__STATS_INTERVAL_S": "0.2", "PONDER_SERVER__LOG_LEVEL": "WARNING",
                 **(env or {})}
     with open(log_path, "w") as log:
@@ -364,11 +379,7 @@ def serve(model: Path, log_path: Path, device: str = "auto", env: dict | None = 
             time.sleep(0.2)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import build_tiny_model, percentile, serve
+from bench.load import _round, build_tiny_model, free_port, percentile, serve, stop
 from bench.report import columns, emit
 
 ROUTED = "x-smg-routed-worker-id"  # smg's response header naming the replica it chose
@@ -62,14 +62,6 @@ class Workload:
                 for _ in range(self.requests)]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def router(workers: list[str], policy: str, log_path: Path, timeout_s: float = 120.0):
     """smg on loopback in front of `workers`; yields its URL once it counts every worker healthy."""
@@ -94,11 +86,7 @@ def router(workers: list[str], policy: str, log_path: Path, timeout_s: float = 1
             time.sleep(0.5)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def prefix_tokens(replicas: list[str]) -> tuple[float, float]:
@@ -145,10 +133,6 @@ async def drive(base: str, model: str, prompts: list[str], work: Workload, deadl
             "requests_per_s": round(len(latencies) / wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "latency_p50_s": _round(percentile(latencies, 50)), "latency_p95_s": _round(percentile(latencies, 95)),
             "served": dict(served)}
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
 
 
 def run(replicas: list[str], model: str, work: Workload, deadline_s: float, tmp: Path) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.load import free_port, stop
 from bench.report import columns, emit
 
 # Log lines marking the end of each phase, in order; a phase runs from the previous mark to its own.
@@ -37,12 +37,6 @@ PHASES = (
     ("model and int4 layers", "model loaded in"),
     ("KV pool and engine", "runtime ready"),
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def health_ok(port: int) -> bool:
@@ -74,12 +68,7 @@ def timed_start(command: list[str], port: int, env: dict, timeout: float) -> dic
                 break
             time.sleep(0.1)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
         reader.join(timeout=5)
     return {"ready_s": ready, "lines": lines, "exit": process.returncode}
 
