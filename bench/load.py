@@ -337,7 +337,6 @@ def build_tiny_model(directory: Path) -> Path:
     return directory
 
 
-@contextlib.contextmanager
 def free_port() -> int:
     """A loopback port nothing listens on now."""
     with socket.socket() as s:
@@ -355,6 +354,7 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+@contextlib.contextmanager
 def serve(model: Path, log_path: Path, device: str = "auto", env: dict | None = None,
           timeout_s: float = 300.0) -> Iterator[str]:
     """`ponder serve` on a free loopback port; yields its base URL once /health is 200."""
