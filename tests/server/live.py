@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,22 +12,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.load import free_port, stop  # noqa: F401 - re-exported for the tests that stop servers
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within 20 s."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @contextmanager
