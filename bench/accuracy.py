@@ -166,7 +166,7 @@ def messages_for(question: str) -> tuple[dict[str, str], ...]:
 
 
 def request_for(problem: Problem, config: Config, setup: Setup, request_id: str):
-    from runtime.protocol import GenerateRequest, SamplingParams, SearchParams
+    from runtime.wire.protocol import GenerateRequest, SamplingParams, SearchParams
 
     stepwise = config.method in VERIFIED
     greedy = config.method == "greedy"
@@ -184,7 +184,7 @@ def request_for(problem: Problem, config: Config, setup: Setup, request_id: str)
 
 
 def solve(engine, problem: Problem, config: Config, setup: Setup, request_id: str) -> Outcome:
-    from runtime.protocol import Delta, Finished, RequestError
+    from runtime.wire.protocol import Delta, Finished, RequestError
 
     started = time.perf_counter()
     messages = list(engine.add_request(request_for(problem, config, setup, request_id)))
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 def runtime_options(model: str | None, config: str | None):
     """The engine's options and the verifier names a run may use. Without `config`: the model on the CPU,
     as the other benchmarks run; with it: what `ponder serve --config` would load, reward models too."""
-    from runtime.protocol import RuntimeOptions
+    from runtime.wire.protocol import RuntimeOptions
 
     if config is None:
         return RuntimeOptions(model=model, device="cpu"), VERIFIERS

@@ -34,7 +34,7 @@ from bench.report import emit, plot_path
 from runtime import attention
 from runtime.bootstrap import build_engine
 from runtime.loader import load_causal_lm, resolve_model
-from runtime.protocol import GenerateRequest, RuntimeOptions, SamplingParams
+from runtime.wire.protocol import GenerateRequest, RuntimeOptions, SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 PONDER = {"default": {}, "deterministic": {"batch_invariant": True}, "float32": {"quantize": "none"},

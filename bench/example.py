@@ -24,7 +24,7 @@ import torch
 from bench.report import columns, emit
 from bench.search import searched
 from runtime.bootstrap import build_engine
-from runtime.protocol import GenerateRequest
+from runtime.wire.protocol import GenerateRequest
 from server.config import Settings
 from server.schemas import ChatCompletionRequest
 

@@ -24,7 +24,7 @@ import torch
 
 from bench import served
 from bench.report import columns, emit
-from runtime.protocol import GenerateRequest, SamplingParams
+from runtime.wire.protocol import GenerateRequest, SamplingParams
 
 
 def hf_generate(model, prompt: list[int], tokens: int) -> dict:

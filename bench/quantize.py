@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bench.report import emit
 from runtime import attention
 from runtime.bootstrap import build_engine
-from runtime.protocol import GenerateRequest, RuntimeOptions, SamplingParams
+from runtime.wire.protocol import GenerateRequest, RuntimeOptions, SamplingParams
 from runtime.quantize import QUANTIZE_MODES
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "declaration.txt"

@@ -35,7 +35,7 @@ from bench.report import emit
 from bench.threads import torch_threads
 from runtime import attention
 from runtime.bootstrap import build_engine
-from runtime.protocol import Delta, Finished, GenerateRequest, RuntimeOptions, SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, Finished, GenerateRequest, RuntimeOptions, SamplingParams, SearchParams
 from runtime.search.aggregate import aggregate, normalize_step, refill
 from runtime.search.answers import Candidate, extract_answer, select
 from runtime.search.strategies import drop_duplicates, rank

@@ -23,7 +23,7 @@ from runtime.bootstrap import tier_chain
 from runtime.engine import Engine, EngineConfig
 from storage.kv_cache import kv_shape_of
 from runtime.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
-from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
 
 QUESTION = (
     "A bakery sells muffins for $3 and cookies for $1.50. On Monday it sold 48 muffins and twice "

@@ -98,8 +98,8 @@ def ponder_start(cache: Path, warm: bool, timeout: float) -> dict:
 
 def preflight_seconds(cache: Path) -> float:
     """`python -m runtime.preflight` on the default settings, alone, as `ponder serve` runs it."""
-    from runtime.client import runtime_environment
-    from runtime.protocol import encode
+    from runtime.wire.client import runtime_environment
+    from runtime.wire.protocol import encode
     from server.config import Settings
 
     options = encode(Settings.load(None).runtime_options())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from runtime.head_pieces import plan_pieces
 from runtime.loader import SettingError
-from runtime.protocol import GenerateRequest
+from runtime.wire.protocol import GenerateRequest
 from runtime.requests import InvalidRequest, prompt_token_ids
 
 GRANULARITIES = ("block", "head")

@@ -15,7 +15,7 @@ from storage.kv_cache import kv_shape_of
 from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
 from runtime.cached_model import load_quantized_model
 from runtime.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
-from runtime.protocol import RuntimeOptions
+from runtime.wire.protocol import RuntimeOptions
 from runtime.quantize import check_mode
 from runtime.search.verifier_store import VerifierStore
 from storage.disk_tier import DiskTier

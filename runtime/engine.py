@@ -14,7 +14,7 @@ from runtime.layer_offload import BlockLost, LayerwiseResidency, logical_blocks,
 from runtime.model_runner import ModelRunner
 from runtime.admission import admit, check_granularity
 from runtime.plain import PlainRequests
-from runtime.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
+from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.row_padding import RowPadding
 from runtime.requests import InvalidRequest, RequestState, question_of
 from runtime.sampler import sample

@@ -9,7 +9,7 @@ its prompt is prefilled. With max_tokens 0 nothing is sampled: the request ends 
 from __future__ import annotations
 
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.protocol import Delta, Finished, FromRuntime, GenerateRequest
+from runtime.wire.protocol import Delta, Finished, FromRuntime, GenerateRequest
 from runtime.requests import ChoiceState, InvalidRequest, RequestState, token_logprob
 from runtime.sampler import SamplingState, derive_seed, score_tokens
 from scheduler.scheduler import ScheduledSequence

@@ -16,7 +16,7 @@ from runtime.admission import GRANULARITIES, check_budget
 from runtime.device_memory import sizes_from_device
 from storage.kv_cache import kv_shape_of
 from runtime.loader import CheckpointMismatch, SettingError, check_causal_lm, pick_device, pick_dtype, resolve_model
-from runtime.protocol import RuntimeOptions, decode_options
+from runtime.wire.protocol import RuntimeOptions, decode_options
 from runtime.quantize import check_device, check_mode
 
 

@@ -17,8 +17,8 @@ import sys
 import time
 import traceback
 
-from runtime.framing import recv_frame, send_frame
-from runtime.protocol import (
+from runtime.wire.framing import recv_frame, send_frame
+from runtime.wire.protocol import (
     AbortRequest, DetokenizeRequest, GenerateRequest, LoadFailed, Ready, RequestError, Shutdown, TokenizeRequest,
     decode_options, decode_to_runtime, encode,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.protocol import (
+from runtime.wire.protocol import (
     DetokenizeRequest, Detokenized, GenerateRequest, PromptLogprob, RankedLogprob, RequestError, SamplingParams,
     TokenizeRequest, Tokenized, TokenLogprob, TopLogprob,
 )

@@ -15,8 +15,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from runtime.client import READY, RuntimeClient, RuntimeUnavailable
-from runtime.protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
+from runtime.wire.client import READY, RuntimeClient, RuntimeUnavailable
+from runtime.wire.protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
 from server import errors
 from server.config import Settings
 from server.errors import APIError

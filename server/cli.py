@@ -84,8 +84,8 @@ def _one_line(exc: Exception) -> str:
 
 def _preflight(settings) -> str | None:
     """What the runtime says of the settings only torch can judge (device, dtype); None when fine."""
-    from runtime.client import runtime_environment
-    from runtime.protocol import encode
+    from runtime.wire.client import runtime_environment
+    from runtime.wire.protocol import encode
 
     result = subprocess.run([sys.executable, "-m", "runtime.preflight"], input=encode(settings.runtime_options()),
                             capture_output=True, env=runtime_environment())

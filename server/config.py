@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from runtime.protocol import RuntimeOptions
+from runtime.wire.protocol import RuntimeOptions
 
 
 class _Section(BaseModel):

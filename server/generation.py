@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from runtime.client import RequestHandle, RuntimeClient, RuntimeUnavailable
-from runtime.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, SearchEvent
+from runtime.wire.client import RequestHandle, RuntimeClient, RuntimeUnavailable
+from runtime.wire.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, SearchEvent
 from server.errors import APIError
 from server.metrics import Metrics
 from server.responses import (

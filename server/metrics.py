@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from runtime.protocol import RuntimeStats
+from runtime.wire.protocol import RuntimeStats
 
 # Every name here is a legacy-valid one, so the classic text format is exact and every Prometheus
 # version reads it (the library's own default when the scraper asks for nothing newer).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from runtime.protocol import Delta, Finished, PromptLogprob, SearchSummary, StepScore, TokenLogprob
+from runtime.wire.protocol import Delta, Finished, PromptLogprob, SearchSummary, StepScore, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime.protocol import SamplingParams, SearchParams
+from runtime.wire.protocol import SamplingParams, SearchParams
 
 
 class _Wire(BaseModel):

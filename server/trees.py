@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections import OrderedDict
 
-from runtime.protocol import GenerateRequest, SearchTree
+from runtime.wire.protocol import GenerateRequest, SearchTree
 
 RUNNING, FINISHED, CANCELLED, FAILED = "running", "finished", "cancelled", "failed"
 MAX_TEXT = 2000  # characters of a step's text kept per node

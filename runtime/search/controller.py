@@ -19,7 +19,7 @@ import time
 from collections import deque
 
 from runtime.detokenizer import StepText
-from runtime.protocol import SamplingParams, SearchParams
+from runtime.wire.protocol import SamplingParams, SearchParams
 from runtime.sampler import SamplingState, derive_seed
 from runtime.search.ahead import DecodingAhead
 from runtime.search.aggregate import normalize_step

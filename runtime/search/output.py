@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from runtime.protocol import Delta, Finished, SearchEvent, SearchSummary, StepScore
+from runtime.wire.protocol import Delta, Finished, SearchEvent, SearchSummary, StepScore
 from runtime.search.answers import Candidate, extract_answer, select
 from runtime.search.paths import SearchPath
 

@@ -1,4 +1,4 @@
-"""A search's tree as it grows, sent as per-step deltas (`runtime.protocol.SearchTree`).
+"""A search's tree as it grows, sent as per-step deltas (`runtime.wire.protocol.SearchTree`).
 
 The controller adds a node when a path starts a step and changes it when the step is settled; the
 recorder collects what changed and `flush` sends it as one message, so a step of n paths costs one
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from runtime.protocol import NodeChange, SearchTree, TreeNode
+from runtime.wire.protocol import NodeChange, SearchTree, TreeNode
 
 ROOT = 0
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.protocol import RuntimeStats
+from runtime.wire.protocol import RuntimeStats
 from server.config import Settings
 from server.metrics import Metrics
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from runtime.protocol import Delta, SamplingParams
+from runtime.wire.protocol import Delta, SamplingParams
 from runtime.row_padding import RowPadding
 from runtime.sampler import SamplingState, sample
 from storage.host_tier import HostTier

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from runtime.bootstrap import build_engine
-from runtime.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, RuntimeOptions, SamplingParams
+from runtime.wire.protocol import (
+    Accepted, Delta, Finished, GenerateRequest, RequestError, RuntimeOptions, SamplingParams,
+)
 
 
 def engine_for(path, **options):

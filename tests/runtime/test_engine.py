@@ -2,7 +2,7 @@ import pytest
 
 from transformers import AutoModelForCausalLM
 
-from runtime.protocol import RequestError
+from runtime.wire.protocol import RequestError
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
 PROMPTS = [

@@ -1,7 +1,7 @@
 """With batch invariance on, a prompt's first token and its log-probabilities are the same bits
 whether the prompt was computed cold, partly found in the prefix cache, or prefilled in chunks."""
 
-from runtime.protocol import Delta, Finished
+from runtime.wire.protocol import Delta, Finished
 from tests.runtime.engine_helpers import engine_for, request
 
 PROMPT = [1] + [5 + (7 * i) % 40 for i in range(37)]  # 38 tokens: 9 full blocks of 4 and a partial one

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from runtime import process
-from runtime.framing import recv_frame, send_frame
-from runtime.protocol import (
+from runtime.wire.framing import recv_frame, send_frame
+from runtime.wire.protocol import (
     GenerateRequest, Ready, RequestError, RuntimeOptions, SamplingParams, decode_from_runtime, encode,
 )
 

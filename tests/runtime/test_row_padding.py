@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.decoder import LeanDecoder
-from runtime.protocol import Delta, GenerateRequest, SamplingParams
+from runtime.wire.protocol import Delta, GenerateRequest, SamplingParams
 from runtime.row_padding import RowPadding, attention_windows
 from tests.runtime.engine_helpers import engine_for
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from runtime.protocol import SamplingParams
+from runtime.wire.protocol import SamplingParams
 from runtime.sampler import SamplingState, sample
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runtime.protocol import Delta, Finished
+from runtime.wire.protocol import Delta, Finished
 from tests.runtime.engine_helpers import engine_for, request, run
 from tests.server.live import live_server
 

@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.protocol import RuntimeStats
+from runtime.wire.protocol import RuntimeStats
 from server.metrics import GROUP_SIZE_BUCKETS, LATENCY_BUCKETS, Metrics
 
 

@@ -2,7 +2,7 @@
 
 import base64
 
-from runtime.protocol import (
+from runtime.wire.protocol import (
     GenerateRequest, NodeChange, SearchParams, SearchTree, TreeNode, decode_from_runtime, encode,
 )
 from server.trees import CANCELLED, FINISHED, RUNNING, SearchTrees

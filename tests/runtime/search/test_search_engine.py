@@ -4,7 +4,9 @@ import pytest
 
 from transformers import AutoModelForCausalLM
 
-from runtime.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchEvent, SearchParams
+from runtime.wire.protocol import (
+    Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchEvent, SearchParams,
+)
 from runtime.search.verifiers.judge import JudgeVerifier
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.reference import ReferenceSearch

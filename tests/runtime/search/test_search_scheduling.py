@@ -3,7 +3,7 @@ compute budget, speculative extension or the tier a block came back from."""
 
 import pytest
 
-from runtime.protocol import RuntimeOptions
+from runtime.wire.protocol import RuntimeOptions
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.test_search_engine import engine_choices, run_search, search_request
 

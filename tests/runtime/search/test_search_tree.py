@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.protocol import Delta, GenerateRequest, NodeChange, SamplingParams, SearchParams, SearchTree, TreeNode
+from runtime.wire.protocol import Delta, GenerateRequest, NodeChange, SamplingParams, SearchParams, SearchTree, TreeNode
 from runtime.search.tree import TreeRecorder
 from tests.runtime.engine_helpers import engine_for
 

@@ -16,8 +16,8 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 
-from runtime.framing import HEADER
-from runtime.protocol import (
+from runtime.wire.framing import HEADER
+from runtime.wire.protocol import (
     AbortRequest, Accepted, Delta, Detokenized, DetokenizeRequest, Finished, FromRuntime, GenerateRequest, LoadFailed,
     LoadProgress, Ready, RequestError, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree, Shutdown, Tokenized,
     TokenizeRequest, decode_from_runtime, encode,
@@ -52,7 +52,7 @@ class RequestHandle:
 def runtime_environment() -> dict[str, str]:
     """The environment for a runtime child process: it imports `runtime` from where this one did."""
     env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     return env
 
