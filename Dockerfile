@@ -26,7 +26,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/ponder/venv \
     PATH=/opt/ponder/venv/bin:$PATH
 
-# g++ builds ponder's CPU kernels (runtime/csrc): without it a CPU serves float weights, slowly.
+# g++ builds ponder's CPU kernels (runtime/kernels/csrc): without it a CPU serves float weights, slowly.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv g++ ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
@@ -66,7 +66,7 @@ WORKDIR /home/ponder
 # looks for them, so that a container on a CPU like the builder's starts without compiling (another
 # CPU builds its own copy at first start, with the g++ above). A failed compile fails the build; a
 # CPU they cannot run on (no AVX2, not x86-64) only says so.
-RUN python -c "import sys; from runtime import cpu_kernels; reason = cpu_kernels.q4_unavailable(); \
+RUN python -c "import sys; from runtime.kernels import cpu_kernels; reason = cpu_kernels.q4_unavailable(); \
 sys.exit('ponder CPU kernels: ' + reason) if reason and 'could not be built' in reason else None; \
 print('ponder CPU kernels:', reason or 'built (' + cpu_kernels.describe_isa() + ')')"
 

@@ -18,7 +18,7 @@ that share a KV head are one matmul against that head (no copies of K/V per quer
 and the softmax are computed in float32. Prompts are prefilled with SDPA.
 
 On a CPU with a float32 cache, generated tokens are attended by ponder's own kernel instead
-(`DecodeRows`, runtime/csrc/decode_attention.cpp): each query reads exactly its own context from
+(`DecodeRows`, runtime/kernels/csrc/decode_attention.cpp): each query reads exactly its own context from
 its blocks where they lie, with nothing gathered and nothing padded, in an order fixed per query,
 so it keeps both properties above (a query's bits never depend on the batch, and a recomputed
 token gets the KV it had).

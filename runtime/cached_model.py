@@ -47,7 +47,7 @@ def model_entry(source: ModelSource, dtype: torch.dtype, attn_implementation: st
 
 def is_cacheable(source: ModelSource, device: torch.device, setting: str) -> bool:
     """Only a GGUF model on a CPU whose setting may keep int4 layers is cached; others load as before."""
-    from runtime.cpu_kernels import q4_unavailable
+    from runtime.kernels.cpu_kernels import q4_unavailable
 
     return source.gguf_file is not None and device.type == "cpu" and setting in ("auto", "int4") \
         and q4_unavailable() is None

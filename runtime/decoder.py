@@ -14,7 +14,7 @@ dtypes, so its logits are transformers' bits (tested; int4 layers aside, see bel
 - no module calls in the layer loop: the weights are read from the modules once.
 
 With int4 layers throughout (and float32 activations), a layer is four calls of ponder's int4 kernel
-(runtime.cpu_kernels), which also computes the RMS norm before the qkv and gate/up projections and
+(runtime.kernels.cpu_kernels), which also computes the RMS norm before the qkv and gate/up projections and
 adds the residual after the o and down projections, plus rotary, attention and the activation: the
 kernel's own arithmetic, so those logits are close to transformers' (tested), not its bits. Each row
 is still computed from its own inputs only, so batching never changes a row.

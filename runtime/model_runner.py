@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention import AttentionMetadata, DecodeGroup, DecodeRows, PrefillSlice, bucket_blocks
-from runtime.cpu_kernels import KernelUnavailable, attention_kernel
+from runtime.kernels.cpu_kernels import KernelUnavailable, attention_kernel
 from runtime.decoder import LeanDecoder
 from runtime.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence

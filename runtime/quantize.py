@@ -10,7 +10,7 @@ again; otherwise it keeps float weights. `apply_quantize` says what a setting be
 - int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`, weight-only: the
   activations enter the kernel rounded to bfloat16 (vectorized on a CPU with AVX512-BF16).
 - int4: 4-bit weights in groups of `INT4_GROUP_SIZE` input features, w = d * q + m with a float16 d
-  and m per group, run by ponder's own kernel (runtime.cpu_kernels): the activations are quantized
+  and m per group, run by ponder's own kernel (runtime.kernels.cpu_kernels): the activations are quantized
   per group of 32 to int8 on the way in, as llama.cpp does for the same blocks, and the products
   are summed exactly in integers.
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
+from runtime.kernels.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
 from runtime.loader import SettingError
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
@@ -101,7 +101,7 @@ class Int8Linear(QuantizedLinear):
 class Int4Linear(QuantizedLinear):
     """4-bit codes in groups of `INT4_GROUP_SIZE` input features, a code q standing for d * q + m with
     its group's float16 d and m (a GGUF Q4_1 block; Q4_0's d * (q - 8) has m = -8d), run by ponder's
-    CPU kernel (runtime.cpu_kernels), which quantizes the activations per group to int8 on the way in.
+    CPU kernel (runtime.kernels.cpu_kernels), which quantizes the activations per group to int8 on the way in.
 
     The buffers are in the kernel's layout (`pack_int4`): output columns in blocks of
     `INT4_BLOCK_COLUMNS` (the last one padded with zero columns), `weight` [blocks, 4 * in] bytes of
@@ -196,7 +196,7 @@ class Int4Linear(QuantizedLinear):
 
 def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The int4 kernel's layout (runtime/csrc/q4_tile.h) of `codes` [out, in] in 0..15 and `d`, `m`
+    """The int4 kernel's layout (runtime/kernels/csrc/q4_tile.h) of `codes` [out, in] in 0..15 and `d`, `m`
     [out, in / 32]: output columns in blocks of 8 (the last padded with zero columns), a block's group
     as 4 chunks of 32 bytes, where column j's 4 bytes hold codes 8c + t (low nibble) and 8c + 4 + t
     (high nibble) of chunk c; d and m as [blocks, in / 32, 8] float16."""

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention import bucket_blocks
-from runtime.cpu_kernels import KernelUnavailable, attention_kernel
+from runtime.kernels.cpu_kernels import KernelUnavailable, attention_kernel
 from runtime.decoder import LeanDecoder
 
 SMALL_ROWS = 48  # every row count up to this is probed

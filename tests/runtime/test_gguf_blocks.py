@@ -6,7 +6,7 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from runtime.cpu_kernels import KernelUnavailable
+from runtime.kernels.cpu_kernels import KernelUnavailable
 from runtime.gguf_blocks import decode_q4, linear_blocks
 from runtime.quantize import Int4Linear, QuantizeError, apply_quantize, linear_layers
 from tests.gguf_model import write_tiny_gguf

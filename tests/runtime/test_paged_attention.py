@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.attention import bucket_blocks, paged_attention
-from runtime.cpu_kernels import attention_kernel, q4_unavailable
+from runtime.kernels.cpu_kernels import attention_kernel, q4_unavailable
 from runtime.model_runner import ModelRunner
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence

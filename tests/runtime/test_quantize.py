@@ -94,8 +94,8 @@ def test_a_device_or_dtype_the_kernels_cannot_take_stops_start_up():
 
 
 def test_int4_where_its_kernel_cannot_run_stops_start_up(monkeypatch):
-    monkeypatch.setattr("runtime.cpu_kernels._load", lambda: "it needs AVX2, and torch reports this CPU's vector "
-                                                           "unit as DEFAULT")
+    monkeypatch.setattr("runtime.kernels.cpu_kernels._load",
+                        lambda: "it needs AVX2, and torch reports this CPU's vector unit as DEFAULT")
     model = nn.Sequential(nn.Linear(64, 64))
     with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int4' needs ponder's int4 CPU kernel, which cannot "
                                             r"run here: it needs AVX2, and torch reports this CPU's vector unit as "

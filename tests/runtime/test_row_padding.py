@@ -148,7 +148,7 @@ def test_the_engine_probes_attention_at_every_window_its_cache_reaches(tiny_llam
     count from 1 to 64 queries (the old probe's 16, 64 and 256-token windows missed most of them), where
     decode attention runs as batched matmuls (here: a CPU where ponder's attention kernel does not build)."""
     import runtime.row_padding as row_padding
-    from runtime.cpu_kernels import KernelUnavailable
+    from runtime.kernels.cpu_kernels import KernelUnavailable
 
     def unavailable():
         raise KernelUnavailable("no compiler")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime import cached_model, startup_cache
-from runtime.cpu_kernels import q4_unavailable
+from runtime.kernels.cpu_kernels import q4_unavailable
 from runtime.loader import ModelSource, load_tokenizer
 from runtime.startup_cache import Entry, file_identity
 from tests.gguf_model import write_tiny_gguf
@@ -112,7 +112,7 @@ def test_built_kernels_load_without_the_extension_builder():
     code = ("import torch.utils.cpp_extension as c\n"
             "def refuse(*a, **k): raise SystemExit('the extension builder was called')\n"
             "c.load = refuse\n"
-            "from runtime import cpu_kernels\n"
+            "from runtime.kernels import cpu_kernels\n"
             "assert cpu_kernels.q4_unavailable() is None, cpu_kernels.q4_unavailable()\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-// ponder's int4 linear kernel for the CPU (runtime.cpu_kernels builds it; runtime.quantize uses it).
+// ponder's int4 linear kernel for the CPU (runtime.kernels.cpu_kernels builds it; runtime.quantize uses it).
 //
 // Weights are 4-bit codes in groups of 32 input features, w = d * q + m with a float16 d and m per
 // group (a GGUF Q4_1 block's values; Q4_0 has no m), stored in blocks of 8 output columns that the

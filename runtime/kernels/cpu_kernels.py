@@ -1,13 +1,13 @@
-"""ponder's own CPU kernels (`runtime/csrc`), built with the machine's C++ compiler on first use.
+"""ponder's own CPU kernels (`runtime/kernels/csrc`), built with the machine's C++ compiler on first use.
 
-`q4_linear` is the int4 layers' kernel (see `runtime/csrc/q4_linear.cpp`): 4-bit weights (GGUF's
+`q4_linear` is the int4 layers' kernel (see `runtime/kernels/csrc/q4_linear.cpp`): 4-bit weights (GGUF's
 blocks, laid out 8 output columns side by side by `runtime.quantize.pack_int4`) times activations
 quantized per group of 32 to int8, exact integer inner products,
 an optional RMS norm before and an optional residual after, each output computed from its own row
 only. It needs an x86-64 CPU with AVX2, FMA and F16C (and runs AVX512-VNNI where there is one).
 
 `decode_attention` is decode attention over the paged float32 cache (see
-`runtime/csrc/decode_attention.cpp`): each query attends to exactly its own context, read from its
+`runtime/kernels/csrc/decode_attention.cpp`): each query attends to exactly its own context, read from its
 blocks where they lie, so nothing is gathered or padded and no query's result depends on the others.
 
 torch's extension builder compiles them once into ponder's start-up cache (runtime.startup_cache,
@@ -55,7 +55,7 @@ def _load() -> str | None:
 
     sources = sorted(path for path in _SOURCES.iterdir() if path.suffix in (".cpp", ".h"))
     entry = Entry("kernels", {"sources": sources_hash(sources), "flags": _FLAGS,
-                              "loader": sources_hash(runtime_sources("cpu_kernels.py"))})
+                              "loader": sources_hash(runtime_sources("kernels/cpu_kernels.py"))})
     library = entry.path / _LIBRARY
     if entry.is_present():
         try:
