@@ -50,10 +50,10 @@ COPY runtime ./runtime
 COPY scheduler ./scheduler
 COPY storage ./storage
 COPY bench ./bench
-# ponder finds the embedded model itself (runtime.loader.default_model_path); the build fails here
+# ponder finds the embedded model itself (runtime.model.loader.default_model_path); the build fails here
 # if it cannot.
 RUN pip install $PIP_EXTRA_ARGS . && ponder --help > /dev/null \
-    && python -c "from runtime.loader import default_model_path; print('embedded model:', default_model_path())"
+    && python -c "from runtime.model.loader import default_model_path; print('embedded model:', default_model_path())"
 
 # Everything is local: models come from /models, the embedded one or an already filled cache.
 ENV PONDER_CACHE__DISK_DIR=/var/lib/ponder/kv \

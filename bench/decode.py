@@ -31,9 +31,9 @@ import torch
 
 from bench import llama_cpp
 from bench.report import emit, plot_path
-from runtime import attention
+from runtime.model import attention
 from runtime.bootstrap import build_engine
-from runtime.loader import load_causal_lm, resolve_model
+from runtime.model.loader import load_causal_lm, resolve_model
 from runtime.wire.protocol import GenerateRequest, RuntimeOptions, SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
@@ -149,7 +149,7 @@ def run(model: str | None, tokens: int, parallel: int, systems: list[str], profi
     if "transformers" in systems:
         hf = load_causal_lm(source, torch.device("cpu"), torch.float32, "sdpa")
         if prompt_ids is None:
-            from runtime.loader import load_tokenizer
+            from runtime.model.loader import load_tokenizer
 
             tokenizer = load_tokenizer(source)
             text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import emit
-from runtime import attention
+from runtime.model import attention
 from runtime.bootstrap import build_engine
 from runtime.wire.protocol import GenerateRequest, RuntimeOptions, SamplingParams
-from runtime.quantize import QUANTIZE_MODES
+from runtime.model.quantize import QUANTIZE_MODES
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "declaration.txt"
 PROMPT = "The history of the present King of Great Britain is"

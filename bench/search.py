@@ -33,7 +33,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from bench.report import emit
 from bench.threads import torch_threads
-from runtime import attention
+from runtime.model import attention
 from runtime.bootstrap import build_engine
 from runtime.wire.protocol import Delta, Finished, GenerateRequest, RuntimeOptions, SamplingParams, SearchParams
 from runtime.search.aggregate import aggregate, normalize_step, refill

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from bench.threads import torch_threads
-from runtime import attention
+from runtime.model import attention
 from runtime.bootstrap import tier_chain
 from runtime.engine import Engine, EngineConfig
 from storage.kv_cache import kv_shape_of
-from runtime.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
+from runtime.model.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
 
 QUESTION = (

@@ -112,7 +112,7 @@ def preflight_seconds(cache: Path) -> float:
 def llama_server_start(binary: str | None, timeout: float) -> dict:
     if binary is None:
         return {"skipped": "no llama-server on PATH (llama.cpp's server; pass --llama-server PATH)"}
-    from runtime.loader import default_model_path
+    from runtime.model.loader import default_model_path
 
     port = free_port()
     run = timed_start([binary, "-m", str(default_model_path()), "--port", str(port), "--host", "127.0.0.1"],

@@ -4,7 +4,7 @@ model and the KV cache before anything is scheduled."""
 from __future__ import annotations
 
 from runtime.head_pieces import plan_pieces
-from runtime.loader import SettingError
+from runtime.model.loader import SettingError
 from runtime.wire.protocol import GenerateRequest
 from runtime.requests import InvalidRequest, prompt_token_ids
 

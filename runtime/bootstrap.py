@@ -7,16 +7,16 @@ import time
 
 import torch
 
-from runtime import attention
-from runtime.decoder import LeanDecoder
+from runtime.model import attention
+from runtime.model.decoder import LeanDecoder
 from runtime.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig
 from storage.kv_cache import kv_shape_of
 from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
-from runtime.cached_model import load_quantized_model
-from runtime.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
+from runtime.model.cached_model import load_quantized_model
+from runtime.model.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.wire.protocol import RuntimeOptions
-from runtime.quantize import check_mode
+from runtime.model.quantize import check_mode
 from runtime.search.verifier_store import VerifierStore
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier

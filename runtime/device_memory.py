@@ -28,12 +28,12 @@ def activation_reserve(text_config, num_tokens: int, num_logit_rows: int, max_mo
                        dtype_bytes: int) -> int:
     """Bytes one step's activations may take at most, for a step of `num_tokens` tokens whose head
     computes `num_logit_rows` rows, doubled for the allocator's rounding and the temporaries between
-    operators. Counted: one layer's live tensors in the lean forward (runtime.decoder: the residual,
+    operators. Counted: one layer's live tensors in the lean forward (runtime.model.decoder: the residual,
     the normed input, q/k/v and the rotated q/k, the attention output, gate/up, the activation and
     its product, the down projection); one decode attention group (`GATHER_TOKENS` keys and values
     gathered, keys in float32, scores and weights in float32); a prefill chunk's cached keys and
     values gathered over `max_model_len` tokens; the logits with their float32 copies for sampling."""
-    from runtime.row_padding import GATHER_TOKENS  # the model side: start-up's settings check imports this module
+    from runtime.model.row_padding import GATHER_TOKENS  # the model side: start-up's settings check imports this module
 
     hidden = text_config.hidden_size
     heads = text_config.num_attention_heads

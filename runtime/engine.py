@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from runtime.beam_groups import StepPlanner
 from runtime.kv_tiers import TieredPrefixCache
 from runtime.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
-from runtime.model_runner import ModelRunner
+from runtime.model.model_runner import ModelRunner
 from runtime.admission import admit, check_granularity
 from runtime.plain import PlainRequests
 from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
-from runtime.row_padding import RowPadding
+from runtime.model.row_padding import RowPadding
 from runtime.requests import InvalidRequest, RequestState, question_of
-from runtime.sampler import sample
+from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
 from runtime.search.scoring import ConfidenceScorer, JudgeScorer
 from runtime.search.verifiers.judge import JudgeVerifier

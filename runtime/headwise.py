@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from runtime import attention
+from runtime.model import attention
 from runtime.head_pieces import HeadwiseStore, PiecePlan
 from storage.piece_transfers import PiecePipeline
 from storage.tiers import TierChain

@@ -16,7 +16,7 @@ import torch
 
 from runtime.device_profile import measure_bandwidth, measure_flops
 from storage.kv_cache import kv_shape_of
-from runtime.quantize import QuantizedLinear
+from runtime.model.quantize import QuantizedLinear
 from scheduler.roofline import BatchCaps, DevicePeaks, KVSplit, ModelCost, Workload, choose_batches, choose_split
 
 # The load the start-up split is chosen for: 16 search paths (beam search n=16, or two searches of

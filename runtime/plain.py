@@ -8,10 +8,10 @@ its prompt is prefilled. With max_tokens 0 nothing is sampled: the request ends 
 
 from __future__ import annotations
 
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.wire.protocol import Delta, Finished, FromRuntime, GenerateRequest
 from runtime.requests import ChoiceState, InvalidRequest, RequestState, token_logprob
-from runtime.sampler import SamplingState, derive_seed, score_tokens
+from runtime.model.sampler import SamplingState, derive_seed, score_tokens
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence
 

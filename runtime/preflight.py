@@ -5,7 +5,7 @@
 `ponder serve` runs this first, so a setting this machine cannot honour (`--device cuda` without
 CUDA, a dtype the device only emulates) stops start-up with one line naming the setting instead of
 leaving a server up that answers 503. Exit status 2 and the line on stderr on a bad setting; 3 for a checkpoint that would leave a weight at
-random or holds tensors nothing reads (runtime.loader.check_loading).
+random or holds tensors nothing reads (runtime.model.loader.check_loading).
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import sys
 from runtime.admission import GRANULARITIES, check_budget
 from runtime.device_memory import sizes_from_device
 from storage.kv_cache import kv_shape_of
-from runtime.loader import CheckpointMismatch, SettingError, check_causal_lm, pick_device, pick_dtype, resolve_model
+from runtime.model.loader import (
+    CheckpointMismatch, SettingError, check_causal_lm, pick_device, pick_dtype, resolve_model,
+)
 from runtime.wire.protocol import RuntimeOptions, decode_options
-from runtime.quantize import check_device, check_mode
+from runtime.model.quantize import check_device, check_mode
 
 
 CHECKPOINT_REFUSED = 3  # the exit status for a checkpoint that does not fill its model (2: a setting)
@@ -67,7 +69,7 @@ def _check_budget(options: RuntimeOptions, dtype) -> None:
     try:
         source = resolve_model(options.model, options.served_model_name)
         if source.gguf_file:  # transformers parses the whole vocabulary for it: kept once read
-            from runtime.cached_model import gguf_config
+            from runtime.model.cached_model import gguf_config
 
             config = gguf_config(source, options.trust_remote_code)
         else:

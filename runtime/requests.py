@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.wire.protocol import (
     DetokenizeRequest, Detokenized, GenerateRequest, PromptLogprob, RankedLogprob, RequestError, SamplingParams,
     TokenizeRequest, Tokenized, TokenLogprob, TopLogprob,
 )
-from runtime.sampler import SamplingState, ScoredToken
+from runtime.model.sampler import SamplingState, ScoredToken
 from scheduler.sequence import Sequence
 
 

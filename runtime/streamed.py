@@ -25,7 +25,7 @@ import torch
 
 from runtime.head_pieces import PiecePlan, plan_pieces
 from runtime.headwise import HeadwiseDecoder
-from runtime.sampler import sample
+from runtime.model.sampler import sample
 from scheduler.sequence import Sequence
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier

@@ -39,7 +39,7 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(None, ge=16)
     trust_remote_code: bool = False
-    # Weight-only quantization of the generator's linear layers on a CPU (runtime.quantize); auto keeps
+    # Weight-only quantization of the generator's linear layers on a CPU (runtime.model.quantize); auto keeps
     # a GGUF's own 4-bit blocks as int4 on a CPU and float weights otherwise.
     quantize: Literal["auto", "none", "int8", "int4"] = "auto"
 

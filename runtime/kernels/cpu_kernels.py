@@ -1,7 +1,7 @@
 """ponder's own CPU kernels (`runtime/kernels/csrc`), built with the machine's C++ compiler on first use.
 
 `q4_linear` is the int4 layers' kernel (see `runtime/kernels/csrc/q4_linear.cpp`): 4-bit weights (GGUF's
-blocks, laid out 8 output columns side by side by `runtime.quantize.pack_int4`) times activations
+blocks, laid out 8 output columns side by side by `runtime.model.quantize.pack_int4`) times activations
 quantized per group of 32 to int8, exact integer inner products,
 an optional RMS norm before and an optional residual after, each output computed from its own row
 only. It needs an x86-64 CPU with AVX2, FMA and F16C (and runs AVX512-VNNI where there is one).

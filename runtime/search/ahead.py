@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-from runtime.sampler import SamplingState
+from runtime.model.sampler import SamplingState
 from runtime.search.aggregate import normalize_step
 from runtime.search.paths import Lookahead, SearchPath
 

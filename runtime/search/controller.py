@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from runtime.detokenizer import StepText
+from runtime.model.detokenizer import StepText
 from runtime.wire.protocol import SamplingParams, SearchParams
-from runtime.sampler import SamplingState, derive_seed
+from runtime.model.sampler import SamplingState, derive_seed
 from runtime.search.ahead import DecodingAhead
 from runtime.search.aggregate import normalize_step
 from runtime.search.answers import compile_answer_pattern

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.detokenizer import StepText
-from runtime.sampler import SamplingState
+from runtime.model.detokenizer import StepText
+from runtime.model.sampler import SamplingState
 from runtime.search.aggregate import aggregate
 from scheduler.sequence import Sequence
 

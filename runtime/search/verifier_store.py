@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.model_runner import ModelRunner
-from runtime.row_padding import RowPadding
+from runtime.model.model_runner import ModelRunner
+from runtime.model.row_padding import RowPadding
 from runtime.search.scoring import ScoreBatch
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence

@@ -326,7 +326,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "auto"
     max_model_len: int | None = None
     trust_remote_code: bool = False
-    quantize: str = "auto"  # auto | none | int8 | int4: the generator's linear layers (runtime.quantize)
+    quantize: str = "auto"  # auto | none | int8 | int4: the generator's linear layers (runtime.model.quantize)
     block_size: int = 16
     kv_memory_bytes: int = 2 << 30
     num_blocks: int | None = None  # overrides kv_memory_bytes
@@ -343,7 +343,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
     kv_granularity: str = "block"  # block | head (a lone request over the compute pool streams head-wise)
     speculative_extension: bool | Literal["auto"] = "auto"  # auto: on a GPU only (runtime.bootstrap)
-    batch_invariant: bool = False  # pad steps so results do not depend on the batch (runtime.row_padding)
+    batch_invariant: bool = False  # pad steps so results do not depend on the batch (runtime.model.row_padding)
     kv_split: str = "static"  # static | roofline
     peak_flops: float | None = None  # FLOP/s; None: measured
     memory_bandwidth: float | None = None  # bytes/s; None: measured

@@ -412,7 +412,8 @@ def test_dockerfile_finds_the_embedded_model_as_ponder_does():
     runs = instruction_args("RUN")
     assert not any("ln -s" in run for run in runs)
     (check,) = [run for run in runs if "default_model_path" in run]
-    assert "from runtime.loader import default_model_path" in check and check.startswith("pip install $PIP_EXTRA_ARGS .")
+    assert "from runtime.model.loader import default_model_path" in check
+    assert check.startswith("pip install $PIP_EXTRA_ARGS .")
 
 
 def test_dockerfile_builds_the_cpu_kernels_as_the_runtime_user():

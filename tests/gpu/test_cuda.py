@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from runtime.wire.protocol import Delta, SamplingParams
-from runtime.row_padding import RowPadding
-from runtime.sampler import SamplingState, sample
+from runtime.model.row_padding import RowPadding
+from runtime.model.sampler import SamplingState, sample
 from storage.host_tier import HostTier
 from storage.kv_cache import KVCache, KVShape
 from storage.tiers import TierChain, TransferEngine
@@ -84,7 +84,7 @@ TOLERANCE = {torch.bfloat16: 0.25, torch.float16: 0.05}
 def test_decode_agrees_with_a_full_prefill_in_low_precision(tiny_llama, dtype):
     from transformers import AutoModelForCausalLM
 
-    from runtime.loader import runs_natively
+    from runtime.model.loader import runs_natively
 
     if not runs_natively(dtype, DEVICE):  # a CPU without it: ponder refuses the dtype at start-up
         pytest.skip(f"{dtype} is not native on this {DEVICE.type}")
@@ -157,7 +157,7 @@ def test_padded_row_counts_give_every_row_the_bits_of_the_largest_call(tiny_llam
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from runtime.row_padding import BUCKET_ROWS, SMALL_ROWS, executed_linears
+    from runtime.model.row_padding import BUCKET_ROWS, SMALL_ROWS, executed_linears
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).to(DEVICE)
     padding = RowPadding.probe(model, max_rows=320, max_model_len=64, block_size=4)

@@ -12,7 +12,7 @@ import torch
 from runtime import bootstrap
 from runtime.bootstrap import build_engine, device_kv_bytes
 from runtime.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
-from runtime.loader import SettingError
+from runtime.model.loader import SettingError
 from runtime.wire.protocol import RuntimeOptions
 from server.config import Settings
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import attention
+from runtime.model import attention
 from runtime.head_pieces import plan_pieces
 from runtime.headwise import HeadwiseDecoder, attend
-from runtime.loader import ModelSource, load_causal_lm
+from runtime.model.loader import ModelSource, load_causal_lm
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
 from storage.tiers import TierChain

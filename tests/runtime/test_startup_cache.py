@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from runtime import cached_model, startup_cache
+from runtime import startup_cache
+from runtime.model import cached_model
 from runtime.kernels.cpu_kernels import q4_unavailable
-from runtime.loader import ModelSource, load_tokenizer
+from runtime.model.loader import ModelSource, load_tokenizer
 from runtime.startup_cache import Entry, file_identity
 from tests.gguf_model import write_tiny_gguf
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
@@ -234,7 +235,7 @@ def test_the_cached_tokenizer_is_the_converted_one(gguf, cache_dir):
 
 
 def test_the_embedded_model_s_cached_tokenizer_encodes_and_templates_as_the_converted_one(cache_dir):
-    from runtime.loader import ModelNotFound, resolve_model
+    from runtime.model.loader import ModelNotFound, resolve_model
 
     try:
         source = resolve_model(None)

@@ -9,7 +9,7 @@ buffers in the compute tier, so a tier of B blocks streams about 8 layers * 2 he
 import pytest
 from transformers import AutoModelForCausalLM
 
-from runtime.loader import SettingError
+from runtime.model.loader import SettingError
 from runtime.wire.protocol import RequestError
 from tests.conftest import build_model
 from tests.runtime.engine_helpers import engine_for as _engine_for, hf_greedy, request, run

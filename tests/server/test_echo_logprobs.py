@@ -244,7 +244,7 @@ def test_continuous_usage_stats_on_every_chunk(server, path, body):
 
 
 def test_score_tokens_over_several_slices_of_rows():
-    from runtime.sampler import SCORE_ROWS, score_tokens
+    from runtime.model.sampler import SCORE_ROWS, score_tokens
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2 * SCORE_ROWS + 5, 50, generator=generator) * 4

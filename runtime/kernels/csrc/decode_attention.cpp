@@ -1,4 +1,4 @@
-// ponder's decode attention for the CPU (runtime.kernels.cpu_kernels builds it; runtime.attention uses it).
+// ponder's decode attention for the CPU (runtime.kernels.cpu_kernels builds it; runtime.model.attention uses it).
 //
 // Each query attends to exactly its own context, read straight from its paged blocks: no window is
 // gathered, no position is padded. For query g and KV head h, with the query heads that share h

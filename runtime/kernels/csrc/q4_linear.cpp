@@ -1,8 +1,8 @@
-// ponder's int4 linear kernel for the CPU (runtime.kernels.cpu_kernels builds it; runtime.quantize uses it).
+// ponder's int4 linear kernel for the CPU (runtime.kernels.cpu_kernels builds it; runtime.model.quantize uses it).
 //
 // Weights are 4-bit codes in groups of 32 input features, w = d * q + m with a float16 d and m per
 // group (a GGUF Q4_1 block's values; Q4_0 has no m), stored in blocks of 8 output columns that the
-// kernel computes side by side, a column a vector lane (runtime.quantize.pack_int4 writes the layout,
+// kernel computes side by side, a column a vector lane (runtime.model.quantize.pack_int4 writes the layout,
 // described at `tile` in q4_tile.h): codes [N / 8, 4 K] bytes, d and m [N / 8, K / 32, 8] float16,
 // N rounded up to a block. Activations are quantized per group of 32 to int8 on the way in, as
 // llama.cpp does for these blocks, so a group's inner product is an exact integer (vpdpbusd with

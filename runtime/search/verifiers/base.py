@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from runtime.loader import Ignorable
+from runtime.model.loader import Ignorable
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Verifier(ABC):
     is_outcome: ClassVar[bool] = False
     # Which Auto class loads this family's checkpoint (see registry.load_verifier).
     auto_class: ClassVar[str] = "AutoModelForCausalLM"
-    # Checkpoint keys this family may lack or hold unread, each with its reason (runtime.loader).
+    # Checkpoint keys this family may lack or hold unread, each with its reason (runtime.model.loader).
     ignorable_keys: ClassVar[tuple[Ignorable, ...]] = ()
 
     def __init__(self, model: Any, tokenizer: Any, *, batch_size: int = 8) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runtime.loader import check_checkpoint, load_strictly
+from runtime.model.loader import check_checkpoint, load_strictly
 from runtime.search.verifiers.base import Verifier
 from runtime.search.verifiers.confidence import ConfidenceVerifier
 from runtime.search.verifiers.judge import JudgeVerifier
@@ -40,7 +40,7 @@ def build_verifier(kind: str, model: Any, tokenizer: Any, **options: Any) -> Ver
 def load_verifier(kind: str, directory: str | Path, *, device: Any = "cpu", dtype: Any = None,
                   trust_remote_code: bool = False, **options: Any) -> Verifier:
     """Load a verifier checkpoint (safetensors only) strictly: a parameter the checkpoint leaves
-    unset, or a tensor nothing reads, stops it (`runtime.loader.CheckpointMismatch`) unless the kind
+    unset, or a tensor nothing reads, stops it (`runtime.model.loader.CheckpointMismatch`) unless the kind
     lists that key as ignorable."""
     import transformers
 

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from runtime.kernels.cpu_kernels import q4_kernel, q4_unavailable
-from runtime.quantize import Int4Linear
+from runtime.model.quantize import Int4Linear
 
 pytestmark = pytest.mark.skipif(q4_unavailable() is not None, reason="ponder's int4 kernel needs an x86-64 CPU with AVX2")
 

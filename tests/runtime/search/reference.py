@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.sampler import derive_seed
+from runtime.model.sampler import derive_seed
 from runtime.search.aggregate import aggregate, allocate_children, normalize_step
 from runtime.search.answers import Candidate, extract_answer, select
 from runtime.search.verifiers.confidence import confidence_from_logprobs

@@ -8,11 +8,11 @@ a step calls, at their full shapes, on the device and in the dtype it serves wit
 up to `SMALL_ROWS`, and every multiple of `BUCKET_ROWS` up to the largest step it will run, each
 against one call of that largest size. Steps are padded up to the nearest count that agreed, so
 batching never changes a result; no count is trusted without having been seen to agree. The layers
-probed are those that run: where the lean decoder (runtime.decoder) serves the model, its fused
+probed are those that run: where the lean decoder (runtime.model.decoder) serves the model, its fused
 q/k/v and gate/up layers (built here, before the probe, and shared with the runner), not the
 separate layers whose shapes never reach a kernel.
 
-Decode attention batches queries by context window (runtime.attention); the probe checks that its
+Decode attention batches queries by context window (runtime.model.attention); the probe checks that its
 batched matmuls give each query the same bits whatever the batch count, at every window a query can
 reach under `max_model_len` (`attention_windows`) and every batch count a group of that window can
 hold (at most `ATTENTION_BATCH` queries, and at most `GATHER_TOKENS` keys). Where ponder's CPU
@@ -29,15 +29,15 @@ import bisect
 import torch
 import torch.nn.functional as F
 
-from runtime.attention import bucket_blocks
+from runtime.model.attention import bucket_blocks
 from runtime.kernels.cpu_kernels import KernelUnavailable, attention_kernel
-from runtime.decoder import LeanDecoder
+from runtime.model.decoder import LeanDecoder
 
 SMALL_ROWS = 48  # every row count up to this is probed
 BUCKET_ROWS = 64  # above it, steps are padded to multiples of this, each probed
 ATTENTION_BATCH = 64  # most queries of one window a decode attention group holds
-# Most keys one decode attention group gathers (queries x window): runtime.model_runner.GATHER_TOKENS,
-# which imports this module (tests/runtime/test_row_padding.py checks that the two agree).
+# Most keys one decode attention group gathers (queries x window): runtime.model.model_runner.GATHER_TOKENS,
+# which imports this module (tests/runtime/model/test_row_padding.py checks that the two agree).
 GATHER_TOKENS = 1 << 16
 
 
@@ -131,7 +131,7 @@ def executed_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 def attention_windows(max_model_len: int, block_size: int) -> list[tuple[int, int]]:
     """(window in tokens, most queries a group of that window holds) for every window decode
-    attention reads (runtime.model_runner groups queries by `bucket_blocks` of their context's
+    attention reads (runtime.model.model_runner groups queries by `bucket_blocks` of their context's
     blocks) for contexts of 1 to `max_model_len` tokens in blocks of `block_size` tokens."""
     num_blocks = -(-max(max_model_len, 1) // block_size)
     widths = sorted({bucket_blocks(n) * block_size for n in range(1, num_blocks + 1)})
@@ -141,7 +141,7 @@ def attention_windows(max_model_len: int, block_size: int) -> list[tuple[int, in
 def decode_attention_is_batched(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode attention runs as batched matmuls over groups of one window, or (False) ponder's
     CPU kernel attends each query alone: a float32 cache on a CPU, `head_dim` a multiple of 8, and the
-    kernel built (runtime.model_runner's `_attention_kernel`; tests/runtime/test_row_padding.py checks
+    kernel built (runtime.model.model_runner's `_attention_kernel`; tests/runtime/model/test_row_padding.py checks
     that the two agree)."""
     if device.type != "cpu" or dtype != torch.float32 or head_dim % 8:
         return True

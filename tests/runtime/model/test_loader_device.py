@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from runtime.loader import SettingError, pick_device, pick_dtype
+from runtime.model.loader import SettingError, pick_device, pick_dtype
 
 
 @pytest.fixture

@@ -88,7 +88,7 @@ class AttentionMetadata:
     slot_rows: torch.Tensor  # [2, T, KVH] rows of `KVCache.rows` where layer 0's new keys and values go
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSlice]
-    num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.row_padding)
+    num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.model.row_padding)
     decode_only: bool = False  # one decode group holding every row of the step, in order
     # A per-layer KV provider for the step (runtime.layer_offload.LayerStep): `before(layer)` runs
     # ahead of the layer's cache reads and writes, `after(layer)` once the layer is done with them.

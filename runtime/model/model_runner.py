@@ -5,9 +5,9 @@ copies it asks for, runs the model once and returns the logits the plan needs.
 
 With a `RowPadding` (and a cache with a scratch block), a step's tokens are padded with throwaway
 tokens, and the head's rows with repeats, up to a row count for which every row's bits do not
-depend on the others (see runtime.row_padding): results never depend on what shares the step.
+depend on the others (see runtime.model.row_padding): results never depend on what shares the step.
 Prompt tokens then attend like generated ones too, one query at a time against the paged KV
-(runtime.attention), so a token's bits do not depend on how its prompt was chunked or how much of
+(runtime.model.attention), so a token's bits do not depend on how its prompt was chunked or how much of
 it came from the prefix cache either.
 """
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import AttentionMetadata, DecodeGroup, DecodeRows, PrefillSlice, bucket_blocks
+from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, PrefillSlice, bucket_blocks
 from runtime.kernels.cpu_kernels import KernelUnavailable, attention_kernel
-from runtime.decoder import LeanDecoder
-from runtime.row_padding import ATTENTION_BATCH, RowPadding
+from runtime.model.decoder import LeanDecoder
+from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
 
@@ -65,7 +65,7 @@ class ModelRunner:
         # attention, or None (runtime.layer_offload). None: every layer of every block is resident.
         self.layer_provider = None
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
-        # transformers' arithmetic with fewer operators where the architecture is known (runtime.decoder)
+        # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)
         self.decoder = LeanDecoder.build(model)
         self.attention_kernel = _attention_kernel(cache)
 
@@ -185,7 +185,7 @@ class ModelRunner:
 
     def _decode_groups(self, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
                        tables: torch.Tensor, table_starts: torch.Tensor) -> list[DecodeGroup]:
-        """The tokens at `rows` grouped by window width (runtime.attention.bucket_blocks of their own
+        """The tokens at `rows` grouped by window width (runtime.model.attention.bucket_blocks of their own
         context length), each with its window of block ids and the mask of the positions past its context."""
         if not len(rows):
             return []

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.decoder import LeanDecoder
+from runtime.model.decoder import LeanDecoder
 from runtime.wire.protocol import Delta, GenerateRequest, SamplingParams
-from runtime.row_padding import RowPadding, attention_windows
+from runtime.model.row_padding import RowPadding, attention_windows
 from tests.runtime.engine_helpers import engine_for
 
 
@@ -21,7 +21,7 @@ def test_pad_goes_up_to_the_next_safe_count():
 
 def test_the_probe_trusts_no_count_it_did_not_see_agree(monkeypatch):
     """Counts above the small ones are buckets, each probed; a count whose bits differ is skipped."""
-    import runtime.row_padding as row_padding
+    import runtime.model.row_padding as row_padding
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     model.config = type("Config", (), {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8})()
@@ -37,7 +37,7 @@ def test_the_probe_trusts_no_count_it_did_not_see_agree(monkeypatch):
 
 
 def test_a_device_that_is_not_deterministic_run_to_run_is_refused(monkeypatch):
-    import runtime.row_padding as row_padding
+    import runtime.model.row_padding as row_padding
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     calls = []
@@ -56,7 +56,7 @@ def test_the_probe_multiplies_the_layers_the_lean_decoder_runs(tiny_llama, monke
     """The tiny llama (hidden 64, MLP 128, 4 query and 2 KV heads of 16, vocabulary 78): q/k/v run as
     one 64 -> 128 matmul and gate/up as one 64 -> 256, so those are the shapes probed, never the
     64 -> 32 of k or v alone."""
-    import runtime.row_padding as row_padding
+    import runtime.model.row_padding as row_padding
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
@@ -80,7 +80,7 @@ def test_the_probe_multiplies_the_layers_the_lean_decoder_runs(tiny_llama, monke
 
 
 def test_a_model_the_lean_decoder_does_not_run_is_probed_layer_by_layer(monkeypatch):
-    import runtime.row_padding as row_padding
+    import runtime.model.row_padding as row_padding
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False))
     model.config = type("Config", (), {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 8,
@@ -112,8 +112,8 @@ def test_attention_windows_are_every_window_a_context_can_reach():
 def test_the_windows_probed_are_the_groups_the_runner_makes(tiny_llama):
     """Every query of one 64-token sequence in blocks of 4, grouped as the runner groups decode
     attention: the windows and most queries a group of each are those `attention_windows` lists."""
-    import runtime.model_runner as model_runner
-    import runtime.row_padding as row_padding
+    import runtime.model.model_runner as model_runner
+    import runtime.model.row_padding as row_padding
 
     assert row_padding.GATHER_TOKENS == model_runner.GATHER_TOKENS
     assert row_padding.ATTENTION_BATCH == model_runner.ATTENTION_BATCH
@@ -147,7 +147,7 @@ def test_the_engine_probes_attention_at_every_window_its_cache_reaches(tiny_llam
     """Contexts of up to max_model_len 64 in blocks of 4: windows of 4 to 64 tokens, each at every batch
     count from 1 to 64 queries (the old probe's 16, 64 and 256-token windows missed most of them), where
     decode attention runs as batched matmuls (here: a CPU where ponder's attention kernel does not build)."""
-    import runtime.row_padding as row_padding
+    import runtime.model.row_padding as row_padding
     from runtime.kernels.cpu_kernels import KernelUnavailable
 
     def unavailable():
@@ -169,8 +169,8 @@ def test_where_the_cpu_kernel_attends_there_is_no_batched_attention_to_probe(tin
 @pytest.mark.parametrize("device, dtype, head_dim", [
     ("cpu", torch.float32, 16), ("cpu", torch.float32, 12), ("cpu", torch.bfloat16, 16), ("meta", torch.float32, 16)])
 def test_the_probe_and_the_runner_agree_on_which_attention_runs(device, dtype, head_dim):
-    from runtime.model_runner import _attention_kernel
-    from runtime.row_padding import decode_attention_is_batched
+    from runtime.model.model_runner import _attention_kernel
+    from runtime.model.row_padding import decode_attention_is_batched
     from storage.kv_cache import KVCache, KVShape
 
     cache = KVCache(KVShape(num_layers=1, num_kv_heads=1, head_dim=head_dim, block_size=4), 2, dtype,
@@ -226,7 +226,7 @@ def test_without_batch_invariance_nothing_is_padded(tiny_llama):
     engine = engine_for(tiny_llama, batch_invariant=False)
     assert engine.runner.padding.pad(1) == 1
     with pytest.raises(ValueError, match="scratch"):
-        from runtime.model_runner import ModelRunner
+        from runtime.model.model_runner import ModelRunner
         from storage.kv_cache import KVCache
         ModelRunner(engine.model, KVCache(engine.cache.shape, 4, torch.float32, torch.device("cpu")),
                     RowPadding([4], 64))

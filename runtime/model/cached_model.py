@@ -7,7 +7,7 @@ embeddings and norms, the rotary tables) in one safetensors file. A later start 
 skeleton on the meta device from that config, puts int4 layers where the file says, and assigns every
 tensor from the file: no float round trip, nothing packed again, the very same bits (tested).
 
-Strict as `runtime.loader.load_strictly`: the entry must hold exactly the skeleton's parameters and
+Strict as `runtime.model.loader.load_strictly`: the entry must hold exactly the skeleton's parameters and
 buffers, each of its shape, and no tensor may stay on the meta device; an entry that does not is
 discarded and rebuilt from the GGUF, which is checked as every start checks it.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.loader import ModelSource, load_causal_lm
-from runtime.quantize import Int4Linear, Quantized, apply_quantize
+from runtime.model.loader import ModelSource, load_causal_lm
+from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ _TENSORS = "tensors.safetensors"
 _LAYOUT = "layout.json"
 _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
-_CODE = ("loader.py", "quantize.py", "gguf_blocks.py", "cached_model.py", "startup_cache.py")
+_CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/cached_model.py", "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -79,7 +79,7 @@ def gguf_config(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     entry = Entry("config", {"model": file_identity(source.path), "trust_remote_code": trust_remote_code,
-                             "code": sources_hash(runtime_sources("cached_model.py", "startup_cache.py"))})
+                             "code": sources_hash(runtime_sources("model/cached_model.py", "startup_cache.py"))})
     cached = entry.read(lambda directory: AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code))
     if cached is not None:
         cached.name_or_path = source.directory

@@ -3,8 +3,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from runtime.decoder import LeanDecoder, Projections, fuse_linears
-from runtime.quantize import Int4Linear, Int8Linear, quantize_model
+from runtime.model.decoder import LeanDecoder, Projections, fuse_linears
+from runtime.model.quantize import Int4Linear, Int8Linear, quantize_model
 from tests.runtime.engine_helpers import engine_for, request, run
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 5, 6, 7, 8, 9, 20, 21], [1, 40]]

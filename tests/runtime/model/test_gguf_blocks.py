@@ -7,8 +7,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from runtime.kernels.cpu_kernels import KernelUnavailable
-from runtime.gguf_blocks import decode_q4, linear_blocks
-from runtime.quantize import Int4Linear, QuantizeError, apply_quantize, linear_layers
+from runtime.model.gguf_blocks import decode_q4, linear_blocks
+from runtime.model.quantize import Int4Linear, QuantizeError, apply_quantize, linear_layers
 from tests.gguf_model import write_tiny_gguf
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
@@ -97,7 +97,7 @@ def test_auto_keeps_float_weights_where_the_int4_kernel_cannot_run(tiny_gguf, mo
     def unavailable():
         raise KernelUnavailable("ponder's int4 CPU kernel cannot run here: it needs AVX2")
 
-    monkeypatch.setattr("runtime.quantize.q4_kernel", unavailable)
+    monkeypatch.setattr("runtime.model.quantize.q4_kernel", unavailable)
     quantized = apply_quantize(load(tiny_gguf), "auto", str(tiny_gguf))
     assert (quantized.mode, quantized.layers) == ("none", 0)
     assert quantized.detail == "ponder's int4 CPU kernel cannot run here: it needs AVX2"

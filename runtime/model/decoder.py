@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention import AttentionMetadata, attend
-from runtime.quantize import Int4Linear, QuantizedLinear
+from runtime.model.attention import AttentionMetadata, attend
+from runtime.model.quantize import Int4Linear, QuantizedLinear
 
 ARCHITECTURES = ("llama", "qwen2")
 

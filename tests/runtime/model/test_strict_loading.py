@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.loader import CheckpointMismatch, Ignorable, check_loading, load_causal_lm, resolve_model
+from runtime.model.loader import CheckpointMismatch, Ignorable, check_loading, load_causal_lm, resolve_model
 from runtime.search.verifiers.registry import check_verifier, load_verifier
 from tests.conftest import build_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def edit_tensors(directory: Path, edit) -> Path:
@@ -100,7 +100,7 @@ def test_a_complete_generator_loads(generator_dir):
 ])
 def test_a_damaged_generator_is_refused_when_checked_and_when_loaded(generator_dir, damage, named):
     edit_tensors(generator_dir, damage)
-    from runtime.loader import check_causal_lm
+    from runtime.model.loader import check_causal_lm
 
     with pytest.raises(CheckpointMismatch, match=named.replace("(", r"\(").replace(")", r"\)")):
         check_causal_lm(resolve_model(str(generator_dir)))

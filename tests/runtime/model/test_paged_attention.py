@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-from runtime.attention import bucket_blocks, paged_attention
+from runtime.model.attention import bucket_blocks, paged_attention
 from runtime.kernels.cpu_kernels import attention_kernel, q4_unavailable
-from runtime.model_runner import ModelRunner
+from runtime.model.model_runner import ModelRunner
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence
 from storage.kv_cache import KVCache, KVShape

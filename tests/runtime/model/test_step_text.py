@@ -2,7 +2,7 @@
 
 import random
 
-from runtime.detokenizer import StepText
+from runtime.model.detokenizer import StepText
 from tests.runtime.search.conftest import build_tokenizer
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from runtime.wire.protocol import SamplingParams
-from runtime.sampler import SamplingState, sample
+from runtime.model.sampler import SamplingState, sample
 
 
 def state(seed=0, **params):

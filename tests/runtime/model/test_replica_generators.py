@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from runtime import attention
-from runtime.loader import load_causal_lm, load_tokenizer, resolve_model
+from runtime.model import attention
+from runtime.model.loader import load_causal_lm, load_tokenizer, resolve_model
 from tests.replicas.generators import GEMMA2_SLIDING_WINDOW, GENERATOR_FAMILIES, write_generator
 from tests.runtime.engine_helpers import engine_for, run
 from tests.runtime.engine_helpers import request as generate_request

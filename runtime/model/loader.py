@@ -209,7 +209,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
     entry = Entry("tokenizer", {"model": file_identity(source.path), "trust_remote_code": trust_remote_code,
-                                "code": sources_hash(runtime_sources("loader.py", "startup_cache.py"))})
+                                "code": sources_hash(runtime_sources("model/loader.py", "startup_cache.py"))})
     cached = entry.read(lambda directory: AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code))
     if cached is not None:
         return cached

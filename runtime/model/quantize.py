@@ -4,7 +4,7 @@
 gets a quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
 quantized weight and calls one kernel. `auto` (the default) does the same with int4 on a CPU that can
 run ponder's int4 kernel (x86-64 with AVX2) for a GGUF whose linear layers are stored as 4-bit
-blocks, taking those very blocks (runtime.gguf_blocks) rather than quantizing the dequantized floats
+blocks, taking those very blocks (runtime.model.gguf_blocks) rather than quantizing the dequantized floats
 again; otherwise it keeps float weights. `apply_quantize` says what a setting became (`Quantized`).
 
 - int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`, weight-only: the
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
-from runtime.loader import SettingError
+from runtime.model.loader import SettingError
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # the kernel's group, a GGUF block
@@ -322,7 +322,7 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
         q4_kernel()
     except KernelUnavailable as exc:
         return Quantized(setting, "none", 0, str(exc))
-    from runtime.gguf_blocks import linear_blocks
+    from runtime.model.gguf_blocks import linear_blocks
 
     try:
         blocks, found = linear_blocks(model, gguf_path)
