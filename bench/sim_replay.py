@@ -7,7 +7,7 @@ A trace is the search's steps; each step lists its paths as the planner saw them
 tokens; the most tokens its step may decode) and the names its full blocks had when the step ended.
 
 lbs: each step's paths are grouped by the engine's own grouping (`scheduler.grouping`, called as
-`runtime.beam_groups.StepPlanner` calls it) for the compute budget in blocks. The compute tier is an
+`runtime.kv.beam_groups.StepPlanner` calls it) for the compute budget in blocks. The compute tier is an
 LRU set of blocks of that many blocks. A group loads its blocks that are not resident, runs its
 step, and leaves its blocks (read and written) resident; while it runs, the next group's missing
 blocks are prefetched into the headroom the group leaves, overlapping its compute. The prompt's

@@ -3,7 +3,7 @@ model and the KV cache before anything is scheduled."""
 
 from __future__ import annotations
 
-from runtime.head_pieces import plan_pieces
+from runtime.kv.head_pieces import plan_pieces
 from runtime.model.loader import SettingError
 from runtime.wire.protocol import GenerateRequest
 from runtime.requests import InvalidRequest, prompt_token_ids
@@ -82,7 +82,7 @@ def check_budget(shape, num_blocks: int, max_model_len: int, granularity: str) -
 def check_granularity(engine) -> "StreamedRequests | None":
     """The head-wise server of requests over the compute pool when `kv_granularity = head`, after
     `check_budget`."""
-    from runtime.streamed import StreamedRequests  # the model side: start-up's settings check needs none of it
+    from runtime.kv.streamed import StreamedRequests  # the model side: start-up's settings check needs none of it
 
     config = engine.config
     check_budget(engine.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)

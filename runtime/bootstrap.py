@@ -9,10 +9,10 @@ import torch
 
 from runtime.model import attention
 from runtime.model.decoder import LeanDecoder
-from runtime.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
+from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig
 from storage.kv_cache import kv_shape_of
-from runtime.kv_split import KVSplitter, default_workload, device_peaks, model_cost
+from runtime.kv.kv_split import KVSplitter, default_workload, device_peaks, model_cost
 from runtime.model.cached_model import load_quantized_model
 from runtime.model.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.wire.protocol import RuntimeOptions
@@ -99,7 +99,7 @@ def speculates(setting: bool | str, device) -> bool:
 def device_kv_bytes(options: RuntimeOptions, device: torch.device, model, verifiers: dict, max_model_len: int) -> int:
     """The generator's KV memory on a GPU: what `gpu_memory_fraction` of the device leaves once every
     model is loaded (and the generator's layers fused, as they will be served), less one step's
-    activations and the reward models' KV pools (runtime.device_memory)."""
+    activations and the reward models' KV pools (runtime.kv.device_memory)."""
     LeanDecoder.build(model)  # fuse now: the weights measured are the weights served
     torch.cuda.empty_cache()  # the unfused layers' memory goes back to the device, for the pool
     free, total = torch.cuda.mem_get_info(device)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from runtime.beam_groups import StepPlanner
-from runtime.kv_tiers import TieredPrefixCache
-from runtime.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
+from runtime.kv.beam_groups import StepPlanner
+from runtime.kv.kv_tiers import TieredPrefixCache
+from runtime.kv.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
 from runtime.model.model_runner import ModelRunner
 from runtime.admission import admit, check_granularity
 from runtime.plain import PlainRequests
@@ -39,8 +39,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
-    policy: str = "lbs"  # how a search step's paths share the pool (runtime.beam_groups)
-    kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.streamed)
+    policy: str = "lbs"  # how a search step's paths share the pool (runtime.kv.beam_groups)
+    kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.streamed)
     speculative_extension: bool = True
     batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
 
@@ -73,7 +73,7 @@ class Engine:
             if config.batch_invariant else None
         self._build_pool(config.num_blocks)
         self.streamed = check_granularity(self)
-        self.kv_split = None  # the roofline KV split (runtime.kv_split), when configured
+        self.kv_split = None  # the roofline KV split (runtime.kv.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
         self.plain = PlainRequests(self)
         self.requests: dict[str, RequestState] = self.plain.requests
@@ -125,8 +125,8 @@ class Engine:
 
     def attach_tiers(self, chain) -> None:
         """Put host and disk tiers below the compute pool, before any request: the prefix cache
-        extends over them (runtime.kv_tiers), or under `token` the paths' KV may outgrow the compute
-        budget, its layers over the budget reloaded for every token (runtime.layer_offload)."""
+        extends over them (runtime.kv.kv_tiers), or under `token` the paths' KV may outgrow the compute
+        budget, its layers over the budget reloaded for every token (runtime.kv.layer_offload)."""
         if self.config.policy != "token":
             self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
             return

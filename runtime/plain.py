@@ -23,7 +23,7 @@ class PlainRequests:
         self.touched: dict[str, RequestState] = {}
 
     def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, streamed: bool = False) -> RequestState:
-        """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.streamed)."""
+        """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.kv.streamed)."""
         params = request.sampling
         if streamed and (params.prompt_logprobs is not None or max_tokens == 0):
             raise InvalidRequest("prompt logprobs and max_tokens 0 are not served for a request whose KV "

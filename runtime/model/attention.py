@@ -90,7 +90,7 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
     num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.model.row_padding)
     decode_only: bool = False  # one decode group holding every row of the step, in order
-    # A per-layer KV provider for the step (runtime.layer_offload.LayerStep): `before(layer)` runs
+    # A per-layer KV provider for the step (runtime.kv.layer_offload.LayerStep): `before(layer)` runs
     # ahead of the layer's cache reads and writes, `after(layer)` once the layer is done with them.
     layers: object | None = None
     decode_rows: DecodeRows | None = None  # instead of decode_groups, where the CPU kernel runs

@@ -62,7 +62,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.padding = padding or RowPadding.none()
         # Called with a step's (scheduled, copies) after the copies: a per-layer KV provider for the
-        # attention, or None (runtime.layer_offload). None: every layer of every block is resident.
+        # attention, or None (runtime.kv.layer_offload). None: every layer of every block is resident.
         self.layer_provider = None
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)

@@ -6,7 +6,7 @@ generating, the controller verifies (every `granularity`-th step, and whenever a
 lets the strategy settle and expand, and forks the survivors: children share every block of their
 parent, so the search never re-prefills a path.
 
-A step's paths run in the groups the engine plans for the compute pool (`runtime.beam_groups`):
+A step's paths run in the groups the engine plans for the compute pool (`runtime.kv.beam_groups`):
 one group decodes its whole step while resident, then the next.
 
 Decoding past a step (speculative beam extension, look-ahead verification) is in

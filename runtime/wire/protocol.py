@@ -348,7 +348,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     peak_flops: float | None = None  # FLOP/s; None: measured
     memory_bandwidth: float | None = None  # bytes/s; None: measured
     # On CUDA with num_blocks unset: None keeps kv_memory_bytes; a fraction sizes the generator's KV pool
-    # to what that fraction of the device's memory leaves once the models are loaded (runtime.device_memory).
+    # to what that fraction of the device's memory leaves once the models are loaded (runtime.kv.device_memory).
     gpu_memory_fraction: float | None = None
 
 

@@ -4,7 +4,7 @@ from pydantic import ValidationError
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from runtime.kv_split import model_cost
+from runtime.kv.kv_split import model_cost
 from runtime.model.quantize import INT4_GROUP_SIZE, QuantizedLinear, QuantizeError, linear_layers, quantize_model
 from server.config import Settings
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.device_profile import measure_bandwidth, measure_flops
+from runtime.kv.device_profile import measure_bandwidth, measure_flops
 from storage.kv_cache import kv_shape_of
 from runtime.model.quantize import QuantizedLinear
 from scheduler.roofline import BatchCaps, DevicePeaks, KVSplit, ModelCost, Workload, choose_batches, choose_split

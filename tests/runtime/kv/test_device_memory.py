@@ -1,4 +1,4 @@
-"""The generator's KV pool on a GPU, sized from a fraction of the device's memory (runtime.device_memory).
+"""The generator's KV pool on a GPU, sized from a fraction of the device's memory (runtime.kv.device_memory).
 
 No GPU here: the arithmetic is checked with exact numbers, the GPU path with torch.cuda's memory
 query replaced, and the CPU path for being what it was (kv_memory_bytes, or num_blocks).
@@ -11,7 +11,7 @@ import torch
 
 from runtime import bootstrap
 from runtime.bootstrap import build_engine, device_kv_bytes
-from runtime.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
+from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.model.loader import SettingError
 from runtime.wire.protocol import RuntimeOptions
 from server.config import Settings

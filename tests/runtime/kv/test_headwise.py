@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model import attention
-from runtime.head_pieces import plan_pieces
-from runtime.headwise import HeadwiseDecoder, attend
+from runtime.kv.head_pieces import plan_pieces
+from runtime.kv.headwise import HeadwiseDecoder, attend
 from runtime.model.loader import ModelSource, load_causal_lm
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier

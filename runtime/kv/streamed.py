@@ -1,6 +1,6 @@
 """Head-wise serving (`[scheduler] kv_granularity = "head"`): a plain request (one choice) whose KV
 does not fit the compute pool is served by streaming (layer, KV-head group) pieces through it from
-the host tier, the disk tier below it (runtime.headwise).
+the host tier, the disk tier below it (runtime.kv.headwise).
 
 Such a request waits until no other sequence holds a compute block, then has the compute tier to
 itself: the prefix cache is emptied (into the lower tiers, when they are attached) and the engine's
@@ -23,8 +23,8 @@ from collections import deque
 
 import torch
 
-from runtime.head_pieces import PiecePlan, plan_pieces
-from runtime.headwise import HeadwiseDecoder
+from runtime.kv.head_pieces import PiecePlan, plan_pieces
+from runtime.kv.headwise import HeadwiseDecoder
 from runtime.model.sampler import sample
 from scheduler.sequence import Sequence
 from storage.disk_tier import DiskTier

@@ -4,7 +4,7 @@ piece that fails its checksum is recomputed, never served."""
 
 import pytest
 
-from runtime.layer_offload import resident_layers
+from runtime.kv.layer_offload import resident_layers
 from tests.conftest import build_model
 from tests.runtime.engine_helpers import engine_for, request, run
 from tests.runtime.search.test_search_engine import engine_choices, run_search, search_request

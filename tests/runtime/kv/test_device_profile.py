@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from runtime.device_profile import measure_bandwidth, measure_flops, measure_peaks
+from runtime.kv.device_profile import measure_bandwidth, measure_flops, measure_peaks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

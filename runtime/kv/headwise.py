@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from runtime.model import attention
-from runtime.head_pieces import HeadwiseStore, PiecePlan
+from runtime.kv.head_pieces import HeadwiseStore, PiecePlan
 from storage.piece_transfers import PiecePipeline
 from storage.tiers import TierChain
 
