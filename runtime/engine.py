@@ -12,11 +12,11 @@ from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
 from runtime.model.model_runner import ModelRunner
-from runtime.admission import admit, check_granularity
-from runtime.plain import PlainRequests
+from runtime.requests.admission import admit, check_granularity
+from runtime.requests.plain import PlainRequests
 from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.model.row_padding import RowPadding
-from runtime.requests import InvalidRequest, RequestState, question_of
+from runtime.requests.state import InvalidRequest, RequestState, question_of
 from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
 from runtime.search.scoring import ConfidenceScorer, JudgeScorer

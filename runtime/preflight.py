@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from runtime.admission import GRANULARITIES, check_budget
+from runtime.requests.admission import GRANULARITIES, check_budget
 from runtime.kv.device_memory import sizes_from_device
 from storage.kv_cache import kv_shape_of
 from runtime.model.loader import (

@@ -100,7 +100,7 @@ class Stop(Exception):
 
 
 def _loop(channel: Channel, engine, options) -> None:
-    from runtime.requests import detokenize, tokenize  # imports torch: only once the model loaded
+    from runtime.requests.state import detokenize, tokenize  # imports torch: only once the model loaded
 
     last_stats = 0.0
     while True:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.wire.protocol import Delta, Finished, FromRuntime, GenerateRequest
-from runtime.requests import ChoiceState, InvalidRequest, RequestState, token_logprob
+from runtime.requests.state import ChoiceState, InvalidRequest, RequestState, token_logprob
 from runtime.model.sampler import SamplingState, derive_seed, score_tokens
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence

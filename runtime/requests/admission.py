@@ -6,7 +6,7 @@ from __future__ import annotations
 from runtime.kv.head_pieces import plan_pieces
 from runtime.model.loader import SettingError
 from runtime.wire.protocol import GenerateRequest
-from runtime.requests import InvalidRequest, prompt_token_ids
+from runtime.requests.state import InvalidRequest, prompt_token_ids
 
 GRANULARITIES = ("block", "head")
 

@@ -65,7 +65,7 @@ class RequestState:
     prompt_text: str | None = None  # echo: the prompt as the client sent it (or its ids decoded)
     # Prompt logprobs (params.prompt_logprobs): the score of the token at each position (None at 0), and
     # how many positions from the start have had their logits computed, without a gap (the prefix
-    # cache's reuse is undone when it would leave one: runtime.plain).
+    # cache's reuse is undone when it would leave one: runtime.requests.plain).
     prompt_scores: list[ScoredToken | None] = field(default_factory=list)
     num_scored_positions: int = 0
     _prompt_logprobs: tuple[PromptLogprob, ...] | None = None
