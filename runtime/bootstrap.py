@@ -17,11 +17,11 @@ from runtime.model.cached_model import load_quantized_model
 from runtime.model.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.wire.protocol import RuntimeOptions
 from runtime.model.quantize import check_mode
-from runtime.search.verifier_store import VerifierStore
+from runtime.verify.verifier_store import VerifierStore
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
 from storage.tiers import TierChain
-from runtime.search.verifiers.registry import load_verifier
+from runtime.verify.verifiers.registry import load_verifier
 
 log = logging.getLogger("ponder.runtime")
 

@@ -19,8 +19,8 @@ from runtime.model.row_padding import RowPadding
 from runtime.requests.state import InvalidRequest, RequestState, question_of
 from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
-from runtime.search.scoring import ConfidenceScorer, JudgeScorer
-from runtime.search.verifiers.judge import JudgeVerifier
+from runtime.verify.scoring import ConfidenceScorer, JudgeScorer
+from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence

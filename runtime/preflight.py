@@ -46,7 +46,7 @@ def _check_checkpoints(options: RuntimeOptions) -> None:
     """Raise `CheckpointMismatch` for a generator or verifier checkpoint that would leave a parameter
     at random or hold a tensor nothing reads; only the safetensors headers are read."""
     def check_verifier(spec: dict[str, str]) -> None:
-        from runtime.search.verifiers.registry import check_verifier as check
+        from runtime.verify.verifiers.registry import check_verifier as check
 
         check(spec["kind"], spec["path"], trust_remote_code=spec.get("trust_remote_code") == "true")
 

@@ -1,5 +1,5 @@
 """Replicas of published verifier checkpoints: `write_verifier(kind, directory)`, one per verifier kind
-ponder offers (runtime/search/verifiers).
+ponder offers (runtime/verify/verifiers).
 
 Each writer states the published checkpoint it copies and where its layout was read: the model card's
 own usage code, the inference code the authors point to, and vLLM's or transformers' classes for it.

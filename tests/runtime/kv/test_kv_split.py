@@ -142,7 +142,7 @@ def test_a_capped_verifier_scores_a_search_exactly_as_an_uncapped_one(tiny_llama
     import torch
     from transformers import LlamaForCausalLM
 
-    from tests.runtime.search.conftest import build_tokenizer, model_config, save
+    from tests.runtime.conftest import build_tokenizer, model_config, save
     from tests.runtime.search.test_search_engine import engine_choices, run_search, search_request
 
     tokenizer = build_tokenizer()  # byte-level BPE with the offsets Math-Shepherd's step tags need

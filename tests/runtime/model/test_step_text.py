@@ -3,7 +3,7 @@
 import random
 
 from runtime.model.detokenizer import StepText
-from tests.runtime.search.conftest import build_tokenizer
+from tests.runtime.conftest import build_tokenizer
 
 
 def test_incremental_step_text_equals_a_whole_decode_after_every_token():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runtime.model.loader import CheckpointMismatch, Ignorable, check_loading, load_causal_lm, resolve_model
-from runtime.search.verifiers.registry import check_verifier, load_verifier
+from runtime.verify.verifiers.registry import check_verifier, load_verifier
 from tests.conftest import build_model
 
 ROOT = Path(__file__).resolve().parents[3]

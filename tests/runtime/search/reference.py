@@ -16,7 +16,7 @@ import torch
 from runtime.model.sampler import derive_seed
 from runtime.search.aggregate import aggregate, allocate_children, normalize_step
 from runtime.search.answers import Candidate, extract_answer, select
-from runtime.search.verifiers.confidence import confidence_from_logprobs
+from runtime.verify.verifiers.confidence import confidence_from_logprobs
 
 
 @dataclass

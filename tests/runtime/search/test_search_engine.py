@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from runtime.wire.protocol import (
     Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchEvent, SearchParams,
 )
-from runtime.search.verifiers.judge import JudgeVerifier
+from runtime.verify.verifiers.judge import JudgeVerifier
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.reference import ReferenceSearch
 

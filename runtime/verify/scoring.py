@@ -10,7 +10,7 @@
   the partly filled block before the new step is prefilled again. The score is
   P(Yes) / (P(Yes) + P(No)) at the last position.
 - a process or outcome reward model loaded from the config: scored from its own paged store with
-  its own prefix cache (`runtime.search.verifier_store.VerifierStore`).
+  its own prefix cache (`runtime.verify.verifier_store.VerifierStore`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.search.verifiers.confidence import confidence_from_logprobs
-from runtime.search.verifiers.judge import JudgeVerifier
+from runtime.verify.verifiers.confidence import confidence_from_logprobs
+from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.sequence import Sequence
 
 

@@ -6,7 +6,7 @@ and ending with `<extra_0>`. Read-out: the head's two logits at each `<extra_0>`
 score = P(index 1) (the "correct" class).
 
 The published checkpoint (`Qwen2ForProcessRewardModel`: a two-layer `score` head) loads without
-remote code into runtime.search.verifiers.qwen_prm_model, or with `trust_remote_code` through
+remote code into runtime.verify.verifiers.qwen_prm_model, or with `trust_remote_code` through
 `AutoModel` as its model card does; any model with `.base_model` and a `.score` head mapping hidden
 states to 2 logits works, e.g. a checkpoint saved from `Qwen2ForTokenClassification(num_labels=2)`.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runtime.search.verifiers.base import UNUSED_LM_HEAD, ScoringInput, Verifier, tokenize_marked
+from runtime.verify.verifiers.base import UNUSED_LM_HEAD, ScoringInput, Verifier, tokenize_marked
 
 DEFAULT_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 

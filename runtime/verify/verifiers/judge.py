@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runtime.search.verifiers.base import ScoringInput, Verifier
+from runtime.verify.verifiers.base import ScoringInput, Verifier
 
 YES_SPELLINGS = ("Yes", " Yes")
 NO_SPELLINGS = ("No", " No")

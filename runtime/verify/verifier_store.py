@@ -19,7 +19,7 @@ import torch
 
 from runtime.model.model_runner import ModelRunner
 from runtime.model.row_padding import RowPadding
-from runtime.search.scoring import ScoreBatch
+from runtime.verify.scoring import ScoreBatch
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, Qwen2Model
 
-from runtime.search.verifiers.registry import load_verifier
+from runtime.verify.verifiers.registry import load_verifier
 from tests.replicas.generators import HIDDEN, INTERMEDIATE, NUM_HEADS, NUM_KV_HEADS, NUM_LAYERS
 from tests.replicas.tokenizers import token_ids
 from tests.replicas.verifiers import VERIFIER_KINDS, write_verifier

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.search.verifiers.base import ScoringInput, Verifier, gather_index, length_batches, pad_right
+from runtime.verify.verifiers.base import ScoringInput, Verifier, gather_index, length_batches, pad_right
 
 
 def confidence_from_logprobs(logprobs: Sequence[float]) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from runtime.search.verifiers.base import ScoringInput, Verifier, tokenize_marked
+from runtime.verify.verifiers.base import ScoringInput, Verifier, tokenize_marked
 
 
 class MathShepherdVerifier(Verifier):

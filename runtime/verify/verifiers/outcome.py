@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runtime.search.verifiers.base import UNUSED_LM_HEAD, ScoringInput, Verifier, length_batches, pad_right
+from runtime.verify.verifiers.base import UNUSED_LM_HEAD, ScoringInput, Verifier, length_batches, pad_right
 
 
 class OutcomeVerifier(Verifier):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from runtime.model.loader import Ignorable
-from runtime.search.verifiers.base import ScoringInput, Verifier
+from runtime.verify.verifiers.base import ScoringInput, Verifier
 
 VALUE_HEAD_PREFIXES = ("v_head.summary.", "value_head.")
 

@@ -4,7 +4,7 @@ same model run on one unpadded sequence, positions located by hand from the toke
 import pytest
 import torch
 
-from runtime.search.verifiers import (
+from runtime.verify.verifiers import (
     ConfidenceVerifier,
     JudgeVerifier,
     MathShepherdVerifier,

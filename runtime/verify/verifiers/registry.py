@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from runtime.model.loader import check_checkpoint, load_strictly
-from runtime.search.verifiers.base import Verifier
-from runtime.search.verifiers.confidence import ConfidenceVerifier
-from runtime.search.verifiers.judge import JudgeVerifier
-from runtime.search.verifiers.math_shepherd import MathShepherdVerifier
-from runtime.search.verifiers.outcome import OutcomeVerifier
-from runtime.search.verifiers.qwen_prm import QwenPRMVerifier
-from runtime.search.verifiers.rlhflow import RLHFlowVerifier
-from runtime.search.verifiers.skywork import SkyworkPRMVerifier
+from runtime.verify.verifiers.base import Verifier
+from runtime.verify.verifiers.confidence import ConfidenceVerifier
+from runtime.verify.verifiers.judge import JudgeVerifier
+from runtime.verify.verifiers.math_shepherd import MathShepherdVerifier
+from runtime.verify.verifiers.outcome import OutcomeVerifier
+from runtime.verify.verifiers.qwen_prm import QwenPRMVerifier
+from runtime.verify.verifiers.rlhflow import RLHFlowVerifier
+from runtime.verify.verifiers.skywork import SkyworkPRMVerifier
 
 VERIFIERS: dict[str, type[Verifier]] = {cls.kind: cls for cls in (
     MathShepherdVerifier, RLHFlowVerifier, QwenPRMVerifier, SkyworkPRMVerifier, OutcomeVerifier,
@@ -73,7 +73,7 @@ def verifier_model_class(cls: type[Verifier], directory: str | Path, trust_remot
     if cls is QwenPRMVerifier:
         if trust_remote_code:
             return transformers.AutoModel
-        from runtime.search.verifiers.qwen_prm_model import ARCHITECTURE, Qwen2ProcessRewardModel
+        from runtime.verify.verifiers.qwen_prm_model import ARCHITECTURE, Qwen2ProcessRewardModel
 
         config = transformers.AutoConfig.from_pretrained(str(directory))
         if ARCHITECTURE in (config.architectures or ()):
