@@ -19,7 +19,7 @@ from runtime.model.row_padding import RowPadding
 from runtime.requests.state import InvalidRequest, RequestState, question_of
 from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
-from runtime.verify.scoring import ConfidenceScorer, JudgeScorer
+from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer
 from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler
@@ -79,7 +79,7 @@ class Engine:
         self.requests: dict[str, RequestState] = self.plain.requests
         self.searches: dict[str, SearchController] = {}
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
-        self.scorers: dict[str, object] = {"confidence": ConfidenceScorer()}
+        self.scorers: dict[str, object] = {"confidence": ConfidenceScorer(), "calculator": CalculatorScorer()}
         try:
             self.scorers["judge"] = JudgeScorer(self, JudgeVerifier(model, tokenizer))
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge

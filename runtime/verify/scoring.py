@@ -1,6 +1,8 @@
 """How the search engine scores steps with each kind of verifier.
 
 - `confidence`: the generator's own mean token log-probability of the unit, kept while sampling.
+- `calculator`: a calculator checks the arithmetic the path has written so far; the verdict's tier,
+  ordered within by the unit's confidence (`runtime.verify.verifiers.calculator`). Free as well.
 - `judge`: the generator (or another causal LM served by the same engine) asked whether the latest
   step is correct. Each question is a prefill-only sequence in the engine's paged store, so its KV
   shares the prefix cache: the problem and earlier steps are found cached, and sibling paths share
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.verify.verifiers import calculator
 from runtime.verify.verifiers.confidence import confidence_from_logprobs
 from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.sequence import Sequence
@@ -34,6 +37,16 @@ class ConfidenceScorer:
     def submit(self, controller, paths) -> None:
         for path in paths:
             controller.on_score(path, confidence_from_logprobs(path.chunk_logprobs + path.lookahead_logprobs))
+
+
+class CalculatorScorer:
+    name = "calculator"
+    is_free = True  # no model: a regular expression and exact arithmetic over the path's text
+
+    def submit(self, controller, paths) -> None:
+        for path in paths:
+            confidence = confidence_from_logprobs(path.chunk_logprobs + path.lookahead_logprobs)
+            controller.on_score(path, calculator.step_score(path.scoring_units(), confidence))
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ VERIFIERS: dict[str, type[Verifier]] = {cls.kind: cls for cls in (
     JudgeVerifier, ConfidenceVerifier)}
 
 # Verifiers that need no model of their own: they run on the generator.
-GENERATOR_VERIFIERS = ("judge", "confidence")
+GENERATOR_VERIFIERS = ("judge", "confidence", "calculator")
 
 
 def verifier_class(kind: str) -> type[Verifier]:
