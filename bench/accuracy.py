@@ -55,7 +55,7 @@ from bench.threads import torch_threads
 OUT_DIR = Path(__file__).resolve().parent / "out"
 METHODS = ("greedy", "majority", "best_of_n", "beam", "dvts")
 VERIFIED = ("best_of_n", "beam", "dvts")
-VERIFIERS = ("judge", "confidence")  # the verifiers that run on the generator itself
+VERIFIERS = ("judge", "confidence", "calculator")  # the verifiers that run on the generator itself
 BEAM_WIDTH = 4
 Z_95 = 1.959963984540054
 
@@ -129,6 +129,22 @@ def plan(methods: list[str], verifiers: list[str], ns: list[int],
     return configs
 
 
+def parse_configs(text: str, known_verifiers: tuple[str, ...] = VERIFIERS) -> list[Config]:
+    """`method[:verifier]@N,...` (e.g. `beam:calculator@8,majority@8`) as configurations; a ValueError names
+    the first bad one."""
+    configs = []
+    for item in _names(text):
+        label, at, n = item.partition("@")
+        method, _, verifier = label.partition(":")
+        if not at or not n.strip().isdigit():
+            raise ValueError(f"--configs takes method[:verifier]@N, got {item!r}")
+        if bool(verifier) != (method in VERIFIED):
+            raise ValueError(f"{item!r}: {', '.join(VERIFIED)} take a verifier, greedy and majority none")
+        configs += [c for c in plan([method], [verifier] if verifier else [], [int(n)], known_verifiers)
+                    if c.n == int(n)]
+    return configs
+
+
 def with_baselines(configs: list[Config]) -> list[Config]:
     """`configs` with greedy and majority voting at every N the others use, the baselines first."""
     ns = sorted({c.n for c in configs if c.method != "greedy"})
@@ -183,14 +199,36 @@ def request_for(problem: Problem, config: Config, setup: Setup, request_id: str)
                            sampling=sampling, search=search)
 
 
-def solve(engine, problem: Problem, config: Config, setup: Setup, request_id: str) -> Outcome:
+def solve(engine, problems: list[Problem], config: Config, setup: Setup, prefix: str, concurrency: int = 1,
+          on_done=lambda: None) -> list[Outcome]:
+    """Every problem answered by `config`, `concurrency` requests in the engine at a time (each problem's
+    own request, as a client would send it); outcomes in the problems' order."""
+    from runtime.wire.protocol import Finished, RequestError
+
+    outcomes: list[Outcome | None] = [None] * len(problems)
+    pending = list(reversed(range(len(problems))))
+    running: dict[str, tuple[int, float, list]] = {}
+    while pending or running:
+        while pending and len(running) < concurrency:
+            index = pending.pop()
+            request_id = f"{prefix}-{index}"
+            running[request_id] = (index, time.perf_counter(),
+                                   list(engine.add_request(request_for(problems[index], config, setup, request_id))))
+        if engine.has_work:
+            for message in engine.step():
+                if getattr(message, "request_id", None) in running:
+                    running[message.request_id][2].append(message)
+        for request_id, (index, started, messages) in list(running.items()):
+            if isinstance(messages[-1], (Finished, RequestError)) or not engine.has_work:
+                del running[request_id]
+                outcomes[index] = _outcome(messages, problems[index], config, time.perf_counter() - started)
+                on_done()
+    return outcomes
+
+
+def _outcome(messages: list, problem: Problem, config: Config, seconds: float) -> Outcome:
     from runtime.wire.protocol import Delta, Finished, RequestError
 
-    started = time.perf_counter()
-    messages = list(engine.add_request(request_for(problem, config, setup, request_id)))
-    while engine.has_work:
-        messages += engine.step()
-    seconds = time.perf_counter() - started
     finished = messages[-1]
     if isinstance(finished, RequestError):
         raise ValueError(f"{config.label} N={config.n}: {finished.message}")
@@ -202,11 +240,11 @@ def solve(engine, problem: Problem, config: Config, setup: Setup, request_id: st
                    finished.search.verifier_tokens_prefilled, seconds)
 
 
-def summarize(config: Config, problems: list[Problem], outcomes: list[Outcome]) -> dict:
+def summarize(config: Config, problems: list[Problem], outcomes: list[Outcome], seconds: float) -> dict:
+    """One row of results; `seconds` is the wall time of the whole set (its requests may overlap)."""
     total = len(outcomes)
     correct = sum(o.status == "correct" for o in outcomes)
     low, high = wilson(correct, total)
-    seconds = sum(o.seconds for o in outcomes)
     generated = sum(o.tokens_generated for o in outcomes)
     by_level = {}
     for level in levels_of(problems):
@@ -225,30 +263,31 @@ def levels_of(problems: list[Problem]) -> list[int]:
     return sorted({p.level for p in problems if p.level is not None})
 
 
-def run(options, configs: list[Config], problems: list[Problem], setup: Setup, progress: bool = True) -> dict:
-    """Every configuration on every problem, on an engine built from `options` (RuntimeOptions)."""
+def run(options, configs: list[Config], problems: list[Problem], setup: Setup, progress: bool = True,
+        concurrency: int = 1) -> dict:
+    """Every configuration on every problem, on an engine built from `options` (RuntimeOptions), with
+    `concurrency` problems' requests in the engine at a time."""
     import torch
     from tqdm import tqdm
 
     from runtime.bootstrap import build_engine
 
     engine, source = build_engine(options)
-    solve(engine, problems[0], Config("greedy", None, 1), Setup(max_tokens=4), "accuracy-warm-up")
+    solve(engine, problems[:1], Config("greedy", None, 1), Setup(max_tokens=4), "accuracy-warm-up")
     bar = tqdm(total=len(configs) * len(problems), desc="accuracy", unit="problem", disable=not progress,
                file=sys.stderr)
     rows = []
     for index, config in enumerate(configs):
         bar.set_postfix_str(f"{config.label} N={config.n}")
-        outcomes = []
-        for number, problem in enumerate(problems):
-            outcomes.append(solve(engine, problem, config, setup, f"accuracy-{index}-{number}"))
-            bar.update()
-        rows.append(summarize(config, problems, outcomes))
+        started = time.perf_counter()
+        outcomes = solve(engine, problems, config, setup, f"accuracy-{index}", concurrency, bar.update)
+        rows.append(summarize(config, problems, outcomes, time.perf_counter() - started))
     bar.close()
     return {"model": source.name, "threads": torch.get_num_threads(), "problems": len(problems),
             "levels": levels_of(problems), "seed": setup.seed, "max_tokens": setup.max_tokens,
             "max_steps": setup.max_steps, "max_step_tokens": setup.max_step_tokens,
-            "temperature": setup.temperature, "beam_width": BEAM_WIDTH, "results": rows,
+            "temperature": setup.temperature, "beam_width": BEAM_WIDTH,
+            "deterministic": engine.config.batch_invariant, "concurrency": concurrency, "results": rows,
             "comparisons": paired.comparisons(rows), "alpha": paired.ALPHA, "gold": [p.gold for p in problems]}
 
 
@@ -277,9 +316,17 @@ def main(argv: list[str] | None = None) -> int:
         chosen = dict(QUICK if args.quick else DEFAULT)
         if args.full:
             chosen["n"] = "1,4,16,64"
-        options, known = runtime_options(args.model, args.config)
+        if args.temperature is not None and not 0 < args.temperature <= 2:
+            raise ValueError(f"--temperature must be in (0, 2], got {args.temperature}")
+        if args.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, got {args.concurrency}")
+        if args.concurrency > 1 and not args.deterministic:
+            raise ValueError("--concurrency above 1 needs --deterministic: otherwise a problem's answer would depend "
+                             "on the problems that share its batches")
+        options, known = runtime_options(args.model, args.config, args.deterministic)
         configs = plan(_names(args.methods or chosen["methods"]), _names(args.verifiers or chosen["verifiers"]),
                        _int_list(args.n or chosen["n"]), known)
+        configs += [c for c in parse_configs(args.configs or "", known) if c not in configs]
         per_level = args.per_level or chosen["per_level"]
         if per_level < 1:
             raise ValueError(f"--per-level must be at least 1, got {per_level}")
@@ -290,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ponder bench accuracy: error: {exc}", file=sys.stderr)
         return 2
     setup = Setup(max_tokens=args.max_tokens or chosen["max_tokens"], max_steps=args.max_steps or chosen["max_steps"],
-                  max_step_tokens=args.max_step_tokens or chosen["max_step_tokens"], seed=args.seed)
+                  max_step_tokens=args.max_step_tokens or chosen["max_step_tokens"], seed=args.seed,
+                  temperature=args.temperature or Setup.temperature)
     with torch_threads(args.threads):
-        results = run(options, with_baselines(configs), problems, setup)
+        results = run(options, with_baselines(configs), problems, setup, concurrency=args.concurrency)
     results["dataset"] = args.dataset
     path = plot_path(args.plot_path, args.json_path, OUT_DIR / ("accuracy-quick.png" if args.quick else "accuracy.png"))
     results["plot"] = str(path)
@@ -301,19 +349,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def runtime_options(model: str | None, config: str | None):
+def runtime_options(model: str | None, config: str | None, deterministic: bool = False):
     """The engine's options and the verifier names a run may use. Without `config`: the model on the CPU,
-    as the other benchmarks run; with it: what `ponder serve --config` would load, reward models too."""
+    as the other benchmarks run; with it: what `ponder serve --config` would load, reward models too.
+    `deterministic` turns batch invariance on, as `ponder serve --deterministic` does."""
     from runtime.wire.protocol import RuntimeOptions
 
     if config is None:
-        return RuntimeOptions(model=model, device="cpu"), VERIFIERS
+        return RuntimeOptions(model=model, device="cpu", batch_invariant=deterministic), VERIFIERS
     from pydantic import ValidationError
 
     from server.config import Settings
 
     try:
-        settings = Settings.load(config, model={"path": model})
+        settings = Settings.load(config, model={"path": model},
+                                 scheduler={"batch_invariant": deterministic or None})
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ValueError(f"{config}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
@@ -381,11 +431,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--verifiers", "--verifier", dest="verifiers", default=None,
                         help=f"for {', '.join(VERIFIED)}: of {', '.join(VERIFIERS)} or a [verifiers.NAME] of --config")
     parser.add_argument("--n", default=None, help="comma-separated N (paths) to try, each >= 1")
+    parser.add_argument("--configs", default=None, help="more configurations beside the methods x verifiers x N "
+                                                        "grid, as method[:verifier]@N,... (e.g. beam:calculator@8)")
     parser.add_argument("--per-level", type=int, default=None, help="problems per level")
     parser.add_argument("--seed", type=int, default=0, help="the problem set's seed and the sampling seed")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=None, help="search steps of the step-wise methods")
     parser.add_argument("--max-step-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"the sampling temperature of every method but greedy (default {Setup.temperature})")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="as `ponder serve --deterministic`: every problem's tokens as they would be alone and "
+                             "cold, so any subset or order of the run gives the same answers")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="problems in the engine at a time (needs --deterministic; default 1)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, as the other benchmarks: shared cores)")
     parser.add_argument("--json", dest="json_path", default=None)

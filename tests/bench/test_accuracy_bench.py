@@ -75,10 +75,17 @@ def test_a_verifier_from_the_config_is_a_known_verifier():
                                        "best_of_n, beam, dvts"),
     (["--n", "4,0"], "N must be at least 1, got 0"),
     (["--n", "four"], "N must be a comma-separated list of integers, got 'four'"),
-    (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence"),
+    (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
     (["--levels", "2,6"], "unknown level 6; levels are 1, 2, 3, 4, 5"),
     (["--levels", "two"], "--levels must be a comma-separated list of integers, got 'two'"),
     (["--limit", "0"], "--limit must be at least 1, got 0"),
+    (["--configs", "beam:calculator"], "--configs takes method[:verifier]@N, got 'beam:calculator'"),
+    (["--configs", "beam@8"], "'beam@8': best_of_n, beam, dvts take a verifier, greedy and majority none"),
+    (["--configs", "beam:oracle@8"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
+    (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
+    (["--concurrency", "4"], "--concurrency above 1 needs --deterministic: otherwise a problem's answer would "
+                             "depend on the problems that share its batches"),
+    (["--temperature", "0"], "--temperature must be in (0, 2], got 0.0"),
     (["--power", "--pilot", "/nonexistent/pilot.json"],
      "/nonexistent/pilot.json: cannot read the pilot: [Errno 2] No such file or directory: "
      "'/nonexistent/pilot.json'"),
@@ -128,6 +135,34 @@ def test_a_tiny_model_run_reports_every_configuration_and_plots(tiny_llama, tmp_
             assert (cmp["verdict"] == "not significant") == (cmp["p_value"] >= 0.05)
     assert printed[1].startswith("accuracy benchmark:")
     assert any(line.startswith("paired against greedy and against majority voting") for line in printed)
+
+
+def test_configs_add_single_configurations_to_the_grid():
+    assert accuracy.parse_configs("beam:calculator@8, majority@8,greedy@1") == [
+        accuracy.Config("beam", "calculator", 8), accuracy.Config("majority", None, 8),
+        accuracy.Config("greedy", None, 1)]
+
+
+def test_problems_asked_side_by_side_answer_as_they_do_one_at_a_time(tiny_llama, tmp_path, capsys):
+    """--deterministic makes each request's tokens independent of its batch, so --concurrency changes the
+    wall time and nothing else."""
+    rows = {}
+    for concurrency in (1, 3):
+        out = tmp_path / f"c{concurrency}.json"
+        argv = ["--model", str(tiny_llama), "--methods", "greedy,majority,best_of_n,beam", "--verifiers",
+                "confidence,calculator", "--n", "4", "--per-level", "1", "--max-tokens", "8", "--deterministic",
+                "--concurrency", str(concurrency), "--temperature", "1.0", "--json", str(out)]
+        assert accuracy.main(argv) == 0
+        results = json.loads(out.read_text())
+        assert results["deterministic"] is True and results["concurrency"] == concurrency
+        assert results["temperature"] == 1.0
+        rows[concurrency] = [{k: r[k] for k in ("label", "n", "answers", "statuses", "tokens_generated")}
+                             for r in results["results"]]
+    capsys.readouterr()
+    assert [(r["label"], r["n"]) for r in rows[1]] == [
+        ("greedy", 1), ("majority", 4), ("best_of_n:confidence", 4), ("best_of_n:calculator", 4),
+        ("beam:confidence", 4), ("beam:calculator", 4)]
+    assert rows[3] == rows[1]
 
 
 def test_power_prints_the_problems_a_comparison_needs_without_a_model(monkeypatch, capsys, tmp_path):

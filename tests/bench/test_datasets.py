@@ -85,7 +85,7 @@ def test_an_empty_or_missing_file_is_one_line_too(tmp_path, capsys, monkeypatch)
 def test_levels_and_limit_choose_the_problems(monkeypatch, capsys):
     seen = {}
 
-    def fake_run(options, configs, problems, setup, progress=True):
+    def fake_run(options, configs, problems, setup, progress=True, concurrency=1):
         seen["problems"], seen["configs"] = problems, configs
         raise SystemExit(0)
 
@@ -107,7 +107,7 @@ def test_a_config_names_the_generator_and_its_reward_models(tmp_path, monkeypatc
                       '[verifiers.prm]\nkind = "qwen-prm"\npath = "/models/prm"\n')
     seen = {}
 
-    def fake_run(options, configs, problems, setup, progress=True):
+    def fake_run(options, configs, problems, setup, progress=True, concurrency=1):
         seen["options"], seen["configs"] = options, configs
         raise SystemExit(0)
 
@@ -128,7 +128,7 @@ def test_a_config_names_the_generator_and_its_reward_models(tmp_path, monkeypatc
     assert capsys.readouterr().err.splitlines() == [
         f"ponder bench accuracy: error: {tmp_path / 'bad.toml'}: model.quantize: Input should be 'auto', 'none', "
         "'int8' or 'int4'",
-        "ponder bench accuracy: error: unknown verifier 'prm'; expected one of judge, confidence"]
+        "ponder bench accuracy: error: unknown verifier 'prm'; expected one of judge, confidence, calculator"]
 
 
 def test_a_tiny_model_answers_a_gsm8k_file_with_paired_statistics(tiny_llama, tmp_path, capsys):
