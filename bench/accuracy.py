@@ -2,7 +2,8 @@
 
     ponder bench accuracy [--model PATH] [--config FILE] [--dataset FILE] [--levels 1,2] [--limit K]
                           [--quick | --full] [--methods M,...] [--verifier V,...] [--n 1,4,16] [--per-level K]
-                          [--seed S] [--max-tokens T] [--threads N] [--json PATH] [--plot PATH]
+                          [--configs beam:calculator@8,...] [--seed S] [--temperature T] [--max-tokens T]
+                          [--deterministic [--concurrency K]] [--threads N] [--json PATH] [--plot PATH]
     ponder bench accuracy --power [--pilot JSON]
 
 The problems come from `bench.problems` (levels 1-5, exact integer answers, one seed) or, with `--dataset`,
@@ -17,11 +18,15 @@ through the engine's search entry point, one request at a time, exactly as a cha
 - `beam`: step-wise beam search, keep N / 4 paths after each step and refill to N;
 - `dvts`: N / 4 independent subtrees, each expands its own best step four ways.
 
-The verifier methods run once per verifier in `--verifiers` (`judge` and `confidence` need no model
-besides the generator; others come from `--config`). Greedy and majority voting at every N run whatever
+The verifier methods run once per verifier in `--verifiers` (`judge`, `confidence` and `calculator` need
+no model besides the generator; others come from `--config`); `--configs` adds single configurations
+beside that grid. Greedy and majority voting at every N run whatever
 `--methods` says: they are the baselines. The chosen answer is the engine's own (the first choice's
 `search.answer`); it is graded against the exact answer with the same math-verify equivalence the
 search votes with. No extractable, parseable answer counts as wrong and is counted as unparsed.
+`--deterministic` runs the engine batch-invariant (as `ponder serve --deterministic`): each problem's
+tokens are then what they would be alone and cold, so any subset or order of a run gives the same
+answers, and `--concurrency K` may put K problems' requests in the engine at once (faster, same answers).
 
 Reported per method and N: accuracy with a 95 % Wilson interval, per level, the generator's sampled
 tokens and the verifier's prefilled tokens (per problem), wall seconds and generator tokens per second;

@@ -76,7 +76,7 @@ class SearchRequest(_Wire):
     max_step_tokens: int = Field(256, ge=1)
     granularity: int = Field(1, ge=1)
     lookahead: int = Field(0, ge=0)
-    verifier: str = "confidence"
+    verifier: str = "calculator"
     aggregation: Literal["last", "min", "prod", "mean"] = "last"
     select: Literal["best", "majority", "weighted_majority"] = "best"
     answer_pattern: str | None = None

@@ -33,7 +33,7 @@ def test_exact_activations_give_the_exact_product():
 
 def test_the_product_is_close_to_float_with_quantized_activations():
     layer, *_ = random_layer(out_features=70, in_features=192)
-    x = torch.randn(5, 192)
+    x = torch.randn(5, 192, generator=torch.Generator().manual_seed(1))  # not whatever earlier tests left
     exact = x.double() @ layer.dequantized().double().T
     error = (layer(x).double() - exact).abs().max() / exact.abs().max()
     assert 0 < error < 0.01  # int8 activations: about 1/254 of a group's largest value per element
