@@ -52,7 +52,7 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     max_step_tokens: int = 256
     granularity: int = 1
     lookahead: int = 0
-    verifier: str = "confidence"
+    verifier: str = "calculator"
     aggregation: str = "last"
     select: str = "best"
     answer_pattern: str | None = None
