@@ -390,8 +390,11 @@ class Engine:
         return samples
 
     def check_integrity(self) -> None:
-        holders = [s.block_table for s in self.scheduler.running + self.scheduler.parked]
-        self.pool.check_integrity(holders)
-        for seq in self.scheduler.waiting:
-            assert not seq.block_table, "a waiting sequence holds blocks"
+        """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""
+        self.pool.check_integrity([s.block_table for s in self.scheduler.running + self.scheduler.parked])
+        assert not any(seq.block_table for seq in self.scheduler.waiting), "a waiting sequence holds blocks"
+        for store in (s for s in self.verifier_stores if not s.has_work):  # a job frees its blocks when scored
+            store.pool.check_integrity([])
+        if self.tiers is not None:
+            self.tiers.check_integrity()
 

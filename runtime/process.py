@@ -137,10 +137,24 @@ def _loop(channel: Channel, engine, options) -> None:
                 continue
             for out in outputs:
                 channel.send(out)
+            if not engine.has_work:
+                check_when_idle(engine)
         now = time.monotonic()
         if now - last_stats >= options.stats_interval_s:
             channel.send(engine.runtime_stats())
             last_stats = now
+
+
+def check_when_idle(engine) -> bool:
+    """The engine's invariants (its block pool against the sequences holding blocks, the verifier
+    stores' pools, the tiers below compute), checked each time the engine runs out of work: True when
+    they hold. A broken one is a bug: it is logged with its reason, and serving goes on."""
+    try:
+        engine.check_integrity()
+    except AssertionError as exc:
+        log.error("the engine's integrity check failed when idle: %s", exc or "an invariant does not hold")
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:

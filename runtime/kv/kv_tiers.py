@@ -42,6 +42,10 @@ class TieredPrefixCache:
         self._in_flight: list[Future] = []  # demotions handed to the transfer engine, not yet awaited
         pool.on_evict = self._demote
 
+    def check_integrity(self) -> None:
+        """The tiers below compute agree with themselves (storage.tiers)."""
+        self.chain.check_integrity()
+
     def _demote(self, block_id: int, block_hash: bytes) -> None:
         if len(self._in_flight) >= 256:  # with no lookups for a while: forget the finished ones
             self._reap(wait=False)

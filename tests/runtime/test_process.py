@@ -140,3 +140,58 @@ def test_the_process_exits_with_a_clear_line_on_a_device_failure():
             proc.kill()
     assert "the device failed and cannot recover (CUDA error: an illegal memory access" in stderr
     assert "closed" not in stderr  # nothing touches the broken device on the way out
+
+
+class IdleEngine:
+    """One step of work, then idle; its integrity check fails with `broken` (None: it holds)."""
+
+    def __init__(self, broken: str | None) -> None:
+        self.broken = broken
+        self.steps = 0
+        self.checks = 0
+        self.requests: dict = {}
+        self.searches: dict = {}
+        self.device = torch.device("cpu")
+
+    @property
+    def has_work(self) -> bool:
+        return self.steps == 0
+
+    def step(self):
+        self.steps += 1
+        return []
+
+    def check_integrity(self) -> None:
+        self.checks += 1
+        if self.broken is not None:
+            raise AssertionError(self.broken)
+
+    def runtime_stats(self):
+        return RuntimeOptions()
+
+
+@pytest.mark.parametrize("broken", [None, "ref_counts do not match the block tables holding them"])
+def test_the_loop_checks_the_engine_each_time_it_runs_out_of_work_and_serving_goes_on(broken, caplog):
+    engine = IdleEngine(broken)
+    with pytest.raises(process.Stop), caplog.at_level("ERROR", logger="ponder.runtime"):
+        process._loop(Recorder(engine), engine, SimpleNamespace(stats_interval_s=1e9))
+    assert (engine.steps, engine.checks) == (1, 1)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == ([] if broken is None else [f"the engine's integrity check failed when idle: {broken}"])
+
+
+def test_a_real_engine_passes_its_idle_check_after_a_search_and_a_plain_request(tiny_llama):
+    from tests.runtime.engine_helpers import engine_for
+    from runtime.wire.protocol import SearchParams
+
+    engine = engine_for(tiny_llama, num_blocks=128)
+    for request_id, search in (("plain", None), ("search", SearchParams(strategy="beam", n=4, max_steps=2,
+                                                                        max_step_tokens=4))):
+        engine.add_request(GenerateRequest(request_id=request_id, endpoint="completion", prompt="w1 w2 w3",
+                                           sampling=SamplingParams(max_tokens=8, temperature=1.0, seed=3),
+                                           search=search))
+        while engine.has_work:
+            engine.step()
+        assert process.check_when_idle(engine)
+    engine.pool.ref_counts[0] += 1  # a block nobody holds
+    assert not process.check_when_idle(engine)
