@@ -30,13 +30,18 @@ from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.sequence import Sequence
 
 
+def unit_confidence(path) -> float:
+    """The confidence of a path's unit being verified: its sampled tokens' and its look-ahead's."""
+    return confidence_from_logprobs(path.chunk_logprobs + path.lookahead_logprobs)
+
+
 class ConfidenceScorer:
     name = "confidence"
     is_free = True  # scores from logprobs already at hand: still worth taking past a search's deadline
 
     def submit(self, controller, paths) -> None:
         for path in paths:
-            controller.on_score(path, confidence_from_logprobs(path.chunk_logprobs + path.lookahead_logprobs))
+            controller.on_score(path, unit_confidence(path))
 
 
 class CalculatorScorer:
@@ -45,8 +50,7 @@ class CalculatorScorer:
 
     def submit(self, controller, paths) -> None:
         for path in paths:
-            confidence = confidence_from_logprobs(path.chunk_logprobs + path.lookahead_logprobs)
-            controller.on_score(path, calculator.step_score(path.scoring_units(), confidence))
+            controller.on_score(path, calculator.step_score(path.scoring_units(), unit_confidence(path)))
 
 
 @dataclass(eq=False)
