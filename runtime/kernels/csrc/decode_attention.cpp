@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -81,41 +82,73 @@ struct Layout {
   int64_t layer_offset;  // floats from a block's start to this layer's keys
 };
 
-// out[i] = sum over j, in order, of w[i][j] * v_j for the S query heads of one KV head, four chunks
-// of 8 at a time: each value chunk is loaded once for all S heads. Every output element is the same
-// FMA chain over the positions as one head at a time would compute, so the bits are the same.
-template <int S>
+// out[i] = sum over j, in order, of w[i][j] * v_j for the S query heads of one KV head, N chunks
+// of 8 at a time (the head's D / 8 chunks in passes of N; a last pass may hold fewer): each value
+// chunk is loaded once for all S heads. Every output element is the same FMA chain over the
+// positions as one head at a time would compute, so the bits are the same.
+template <int S, int N>
 void weighted_values(const Layout& s, const float* values, const int64_t* table, int64_t first, int64_t ctx,
                      const float* weights, float* out) {
   const int64_t D = s.D, chunks = D / 8;
-  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-    const int64_t n = std::min<int64_t>(4, chunks - c0);
-    __m256 acc[S][4];
+  for (int64_t c0 = 0; c0 < chunks; c0 += N) {
+    const int64_t n = std::min<int64_t>(N, chunks - c0);
+    __m256 acc[S][N];
     for (int i = 0; i < S; ++i)
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < ctx;) {
-      const int64_t p = first + j, offset = p % s.bs, run = std::min(s.bs - offset, ctx - j);
-      const float* block = values + table[p / s.bs] * s.block_stride + offset * D + 8 * c0;
-      for (int64_t t = 0; t < run; ++t, ++j) {
-        const float* v = block + t * D;
-        __m256 w[S];
-        for (int i = 0; i < S; ++i) w[i] = _mm256_set1_ps(weights[i * ctx + j]);
-        if (n == 4) {
-          for (int c = 0; c < 4; ++c) {
-            const __m256 vc = _mm256_loadu_ps(v + 8 * c);
-            for (int i = 0; i < S; ++i) acc[i][c] = _mm256_fmadd_ps(w[i], vc, acc[i][c]);
-          }
-        } else {
-          for (int64_t c = 0; c < n; ++c) {
+      for (int c = 0; c < N; ++c) acc[i][c] = _mm256_setzero_ps();
+    const auto run_positions = [&](auto full) {
+      for (int64_t j = 0; j < ctx;) {
+        const int64_t p = first + j, offset = p % s.bs, run = std::min(s.bs - offset, ctx - j);
+        const float* block = values + table[p / s.bs] * s.block_stride + offset * D + 8 * c0;
+        for (int64_t t = 0; t < run; ++t, ++j) {
+          const float* v = block + t * D;
+          __m256 w[S];
+          for (int i = 0; i < S; ++i) w[i] = _mm256_set1_ps(weights[i * ctx + j]);
+          const int64_t m = full ? N : n;  // a constant N where the pass is full
+          for (int64_t c = 0; c < m; ++c) {
             const __m256 vc = _mm256_loadu_ps(v + 8 * c);
             for (int i = 0; i < S; ++i) acc[i][c] = _mm256_fmadd_ps(w[i], vc, acc[i][c]);
           }
         }
       }
-    }
+    };
+    if (n == N)
+      run_positions(std::true_type{});
+    else
+      run_positions(std::false_type{});
     for (int i = 0; i < S; ++i)
       for (int64_t c = 0; c < n; ++c) _mm256_storeu_ps(out + i * D + 8 * (c0 + c), acc[i][c]);
   }
+}
+
+// The scores of keys 0 .. 4 * (ctx / 4) - 1 for query heads [0, S) (or, with `heads` > S, for S
+// heads at a time up to `heads`), four keys at a time; returns the first key left for one at a time.
+template <int S, class Key, class Store>
+int64_t score_keys(const Layout& s, const float* qh, int64_t ctx, const Key& key, const Store& store,
+                   int64_t heads = S) {
+  const int64_t D = s.D, chunks = D / 8;
+  int64_t j = 0;
+  for (; j + 4 <= ctx; j += 4) {
+    const float* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
+    for (int64_t i0 = 0; i0 < heads; i0 += S) {
+      __m256 acc[S][4];
+      for (int i = 0; i < S; ++i)
+        for (int t = 0; t < 4; ++t) acc[i][t] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m256 qc[S];
+        for (int i = 0; i < S; ++i) qc[i] = _mm256_loadu_ps(qh + (i0 + i) * D + 8 * c);
+        for (int t = 0; t < 4; ++t) {
+          const __m256 kc = _mm256_loadu_ps(k[t] + 8 * c);
+          for (int i = 0; i < S; ++i) acc[i][t] = _mm256_fmadd_ps(qc[i], kc, acc[i][t]);
+        }
+      }
+      for (int i = 0; i < S; ++i) {
+        alignas(16) float dots[4];
+        hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], dots);
+        for (int64_t t = 0; t < 4; ++t) store(i0 + i, j + t, dots[t]);
+      }
+    }
+  }
+  return j;
 }
 
 // One query and one KV head: the `shared` query heads of that KV head. `scores` has room for
@@ -135,24 +168,17 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
     const float score = dot * scale;
     scores[i * ctx + j] = s.softcap > 0 ? std::tanh(score / s.softcap) * s.softcap : score;
   };
-  // Four keys at a time: each query chunk is loaded once for four products. Every score is still
-  // the same FMA chain over the chunks and the same reduction (hsum4), so its bits do not change.
+  // Four keys at a time, for all the query heads of this KV head together (up to four): twelve
+  // independent FMA chains for three heads, so the FMA units never wait on one. Every score is
+  // still one FMA chain over the chunks in order and the same reduction (hsum4), so its bits are
+  // those of one score at a time.
   int64_t j = 0;
-  for (; j + 4 <= ctx; j += 4) {
-    const float* k0 = key(j), *k1 = key(j + 1), *k2 = key(j + 2), *k3 = key(j + 3);
-    for (int64_t i = 0; i < shared; ++i) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m256 qc = _mm256_loadu_ps(qh + i * D + 8 * c);
-        a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + 8 * c), a1);
-        a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + 8 * c), a2);
-        a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + 8 * c), a3);
-      }
-      alignas(16) float dots[4];
-      hsum4(a0, a1, a2, a3, dots);
-      for (int64_t t = 0; t < 4; ++t) store(i, j + t, dots[t]);
-    }
+  switch (shared) {
+    case 1: j = score_keys<1>(s, qh, ctx, key, store); break;
+    case 2: j = score_keys<2>(s, qh, ctx, key, store); break;
+    case 3: j = score_keys<3>(s, qh, ctx, key, store); break;
+    case 4: j = score_keys<4>(s, qh, ctx, key, store); break;
+    default: j = score_keys<1>(s, qh, ctx, key, store, shared); break;
   }
   for (; j < ctx; ++j) {
     const float* k = key(j);
@@ -189,10 +215,10 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
   float* heads_out = out + kv_head * shared * D;
   const float* values = cache + s.layer_offset + value_offset + head_offset;
   switch (shared) {  // the query heads of this KV head together: each value row is read once
-    case 1: return weighted_values<1>(s, values, table, first, ctx, scores, heads_out);
-    case 2: return weighted_values<2>(s, values, table, first, ctx, scores, heads_out);
-    case 3: return weighted_values<3>(s, values, table, first, ctx, scores, heads_out);
-    case 4: return weighted_values<4>(s, values, table, first, ctx, scores, heads_out);
+    case 1: return weighted_values<1, 8>(s, values, table, first, ctx, scores, heads_out);
+    case 2: return weighted_values<2, 4>(s, values, table, first, ctx, scores, heads_out);
+    case 3: return weighted_values<3, 4>(s, values, table, first, ctx, scores, heads_out);
+    case 4: return weighted_values<4, 2>(s, values, table, first, ctx, scores, heads_out);
     default: break;
   }
   for (int64_t i = 0; i < shared; ++i) {
@@ -270,10 +296,13 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t shared = s.H / KVH;
+  // Each thread takes a contiguous range of items. A prompt's queries come in order of their
+  // context, so items are taken from both ends in turn (shortest, longest, second shortest, ...):
+  // every range holds about the same number of keys. The order never changes a query's arithmetic.
   at::parallel_for(0, G * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(shared * longest);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i / KVH, h = i % KVH;
+      const int64_t k = i / KVH, h = i % KVH, g = k % 2 ? G - 1 - k / 2 : k / 2;
       attend_head(s, qp + rp[g] * s.q_stride, kv, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D, scores.data());
     }
   });
