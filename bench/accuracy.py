@@ -292,7 +292,7 @@ def run(options, configs: list[Config], problems: list[Problem], setup: Setup, p
             "levels": levels_of(problems), "seed": setup.seed, "max_tokens": setup.max_tokens,
             "max_steps": setup.max_steps, "max_step_tokens": setup.max_step_tokens,
             "temperature": setup.temperature, "beam_width": BEAM_WIDTH,
-            "deterministic": engine.config.batch_invariant, "concurrency": concurrency, "results": rows,
+            "deterministic": engine.padding is not None, "concurrency": concurrency, "results": rows,
             "comparisons": paired.comparisons(rows), "alpha": paired.ALPHA, "gold": [p.gold for p in problems]}
 
 
@@ -357,11 +357,12 @@ def main(argv: list[str] | None = None) -> int:
 def runtime_options(model: str | None, config: str | None, deterministic: bool = False):
     """The engine's options and the verifier names a run may use. Without `config`: the model on the CPU,
     as the other benchmarks run; with it: what `ponder serve --config` would load, reward models too.
-    `deterministic` turns batch invariance on, as `ponder serve --deterministic` does."""
+    `deterministic` insists on batch invariance, as `ponder serve --deterministic` does (without it,
+    the default: invariant wherever the device can be)."""
     from runtime.wire.protocol import RuntimeOptions
 
     if config is None:
-        return RuntimeOptions(model=model, device="cpu", batch_invariant=deterministic), VERIFIERS
+        return RuntimeOptions(model=model, device="cpu", batch_invariant=True if deterministic else "auto"), VERIFIERS
     from pydantic import ValidationError
 
     from server.config import Settings

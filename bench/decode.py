@@ -1,7 +1,7 @@
 """Decode throughput side by side: ponder's modes, transformers and llama.cpp, same model, same run.
 
     ponder bench decode [--model PATH] [--tokens N] [--parallel N] [--systems LIST] [--repeats N]
-                        [--profile] [--json PATH] [--plot PATH]
+                        [--prefill 512,2048] [--profile] [--json PATH] [--plot PATH]
 
 Every system decodes from the same prompt token ids: one greedy stream, and N sampled sequences
 (one request, n=N, sharing the prompt's blocks; one batch of N for transformers), timed after the
@@ -9,8 +9,9 @@ first token (which carries the prefill) and after a warm-up. Each figure is the 
 runs (default 3), for every system alike: on a shared machine a whole run can be slowed by its
 neighbours, and the best run is the one closest to what the system can do. Systems:
 
-- `default`: ponder with default settings (`quantize = "auto"`: on a CPU, a GGUF's own 4-bit blocks)
-- `deterministic`: the same with `--deterministic` (batch-invariant)
+- `default`: ponder with default settings (`quantize = "auto"`: on a CPU, a GGUF's own 4-bit blocks;
+  `batch_invariant = "auto"`: batch-invariant wherever the device can be)
+- `not-invariant`: the same with `--no-deterministic` (the opt-out: results may depend on the batch)
 - `float32`, `int8`, `int4`: ponder with `--quantize none|int8|int4` (int4 re-quantizes the floats)
 - `transformers`: transformers' `generate` on the float32 model (eager PyTorch, SDPA attention)
 - `llama.cpp`: llama-cpp-python on the same GGUF file, one stream (skipped, with the reason, when the
@@ -18,7 +19,11 @@ neighbours, and the best run is the one closest to what the system can do. Syste
 
 Each figure is printed as a ratio to transformers, and as a fraction of the memory-bandwidth limit:
 weight bytes read per step x steps/s / the read bandwidth measured here (a sum over a 512 MiB tensor).
-With --profile, the default system's decode steps also run under torch.profiler.
+Prefill (`--prefill`, default 512 and 2048 tokens; `--prefill ""` skips it), for `default` and
+`not-invariant`: seconds to compute a prompt of that many random token ids and its first token, cold
+(nothing cached) and half cached (a prompt sharing its first half computed just before), as prompt
+tokens per second, the best of `--repeats`, each time on new ids. With --profile, the default system's
+decode steps also run under torch.profiler.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from runtime.model.loader import load_causal_lm, resolve_model
 from runtime.wire.protocol import GenerateRequest, RuntimeOptions, SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
-PONDER = {"default": {}, "deterministic": {"batch_invariant": True}, "float32": {"quantize": "none"},
+PONDER = {"default": {}, "not-invariant": {"batch_invariant": False}, "float32": {"quantize": "none"},
           "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"}}
+PREFILL_SYSTEMS = ("default", "not-invariant")
 SYSTEMS = (*PONDER, "transformers", "llama.cpp")
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
@@ -59,6 +65,24 @@ def engine_tokens_per_s(engine, prompt_ids: list[int], n: int, tokens: int) -> d
         steps += 1
     seconds = time.perf_counter() - start
     return {"tokens": steps * n, "seconds": seconds, "tokens_per_s": steps * n / seconds}
+
+
+def prefill_tokens_per_s(engine, num_tokens: int, cached: bool, generator: torch.Generator) -> dict:
+    """Seconds to compute a new prompt of `num_tokens` random ids and its first token; `cached`: its
+    first half was computed (as another prompt's) just before, and is found in the prefix cache."""
+    low = 1000 if engine.vocab_size > 2000 else 1  # clear of a real vocabulary's special tokens
+    ids = torch.randint(low, min(engine.vocab_size, 40000), (num_tokens,), generator=generator).tolist()
+    if cached:
+        _one_token(engine, ids[:num_tokens // 2] + [7] * 8)
+    seconds = _timed(lambda: _one_token(engine, ids))
+    computed = num_tokens - (num_tokens // 2 // engine.config.block_size * engine.config.block_size if cached else 0)
+    return {"seconds": seconds, "tokens_computed": computed, "tokens_per_s": computed / seconds}
+
+
+def _one_token(engine, ids: list[int]) -> None:
+    engine.add_request(_request(ids, 1, 1))
+    while engine.has_work:
+        engine.step()
 
 
 def best_of(repeats: int, measure) -> dict:
@@ -122,7 +146,7 @@ def _timed(fn) -> float:
 
 
 def run(model: str | None, tokens: int, parallel: int, systems: list[str], profile: bool = False,
-        repeats: int = 3) -> dict:
+        repeats: int = 3, prefill: tuple[int, ...] = (512, 2048)) -> dict:
     threads = torch.get_num_threads()
     results: dict = {"threads": threads, "new_tokens": tokens, "parallel": parallel,
                      "read_bandwidth_gbs": round(read_bandwidth() / 1e9, 2), "systems": []}
@@ -140,6 +164,12 @@ def run(model: str | None, tokens: int, parallel: int, systems: list[str], profi
         entry = {"system": name, "setting": engine.quantized.describe(), "weight_bytes": step_weight_bytes(engine.model),
                  **{f"tokens_per_s_{key}": best_of(repeats, lambda n=n: engine_tokens_per_s(engine, prompt_ids, n, tokens))
                     ["tokens_per_s"] for key, n in (("1", 1), ("n", parallel))}}
+        if name in PREFILL_SYSTEMS and prefill:
+            generator = torch.Generator().manual_seed(0)
+            entry["prefill"] = {f"{n}_{'half_cached' if cached else 'cold'}": round(best_of(
+                repeats, lambda n=n, cached=cached: prefill_tokens_per_s(engine, n, cached, generator))["tokens_per_s"], 1)
+                for n in prefill for cached in (False, True)}
+        entry["invariant"] = engine.padding is not None
         if profile and name == "default":
             for n in (1, parallel):
                 print(f"-- default, {n} sequence(s): decode steps by self CPU time\n"
@@ -208,9 +238,29 @@ def table(results: dict) -> str:
                                 cell(s, "vs_transformers_n", 5, ".2f") + "x", cell(s, "bandwidth_fraction_n", 6, ".0%")]))
     for s in results["systems"]:
         rows.append(f"  {s['system']}: {s['setting']}" + (f"; {n} streams: {s['note_n']}" if s.get("note_n") else ""))
+    rows.extend(_prefill_rows(results))
     if results.get("llama_cpp_skipped"):
         rows.append(f"  llama.cpp skipped: {results['llama_cpp_skipped']}")
     return "\n".join(rows)
+
+
+def _prefill_rows(results: dict) -> list[str]:
+    """Prompt tokens/s per prefill case, and default's ratio to not-invariant's."""
+    measured = {s["system"]: s["prefill"] for s in results["systems"] if s.get("prefill")}
+    if not measured:
+        return []
+    cases = list(next(iter(measured.values())))
+    rows = ["prefill, prompt tokens/s computed: " + "  ".join(f"{c:>16}" for c in cases)]
+    for name, figures in measured.items():
+        rows.append(f"  {name:<31} " + "  ".join(f"{figures[c]:>16.1f}" for c in cases))
+    if len(measured) == 2:
+        default, other = measured["default"], measured["not-invariant"]
+        rows.append(f"  {'default / not-invariant':<31} " + "  ".join(f"{default[c] / other[c]:>15.2f}x" for c in cases))
+        decode = {s["system"]: s for s in results["systems"] if s["system"] in measured}
+        rows.append("decode, default / not-invariant: " + ", ".join(
+            f"{label} {decode['default'][key] / decode['not-invariant'][key]:.2f}x"
+            for key, label in (("tokens_per_s_1", "1 stream"), ("tokens_per_s_n", f"{results['parallel']} streams"))))
+    return rows
 
 
 def plot(results: dict, path: Path) -> str | None:
@@ -253,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the best is kept (default 3)")
+    parser.add_argument("--prefill", default="512,2048",
+                        help="prompt lengths whose prefill is timed for default and not-invariant (\"\": none)")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler breakdown of the default system's decode steps")
     parser.add_argument("--json", dest="json_path", default=None)
@@ -263,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    results = run(args.model, args.tokens, args.parallel, systems, args.profile, args.repeats)
+    prefill = tuple(int(n) for n in args.prefill.split(",") if n.strip())
+    results = run(args.model, args.tokens, args.parallel, systems, args.profile, args.repeats, prefill)
     path = plot_path(args.plot_path, args.json_path, OUT_DIR / "decode.png")
     skipped = plot(results, path)
     results["plot"] = skipped or str(path)

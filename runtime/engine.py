@@ -15,7 +15,7 @@ from runtime.model.model_runner import ModelRunner
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.plain import PlainRequests
 from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
-from runtime.model.row_padding import RowPadding
+from runtime.model.row_padding import padding_for
 from runtime.requests.state import InvalidRequest, RequestState, question_of
 from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
@@ -42,7 +42,7 @@ class EngineConfig:
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.kv.beam_groups)
     kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.streamed)
     speculative_extension: bool = True
-    batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
+    batch_invariant: bool | str = "auto"  # pad steps so each row's bits are its own (row_padding.padding_for)
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
@@ -68,9 +68,8 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.planner = StepPlanner(self, config.policy)
         self.model_key = model_key
-        self.padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs,
-                                        max_model_len=config.max_model_len, block_size=config.block_size) \
-            if config.batch_invariant else None
+        self.padding = padding_for(model, config.batch_invariant, config.max_num_batched_tokens, config.max_num_seqs,
+                                   max_model_len=config.max_model_len, block_size=config.block_size)
         self._build_pool(config.num_blocks)
         self.streamed = check_granularity(self)
         self.kv_split = None  # the roofline KV split (runtime.kv.kv_split), when configured

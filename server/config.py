@@ -74,10 +74,11 @@ class SchedulerSettings(_Section):
     # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
     # auto: on a GPU, where a slot in a decode batch is nearly free; off on a CPU, where every row costs.
     speculative_extension: bool | Literal["auto"] = "auto"
-    # Pad each step to row counts whose matmul results do not depend on the other rows, so a result is
-    # the same bits however requests were batched (costs a lone stream about a third of its speed on a
-    # CPU). Off by default; `ponder serve --deterministic` turns it on.
-    batch_invariant: bool = False
+    # A result is the same bits whatever shares its steps, however its prompt was chunked or found in the
+    # prefix cache (runtime.model.row_padding). auto: wherever the start-up probe shows the device
+    # computes each row on its own, else one warning and served without; true: refuse to start instead
+    # (`ponder serve --deterministic`); false: opt out (`--no-deterministic`; README "Seeds").
+    batch_invariant: bool | Literal["auto"] = "auto"
 
 
 class DeviceSettings(_Section):

@@ -25,6 +25,7 @@ on the batch count), the deterministic mode is refused at start-up rather than s
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,30 @@ ATTENTION_BATCH = 64  # most queries of one window a decode attention group hold
 # which imports this module (tests/runtime/model/test_row_padding.py checks that the two agree).
 GATHER_TOKENS = 1 << 16
 
+log = logging.getLogger("ponder.runtime")
+
 
 class InvarianceUnavailable(RuntimeError):
     """Batch invariance cannot be shown on this device: the deterministic mode is refused."""
+
+
+def padding_for(model: torch.nn.Module, setting: bool | str, max_rows: int, max_head_rows: int | None = None, *,
+                max_model_len: int | None = None, block_size: int = 16) -> "RowPadding | None":
+    """The padding that keeps `model`'s rows their own under `scheduler.batch_invariant` = `setting`,
+    or None where results may depend on the batch. True: probed, and `InvarianceUnavailable` stops
+    start-up. auto (the default): probed, and where the device cannot be shown to compute row by row,
+    one warning says what that means for seeds and the model is served without. False: not probed."""
+    if setting is False:
+        return None
+    try:
+        return RowPadding.probe(model, max_rows, max_head_rows, max_model_len=max_model_len, block_size=block_size)
+    except InvarianceUnavailable as exc:
+        if setting is True:
+            raise
+        log.warning("batch invariance is off: %s. A seeded request may give other tokens when it shares a "
+                    "step with other traffic or finds its prompt cached (scheduler.batch_invariant = true "
+                    "refuses to start instead)", exc)
+        return None
 
 
 class RowPadding:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model.model_runner import ModelRunner
-from runtime.model.row_padding import RowPadding
+from runtime.model.row_padding import padding_for
 from runtime.verify.scoring import ScoreBatch
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence
@@ -49,8 +49,9 @@ class VerifierStore:
         self.pool = BlockPool(num_blocks, shape.block_size)
         self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode())
         self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
-        padding = RowPadding.probe(model, max_batched_tokens, max_model_len=engine.config.max_model_len,
-                                   block_size=shape.block_size) if engine.config.batch_invariant else None
+        # Where the generator is served without padding, so is its reward model.
+        padding = padding_for(model, engine.config.batch_invariant if engine.padding else False, max_batched_tokens,
+                              max_model_len=engine.config.max_model_len, block_size=shape.block_size)
         self.runner = ModelRunner(model, self.cache, padding)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)

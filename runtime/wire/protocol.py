@@ -343,7 +343,8 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
     kv_granularity: str = "block"  # block | head (a lone request over the compute pool streams head-wise)
     speculative_extension: bool | Literal["auto"] = "auto"  # auto: on a GPU only (runtime.bootstrap)
-    batch_invariant: bool = False  # pad steps so results do not depend on the batch (runtime.model.row_padding)
+    # true | auto | false: results the same bits whatever the batch (runtime.model.row_padding.padding_for)
+    batch_invariant: bool | Literal["auto"] = "auto"
     kv_split: str = "static"  # static | roofline
     peak_flops: float | None = None  # FLOP/s; None: measured
     memory_bandwidth: float | None = None  # bytes/s; None: measured

@@ -13,7 +13,7 @@ from bench import decode
 def test_reports_each_system_against_transformers(tiny_llama, tmp_path, capsys):
     path = tmp_path / "decode.json"
     assert decode.main(["--model", str(tiny_llama), "--tokens", "4", "--parallel", "2",
-                        "--systems", "default,int4,transformers,llama.cpp", "--json", str(path)]) == 0
+                        "--systems", "default,int4,transformers,llama.cpp", "--prefill", "", "--json", str(path)]) == 0
     results = json.loads(path.read_text())
     systems = {s["system"]: s for s in results["systems"]}
     assert list(systems) == ["default", "int4", "transformers"]
@@ -27,6 +27,21 @@ def test_reports_each_system_against_transformers(tiny_llama, tmp_path, capsys):
     assert results["plot"] == str(path.with_suffix(".png")) and path.with_suffix(".png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "llama.cpp skipped: the model is not a GGUF file" in out
+
+
+def test_prefill_and_decode_of_the_default_against_the_opt_out(tiny_llama, tmp_path, capsys):
+    """The default is batch-invariant (auto, on this CPU), the opt-out is not; each gets prompt
+    tokens/s cold and half cached at every --prefill length, and the table prints their ratios."""
+    path = tmp_path / "decode.json"
+    assert decode.main(["--model", str(tiny_llama), "--tokens", "4", "--parallel", "2", "--repeats", "1",
+                        "--systems", "default,not-invariant", "--prefill", "32,64", "--json", str(path)]) == 0
+    systems = {s["system"]: s for s in json.loads(path.read_text())["systems"]}
+    assert systems["default"]["invariant"] is True and systems["not-invariant"]["invariant"] is False
+    for s in systems.values():
+        assert list(s["prefill"]) == ["32_cold", "32_half_cached", "64_cold", "64_half_cached"]
+        assert all(rate > 0 for rate in s["prefill"].values())
+    out = capsys.readouterr().out
+    assert "default / not-invariant" in out and "decode, default / not-invariant: 1 stream" in out
 
 
 def test_an_unknown_system_is_refused(capsys):

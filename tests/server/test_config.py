@@ -78,11 +78,13 @@ def test_a_bad_setting_stops_start_up_with_one_line_naming_it(tmp_path):
     assert out.stderr == ("ponder: invalid settings: model.quantize: Input should be 'auto', 'none', 'int8' or 'int4'\n")
 
 
-def test_serve_deterministic_turns_batch_invariance_on(tmp_path, monkeypatch):
+def test_batch_invariance_is_auto_by_default_and_the_flags_insist_or_opt_out(tmp_path, monkeypatch):
     from server.cli import build_parser, settings_from_args
 
     monkeypatch.delenv("PONDER_SCHEDULER__BATCH_INVARIANT", raising=False)
-    fast = settings_from_args(build_parser().parse_args(["serve"]))
+    default = settings_from_args(build_parser().parse_args(["serve"]))
+    assert default.scheduler.batch_invariant == "auto" and default.runtime_options().batch_invariant == "auto"
+    fast = settings_from_args(build_parser().parse_args(["serve", "--no-deterministic"]))
     assert fast.scheduler.batch_invariant is False and fast.runtime_options().batch_invariant is False
     exact = settings_from_args(build_parser().parse_args(["serve", "--deterministic"]))
     assert exact.scheduler.batch_invariant is True and exact.runtime_options().batch_invariant is True

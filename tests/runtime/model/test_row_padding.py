@@ -52,6 +52,27 @@ def test_a_device_that_is_not_deterministic_run_to_run_is_refused(monkeypatch):
         RowPadding.probe(model, max_rows=64)
 
 
+def test_auto_serves_without_padding_where_the_probe_fails_and_says_so_once(tiny_llama, monkeypatch, caplog):
+    """The default (auto) serves a device that cannot be shown invariant, with one warning naming what
+    it means for seeds; true (`--deterministic`) refuses to start there; false never probes."""
+    import runtime.model.row_padding as row_padding
+
+    def fails(*args, **kwargs):
+        raise row_padding.InvarianceUnavailable("a (64, 64) torch.float32 matmul on cpu gives different bits")
+
+    assert engine_for(tiny_llama, batch_invariant="auto").padding is not None
+    monkeypatch.setattr(row_padding.RowPadding, "probe", fails)
+    with caplog.at_level("WARNING", logger="ponder.runtime"):
+        engine = engine_for(tiny_llama, batch_invariant="auto")
+    assert engine.padding is None and not engine.runner.exact_prefill
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("batch invariance is off: a (64, 64) torch.float32") \
+        and "A seeded request may give other tokens" in warnings[0]
+    with pytest.raises(row_padding.InvarianceUnavailable, match="gives different bits"):
+        engine_for(tiny_llama, batch_invariant=True)
+    assert engine_for(tiny_llama, batch_invariant=False).padding is None
+
+
 def test_the_probe_multiplies_the_layers_the_lean_decoder_runs(tiny_llama, monkeypatch):
     """The tiny llama (hidden 64, MLP 128, 4 query and 2 KV heads of 16, vocabulary 78): q/k/v run as
     one 64 -> 128 matmul and gate/up as one 64 -> 256, so those are the shapes probed, never the
