@@ -6,6 +6,7 @@ A step reads as three calls: plan (scheduler), execute (runner), update (samplin
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from runtime.kv.beam_groups import StepPlanner
@@ -19,6 +20,7 @@ from runtime.model.row_padding import padding_for
 from runtime.requests.state import InvalidRequest, RequestState, question_of
 from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
+from runtime.search.pacing import StepPacer
 from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer
 from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
@@ -67,6 +69,7 @@ class Engine:
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.planner = StepPlanner(self, config.policy)
+        self.pacer = StepPacer(config.block_size)  # steps short enough for searches' deadlines
         self.model_key = model_key
         self.padding = padding_for(model, config.batch_invariant, config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len=config.max_model_len, block_size=config.block_size)
@@ -282,6 +285,7 @@ class Engine:
             controller.check_deadline()  # a search past its deadline answers now, verified or not
         if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
             return self._drain()
+        self.pacer.pace(self.scheduler, self.verifier_stores, self.searches.values())
         for store in self.verifier_stores:
             if store.has_work:
                 store.step()
@@ -302,7 +306,9 @@ class Engine:
         scored = self.plain.prompt_rows(plan.scheduled)  # prompt logprobs: may undo a cached prefix
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
         try:
+            started = time.perf_counter()
             logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
+            self.pacer.observe(plan.num_tokens, time.perf_counter() - started)
         except BlockLost as lost:  # nothing was computed from it: its holders recompute it
             log.warning("%s; recomputing it", lost)
             recompute_lost(self, lost)
@@ -350,9 +356,9 @@ class Engine:
 
     # -- introspection --------------------------------------------------------------------------
     def runtime_stats(self) -> RuntimeStats:
-        pool = self.pool
-        tier = "gpu" if self.device.type == "cuda" else "cpu"
-        return RuntimeStats(
+        """The counters since the last call (verifier seconds are handed out once)."""
+        pool, tier = self.pool, "gpu" if self.device.type == "cuda" else "cpu"
+        stats = RuntimeStats(
             requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
@@ -361,15 +367,14 @@ class Engine:
             prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
-            tokens_prompt=self.stats["tokens_prompt"],
-            tokens_cached=self.stats["tokens_cached"],
-            tokens_generated=self.stats["tokens_generated"],
+            **{key: self.stats[key] for key in ("tokens_prompt", "tokens_cached", "tokens_generated", "search_paths",
+                                                 "search_steps")},
             search_requests=dict(self.stats["search_requests"]),
-            search_paths=self.stats["search_paths"],
-            search_steps=self.stats["search_steps"],
             speculative_tokens=dict(self.stats["speculative_tokens"]),
-            verifier_seconds=tuple(self._take_verifier_samples()),
+            verifier_seconds=tuple(self.verifier_samples),
         )
+        self.verifier_samples = []
+        return stats
 
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
@@ -383,10 +388,6 @@ class Engine:
         residency = self.tiers or self.layers
         seconds = residency.stall_seconds if residency is not None else 0.0
         return seconds + (self.streamed.stall_seconds if self.streamed is not None else 0.0)
-
-    def _take_verifier_samples(self) -> list[float]:
-        samples, self.verifier_samples = self.verifier_samples, []
-        return samples
 
     def check_integrity(self) -> None:
         """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""

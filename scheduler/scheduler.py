@@ -47,6 +47,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_cap: int | None = None  # a tighter budget for the next step (a search's deadline)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Parked sequences (search paths between steps), oldest first. They give up their blocks
@@ -118,7 +119,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if self.token_cap is None else min(self.max_num_batched_tokens,
+                                                                                 self.token_cap)
 
         index = 0
         while index < len(self.running) and budget > 0:

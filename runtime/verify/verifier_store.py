@@ -55,6 +55,7 @@ class VerifierStore:
         self.runner = ModelRunner(model, self.cache, padding)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
+        self.pace_cap: int | None = None  # and for the next step (a search's deadline: runtime.search.pacing)
         self.last_input_tokens = 0  # mean verifier input of the latest submission (the load, for the split)
         self.queue: deque[ScoreJob] = deque()
         self.tokens_prefilled = 0
@@ -74,9 +75,7 @@ class VerifierStore:
 
     @property
     def step_token_budget(self) -> int:
-        if self.prefill_token_cap is None:
-            return self.max_batched_tokens
-        return min(self.max_batched_tokens, self.prefill_token_cap)
+        return min(cap for cap in (self.max_batched_tokens, self.prefill_token_cap, self.pace_cap) if cap is not None)
 
     def submit(self, controller, paths) -> None:
         """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
