@@ -6,8 +6,9 @@ and llama.cpp's `llama-server` on the same GGUF where one is installed.
     ponder bench startup [--warm-runs 2] [--cache-dir DIR] [--json out.json]
 
 Each start gets `XDG_CACHE_HOME` pointed at one scratch directory (or `--cache-dir`), so the user's
-own cache is neither read nor emptied. The start-up settings check (`python -m runtime.preflight`,
-which `ponder serve` runs first) is also timed alone. Timings include whatever else the machine
+own cache is neither read nor emptied. The start-up settings check (`python -m runtime.preflight`;
+`ponder serve` runs it first thing in the runtime process, which it starts before importing the HTTP
+side and binding its port) is also timed alone, as a process of its own. Timings include whatever else the machine
 runs: the load average is reported with them.
 """
 
@@ -30,8 +31,10 @@ from bench.report import columns, emit
 
 # Log lines marking the end of each phase, in order; a phase runs from the previous mark to its own.
 PHASES = (
-    ("preflight and server start", "Uvicorn running on"),
-    ("runtime process imports", "loading tokenizer from"),
+    # The runtime process imports and checks the settings while the HTTP side imports; the port is
+    # bound once the check passed.
+    ("runtime imports and settings check; server start", "Uvicorn running on"),
+    ("runtime imports, the rest", "loading tokenizer from"),
     ("tokenizer", "tokenizer loaded in"),
     ("CPU kernels", "ponder CPU kernels"),
     ("model and int4 layers", "model loaded in"),

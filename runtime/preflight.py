@@ -2,7 +2,8 @@
 
     python -m runtime.preflight < encoded RuntimeOptions
 
-`ponder serve` runs this first, so a setting this machine cannot honour (`--device cuda` without
+The runtime process runs `problem` first and says what it found before it loads anything (`ponder
+serve` starts that process before it binds its port, and stops there on a problem), so a setting this machine cannot honour (`--device cuda` without
 CUDA, a dtype the device only emulates) stops start-up with one line naming the setting instead of
 leaving a server up that answers 503. Exit status 2 and the line on stderr on a bad setting; 3 for a checkpoint that would leave a weight at
 random or holds tensors nothing reads (runtime.model.loader.check_loading).
@@ -18,7 +19,7 @@ from storage.kv_cache import kv_shape_of
 from runtime.model.loader import (
     CheckpointMismatch, SettingError, check_causal_lm, pick_device, pick_dtype, resolve_model,
 )
-from runtime.wire.protocol import RuntimeOptions, decode_options
+from runtime.wire.protocol import RuntimeOptions, SettingsChecked, decode_options
 from runtime.model.quantize import check_device, check_mode
 
 
@@ -82,16 +83,22 @@ def _check_budget(options: RuntimeOptions, dtype) -> None:
     check_budget(shape, num_blocks, min(options.max_model_len or limit, limit), options.kv_granularity)
 
 
-def main() -> int:
+def problem(options: RuntimeOptions) -> SettingsChecked:
+    """What the runtime process says first: the settings check's verdict on `options`."""
     try:
-        check(decode_options(sys.stdin.buffer.read()))
+        check(options)
     except SettingError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        return SettingsChecked(problem=str(exc), status=2)
     except CheckpointMismatch as exc:
-        print(exc, file=sys.stderr)
-        return CHECKPOINT_REFUSED
-    return 0
+        return SettingsChecked(problem=str(exc), status=CHECKPOINT_REFUSED)
+    return SettingsChecked()
+
+
+def main() -> int:
+    verdict = problem(decode_options(sys.stdin.buffer.read()))
+    if verdict.problem is not None:
+        print(verdict.problem, file=sys.stderr)
+    return verdict.status
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """The runtime process: `python -m runtime.process --fd N`.
 
-Reads `RuntimeOptions` then requests from the socket inherited as fd N, loads the model, answers
-`Ready`, and runs the engine loop: drain incoming messages, run one step, send what it produced.
+Reads `RuntimeOptions` then requests from the socket inherited as fd N, checks the settings and
+says so (`SettingsChecked`; it ends there on a problem), loads the model, answers `Ready`, and runs the engine loop: drain incoming messages, run one step, send what it produced.
 Statistics go out every `stats_interval_s`. The process exits when the socket closes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
 import select
@@ -45,6 +47,13 @@ def serve(channel: Channel) -> None:
     if raw is None:
         return
     options = decode_options(raw)
+    from runtime.preflight import problem
+
+    with contextlib.redirect_stderr(io.StringIO()):  # the verdict is the one line: no progress bars
+        verdict = problem(options)
+    channel.send(verdict)
+    if verdict.problem is not None:
+        return
     try:
         from runtime.bootstrap import build_engine
 

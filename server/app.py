@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from runtime.wire.client import READY, RuntimeClient, RuntimeUnavailable
+from runtime.wire.client import READY, RuntimeClient, RuntimeUnavailable, SpawnedRuntime
 from runtime.wire.protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
 from server import errors
 from server.config import Settings
@@ -73,10 +73,13 @@ class _TooLarge(HTTPException):
         super().__init__(413, f"the request body is larger than {max_bytes} bytes")
 
 
-def create_app(settings: Settings, client: RuntimeClient | None = None, metrics: Metrics | None = None) -> FastAPI:
+def create_app(settings: Settings, client: RuntimeClient | None = None, metrics: Metrics | None = None,
+               runtime: SpawnedRuntime | None = None) -> FastAPI:
+    """The app over `client`, or over a client of its own that adopts `runtime` (a runtime process
+    `ponder serve` started and whose settings check passed) or starts one."""
     metrics = metrics or Metrics()
     if client is None:
-        client = RuntimeClient(settings.runtime_options(), on_stats=metrics.apply_runtime_stats)
+        client = RuntimeClient(settings.runtime_options(), on_stats=metrics.apply_runtime_stats, spawned=runtime)
     def on_state(new_state: str) -> None:
         metrics.set_runtime_up(new_state == READY)
         if new_state == READY and client.info is not None:

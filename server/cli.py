@@ -6,7 +6,6 @@ import argparse
 import importlib
 import ipaddress
 import logging
-import subprocess
 import sys
 
 from pydantic import ValidationError
@@ -53,18 +52,26 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from server.app import create_app
-
     try:
         settings = settings_from_args(args)
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"ponder: invalid settings: {_one_line(exc)}", file=sys.stderr)
         return 2
-    problem = _preflight(settings)
-    if problem:
-        print(f"ponder: {problem}", file=sys.stderr)
+    from runtime.wire.client import SpawnedRuntime
+
+    # The runtime process starts now: its imports and its settings check run while this process
+    # imports the HTTP side, and no port is bound before it has said the settings hold.
+    runtime = SpawnedRuntime(settings.runtime_options())
+    import uvicorn
+
+    from server.app import create_app
+
+    verdict = runtime.settings_checked()
+    if verdict.problem is not None:
+        runtime.close()
+        # Status 3: a checkpoint refused by strict loading (runtime.preflight.CHECKPOINT_REFUSED).
+        kind = "refusing the checkpoint" if verdict.status == 3 else "invalid settings:"
+        print(f"ponder: {kind} {verdict.problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("ponder")
@@ -72,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     if settings.server.api_key is None and not _is_loopback(host):
         log.warning("binding %s without an API key: anyone who can reach this address can use the server; "
                     "set --api-key or PONDER_SERVER__API_KEY", host)
-    app = create_app(settings)
+    app = create_app(settings, runtime=runtime)
     uvicorn.run(app, host=host, port=settings.server.port, log_level=settings.server.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0
@@ -83,21 +90,6 @@ def _one_line(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         return "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
     return str(exc)
-
-
-def _preflight(settings) -> str | None:
-    """What the runtime says of the settings only torch can judge (device, dtype); None when fine."""
-    from runtime.wire.client import runtime_environment
-    from runtime.wire.protocol import encode
-
-    result = subprocess.run([sys.executable, "-m", "runtime.preflight"], input=encode(settings.runtime_options()),
-                            capture_output=True, env=runtime_environment())
-    if result.returncode == 0:
-        return None
-    lines = result.stderr.decode(errors="replace").strip().splitlines()
-    line = lines[-1] if lines else f"the settings check exited with status {result.returncode}"
-    # Exit status 3: a checkpoint refused by strict loading (runtime.preflight.CHECKPOINT_REFUSED).
-    return f"refusing the checkpoint {line}" if result.returncode == 3 else f"invalid settings: {line}"
 
 
 def _is_loopback(host: str) -> bool:

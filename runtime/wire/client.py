@@ -16,11 +16,11 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 
-from runtime.wire.framing import HEADER
+from runtime.wire.framing import HEADER, recv_frame, send_frame
 from runtime.wire.protocol import (
     AbortRequest, Accepted, Delta, Detokenized, DetokenizeRequest, Finished, FromRuntime, GenerateRequest, LoadFailed,
-    LoadProgress, Ready, RequestError, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree, Shutdown, Tokenized,
-    TokenizeRequest, decode_from_runtime, encode,
+    LoadProgress, Ready, RequestError, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree, SettingsChecked, Shutdown,
+    Tokenized, TokenizeRequest, decode_from_runtime, encode,
 )
 
 log = logging.getLogger("ponder.client")
@@ -57,11 +57,47 @@ def runtime_environment() -> dict[str, str]:
     return env
 
 
+class SpawnedRuntime:
+    """A runtime process started, and sent its options, before there is an event loop: `ponder serve`
+    starts it first, so that its imports and its settings check run while the HTTP side imports, and
+    reads its verdict (`settings_checked`) before binding a port. The client then adopts it."""
+
+    def __init__(self, options: RuntimeOptions) -> None:
+        self.options = options
+        self.sock, child = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.process", "--fd", str(child.fileno())],
+                                     pass_fds=[child.fileno()], env=runtime_environment())
+        child.close()
+        send_frame(self.sock, encode(options))
+
+    def settings_checked(self) -> SettingsChecked:
+        """The runtime's verdict on the settings (blocks until it has imported and checked them)."""
+        raw = recv_frame(self.sock)
+        message = decode_from_runtime(raw) if raw is not None else None
+        if isinstance(message, SettingsChecked):
+            return message
+        status = self.proc.wait()
+        return SettingsChecked(problem=f"the runtime process exited with status {status} before checking the "
+                                       "settings", status=1)
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """End the process: after a refused verdict it ends by itself (a signal during its exit would
+        print a traceback under the verdict's one line); it is terminated if it has not in `grace_s`."""
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait()
+
+
 class RuntimeClient:
     def __init__(self, options: RuntimeOptions, on_stats: Callable[[RuntimeStats], None] | None = None,
                  on_state: Callable[[str], None] | None = None, max_backoff_s: float = 30.0,
-                 load_timeout_s: float = 600.0, on_tree: Callable[[SearchTree], None] | None = None) -> None:
+                 load_timeout_s: float = 600.0, on_tree: Callable[[SearchTree], None] | None = None,
+                 spawned: SpawnedRuntime | None = None) -> None:
         self.options = options
+        self._spawned = spawned  # a first runtime already started (its settings checked): adopted, not spawned
         self.on_stats = on_stats
         self.on_state = on_state
         self.on_tree = on_tree  # search trees go here, never to the request's own messages
@@ -135,13 +171,11 @@ class RuntimeClient:
     async def _run_once(self) -> bool:
         """Run one runtime process until it exits. Returns whether it became ready."""
         self._set_state(LOADING)
-        parent, child = socket.socketpair()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.process", "--fd", str(child.fileno())],
-            pass_fds=[child.fileno()], env=runtime_environment())
-        child.close()
+        spawned, self._spawned = self._spawned, None
+        if spawned is None:
+            spawned = SpawnedRuntime(self.options)
+        parent, self._proc = spawned.sock, spawned.proc
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
-        self._send(self.options)
         became_ready = False
         try:
             while True:
@@ -159,6 +193,10 @@ class RuntimeClient:
                 elif isinstance(message, LoadFailed):
                     self.load_error = message.message
                     log.error("the runtime could not load the model: %s", message.message)
+                elif isinstance(message, SettingsChecked):
+                    if message.problem is not None:  # settings that held at start-up no longer do
+                        self.load_error = message.problem
+                        log.error("the runtime refused its settings: %s", message.problem)
                 elif isinstance(message, LoadProgress):
                     log.info("%s", message.message)
                 elif isinstance(message, RuntimeStats):

@@ -117,6 +117,15 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
 
 
+class SettingsChecked(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    """The runtime's first message, before it loads anything (runtime.preflight): None, or the one
+    line naming a setting this machine cannot honour (status 2) or a checkpoint that would leave a
+    weight at random (status 3)."""
+
+    problem: str | None = None
+    status: int = 0
+
+
 class LoadProgress(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
     message: str
 
@@ -296,7 +305,7 @@ class RuntimeStats(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_on
 
 ToRuntime = Union[GenerateRequest, TokenizeRequest, DetokenizeRequest, AbortRequest, Shutdown]
 FromRuntime = Union[
-    Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, SearchTree, Finished, Tokenized, Detokenized,
+    SettingsChecked, Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, SearchTree, Finished, Tokenized, Detokenized,
     RequestError, RuntimeStats
 ]
 

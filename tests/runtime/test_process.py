@@ -16,7 +16,7 @@ import torch
 from runtime import process
 from runtime.wire.framing import recv_frame, send_frame
 from runtime.wire.protocol import (
-    GenerateRequest, Ready, RequestError, RuntimeOptions, SamplingParams, decode_from_runtime, encode,
+    GenerateRequest, Ready, RequestError, RuntimeOptions, SamplingParams, SettingsChecked, decode_from_runtime, encode,
 )
 
 
@@ -128,6 +128,7 @@ def test_the_process_exits_with_a_clear_line_on_a_device_failure():
     child.close()
     try:
         send_frame(parent, encode(RuntimeOptions(stats_interval_s=1e9)))
+        assert decode_from_runtime(recv_frame(parent)) == SettingsChecked()  # first: the settings hold
         assert isinstance(decode_from_runtime(recv_frame(parent)), Ready)
         send_frame(parent, encode(GenerateRequest(request_id="r", endpoint="completion", prompt_token_ids=(1, 2),
                                                   sampling=SamplingParams(max_tokens=4))))
