@@ -80,7 +80,8 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         else:
             num_verifier_blocks = max(1, options.verifier_kv_memory_bytes // vshape.bytes_per_block(dtype))
         engine.add_verifier_store(VerifierStore(name, verifier, vshape, num_verifier_blocks,
-                                                config.max_num_batched_tokens, engine))
+                                                config.max_num_batched_tokens, engine,
+                                                max_model_len=config.max_model_len, batch_invariant=config.batch_invariant))
     # The engine asks the splitter for batch caps when its search load changes (None: static split).
     engine.kv_split = splitter
     return engine, source
