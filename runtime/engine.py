@@ -317,7 +317,7 @@ class Engine:
         seqs: list[Sequence] = []
         for row, index in enumerate(sampled):
             seq = plan.scheduled[index].seq
-            for target in seq.owner.on_logits(self, seq, logits[row]):
+            for target in seq.owner.on_logits(seq, logits[row]):
                 rows.append(row)
                 seqs.append(target)
         if seqs:
@@ -326,7 +326,7 @@ class Engine:
             for seq, out in zip(seqs, samples):
                 seq.append_token(out.token_id)
                 self.stats["tokens_generated"] += 1
-                seq.owner.on_sampled(self, seq, out)
+                seq.owner.on_sampled(seq, out)
         while self.deferred:
             self.deferred.pop(0)()
         return self._drain()

@@ -25,6 +25,7 @@ import torch
 
 from runtime.kv.head_pieces import PiecePlan, plan_pieces
 from runtime.kv.headwise import HeadwiseDecoder
+from runtime.kv.sequence_owner import SequenceOwner
 from runtime.model.sampler import sample
 from scheduler.sequence import Sequence
 from storage.disk_tier import DiskTier
@@ -130,13 +131,14 @@ class StreamedRequests:
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         engine = self.engine
-        seq.owner.on_logits(engine, seq, logits)
+        owner: SequenceOwner = seq.owner
+        owner.on_logits(seq, logits)
         (out,) = sample(logits[None], [seq.owner.sampling],
                         [(seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)])
         seq.append_token(out.token_id)
         seq.num_computed_tokens = self.decoder.num_tokens
         engine.stats["tokens_generated"] += 1
-        seq.owner.on_sampled(engine, seq, out)
+        owner.on_sampled(seq, out)
 
     def _start(self, seq: Sequence) -> None:
         engine = self.engine

@@ -36,7 +36,7 @@ class PlainRequests:
         for index in range(params.n):
             sampling = SamplingState(params, derive_seed(params.seed, index), self.engine.device)
             detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
-            state.choices.append(ChoiceState(state, index, sampling, detok))
+            state.choices.append(ChoiceState(state, index, sampling, detok, self))
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])
         self.requests[state.request_id] = state
         if streamed:

@@ -1,4 +1,5 @@
-"""The owners of a search's sequences: its paths, their look-ahead forks and the prompt's root."""
+"""The owners of a search's sequences (`runtime.kv.sequence_owner`): its paths, their look-ahead
+forks and the prompt's root."""
 
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ class SearchPath:
     def request_id(self) -> str:
         return self.controller.request_id
 
-    def on_logits(self, engine, seq, row):
+    def on_logits(self, seq, row):
         return [seq]
 
-    def on_sampled(self, engine, seq, out) -> None:
+    def on_sampled(self, seq, out) -> None:
         self.controller.on_token(self, out)
 
 
@@ -80,10 +81,10 @@ class Lookahead:
     def request_id(self) -> str:
         return self.path.controller.request_id
 
-    def on_logits(self, engine, seq, row):
+    def on_logits(self, seq, row):
         return [seq]
 
-    def on_sampled(self, engine, seq, out) -> None:
+    def on_sampled(self, seq, out) -> None:
         self.path.controller.on_lookahead_token(self, out)
 
 
@@ -97,5 +98,8 @@ class SearchRoot:
     def request_id(self) -> str:
         return self.controller.request_id
 
-    def on_logits(self, engine, seq, row):
+    def on_logits(self, seq, row):
         return self.controller.spawn(seq)
+
+    def on_sampled(self, seq, out) -> None:
+        raise AssertionError("a search's prompt is never sampled: its logits go to the paths it forks")

@@ -83,7 +83,7 @@ class _ScoreJob:
     def request_id(self) -> str:
         return self.batch.controller.request_id
 
-    def on_logits(self, engine, seq: Sequence, row: torch.Tensor):
+    def on_logits(self, seq: Sequence, row: torch.Tensor):
         yes = torch.logsumexp(row[list(self.scorer.judge.yes_token_ids)], dim=-1)
         no = torch.logsumexp(row[list(self.scorer.judge.no_token_ids)], dim=-1)
         score = float(torch.sigmoid(yes - no))
@@ -95,6 +95,9 @@ class _ScoreJob:
         for path in same:  # asked once: nothing was prefilled for it, all of it was known
             self.batch.scored(path, score, 0, len(seq.token_ids))
         return []
+
+    def on_sampled(self, seq: Sequence, out) -> None:
+        raise AssertionError("a judge's question is only prefilled: its score is read from its logits")
 
 
 class JudgeScorer:
