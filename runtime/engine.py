@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
+from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.plain import PlainRequests
@@ -43,18 +44,6 @@ class EngineConfig:
     kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.streamed)
     speculative_extension: bool = True
     batch_invariant: bool = False  # pad steps to row counts that keep each row's bits its own
-
-
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 class Engine:
