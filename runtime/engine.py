@@ -55,16 +55,16 @@ class Engine:
         head = model.get_output_embeddings()  # a quantized head's weight is packed: ask its out_features
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.planner = StepPlanner(self, config.policy)
+        self.planner = StepPlanner(self, config.policy, config.max_num_seqs)
         self.model_key = model_key
         self.padding = RowPadding.probe(model, config.max_num_batched_tokens, config.max_num_seqs,
                                         max_model_len=config.max_model_len, block_size=config.block_size) \
             if config.batch_invariant else None
         self._build_pool(config.num_blocks)
-        self.streamed = check_granularity(self)
+        self.streamed = check_granularity(self, model, config, model_key)
         self.kv_split = None  # the roofline KV split (runtime.kv.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
-        self.plain = PlainRequests(self)
+        self.plain = PlainRequests(self, tokenizer, self.eos_ids, self.device, config.max_model_len, self.streamed)
         self.requests: dict[str, RequestState] = self.plain.requests
         self.searches: dict[str, SearchController] = {}
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
@@ -79,7 +79,7 @@ class Engine:
         self.outbox: list[FromRuntime] = []
         self.deferred: list = []  # callbacks to run once a step's sampled tokens are all handed out
         self.verifier_samples: list[float] = []
-        self.stats = {"tokens_prompt": 0, "tokens_cached": 0, "tokens_generated": 0, "search_requests": {},
+        self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {},
                       "search_paths": 0, "search_steps": 0, "preemptions": 0,
                       "speculative_tokens": {}}
 
@@ -119,7 +119,7 @@ class Engine:
         if self.config.policy != "token":
             self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
             return
-        self._build_pool(logical_blocks(self, chain))
+        self._build_pool(logical_blocks(chain, self.cache, self.kv, self.config))
         self.layers = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
         self.runner.layer_provider = self.layers.begin_step
 
@@ -136,7 +136,8 @@ class Engine:
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
-            ids, max_tokens = admit(self, request)
+            ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
+                                    self.config, self.kv, self.streamed)
             if request.search is not None:
                 controller = self._make_search(request, ids, max_tokens)
                 self.searches[request.request_id] = controller
@@ -295,7 +296,7 @@ class Engine:
             logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
         except BlockLost as lost:  # nothing was computed from it: its holders recompute it
             log.warning("%s; recomputing it", lost)
-            recompute_lost(self, lost)
+            recompute_lost(lost, self.layers, self.pool, self.scheduler)
             return self._drain()
         if scored:
             self.plain.on_prompt_logits(plan.scheduled, scored, logits[len(sampled):])
@@ -352,8 +353,8 @@ class Engine:
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_prompt=self.stats["tokens_prompt"],
-            tokens_cached=self.stats["tokens_cached"],
-            tokens_generated=self.stats["tokens_generated"],
+            tokens_cached=self.plain.tokens_cached,
+            tokens_generated=self.stats["tokens_generated"] + (self.streamed.tokens_generated if self.streamed else 0),
             search_requests=dict(self.stats["search_requests"]),
             search_paths=self.stats["search_paths"],
             search_steps=self.stats["search_steps"],
