@@ -4,20 +4,30 @@ forks and the prompt's root."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from runtime.model.detokenizer import StepText
-from runtime.model.sampler import SamplingState
+from runtime.model.sampler import SampleOutput, SamplingState
 from runtime.search.aggregate import aggregate
 from scheduler.sequence import Sequence
 
-if TYPE_CHECKING:
-    from runtime.search.controller import SearchController
+
+class PathEvents(Protocol):
+    """What the owners here tell their search (`runtime.search.controller.SearchController`)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def spawn(self, root: Sequence) -> list[Sequence]: ...
+
+    def on_token(self, path: "SearchPath", out: SampleOutput) -> None: ...
+
+    def on_lookahead_token(self, run: "Lookahead", out: SampleOutput) -> None: ...
 
 
 @dataclass(eq=False)
 class SearchPath:
-    controller: "SearchController"
+    controller: PathEvents
     uid: int
     subtree: int
     seq: Sequence
@@ -92,7 +102,7 @@ class Lookahead:
 class SearchRoot:
     """The prompt's sequence: prefilled once, then forked into the initial paths."""
 
-    controller: "SearchController"
+    controller: PathEvents
 
     @property
     def request_id(self) -> str:
