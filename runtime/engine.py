@@ -47,6 +47,10 @@ class EngineConfig:
 
 
 class Engine:
+    """The loop, and what it owns: the compute pool, its queues, the requests and searches under way.
+    Nothing below it holds the engine: each part declares the port it needs (runtime.requests.host,
+    runtime.search.host, runtime.verify.host, runtime.kv.host), which the engine satisfies."""
+
     def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"") -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -179,7 +183,7 @@ class Engine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
 
-    # -- operations the search controller uses ------------------------------------------------
+    # -- what searches and the judge ask of the engine (runtime.search.host, runtime.verify.host) --
     def fork_sequence(self, parent: Sequence, num_tokens: int | None = None) -> Sequence:
         """A child sharing the blocks of `parent`'s first `num_tokens` tokens (all by default),
         parked until resumed."""

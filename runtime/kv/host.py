@@ -19,40 +19,35 @@ from storage.kv_cache import KVCache
 from storage.tiers import TierChain
 
 
-class PlannerHost(Protocol):
+class PoolHost(Protocol):
+    """The compute pool as it is now, its queues, and the prefix cache's tiers below it if attached."""
+
+    @property
+    def pool(self) -> BlockPool: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def tiers(self) -> TieredPrefixCache | None: ...
+
+
+class PlannerHost(PoolHost, Protocol):
     """For `runtime.kv.beam_groups.StepPlanner`: what a search step's groups must fit."""
 
     @property
     def kv(self) -> KVManager: ...
 
     @property
-    def pool(self) -> BlockPool: ...
-
-    @property
-    def scheduler(self) -> Scheduler: ...
-
-    @property
     def kv_caps(self) -> BatchCaps | None: ...
 
-    @property
-    def tiers(self) -> TieredPrefixCache | None: ...
 
-
-class StreamHost(Protocol):
+class StreamHost(PoolHost, Protocol):
     """For `runtime.kv.streamed.StreamedRequests`: the compute tier it borrows whole, and the tiers
     below it its own tiers are sized by."""
 
     @property
     def cache(self) -> KVCache: ...
-
-    @property
-    def pool(self) -> BlockPool: ...
-
-    @property
-    def scheduler(self) -> Scheduler: ...
-
-    @property
-    def tiers(self) -> TieredPrefixCache | None: ...
 
     @property
     def tier_chain(self) -> TierChain | None: ...
