@@ -112,7 +112,8 @@ def make_engine(loaded: Loaded, *, policy: str, num_blocks: int, block_size: int
                           kv_granularity=kv_granularity)
     engine = Engine(loaded.model, loaded.tokenizer, config, loaded.key)
     if tiers is not None:
-        engine.attach_tiers(tier_chain(engine, loaded.key, tiers.host_bytes, tiers.disk_dir, tiers.disk_bytes,
+        engine.attach_tiers(tier_chain(engine.tier_payload_shape, engine.cache.dtype, engine.device, loaded.key,
+                                       tiers.host_bytes, tiers.disk_dir, tiers.disk_bytes,
                                        uncached_reads=tiers.uncached_reads))
     return engine
 

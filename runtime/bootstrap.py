@@ -70,7 +70,7 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     engine = Engine(model, tokenizer, config, model_key)
     engine.quantized = quantized
     if options.host_kv_memory_bytes > 0 or options.disk_kv_dir:
-        engine.attach_tiers(_tier_chain(options, engine, model_key))
+        engine.attach_tiers(_tier_chain(options, engine.tier_payload_shape, engine.cache.dtype, engine.device, model_key))
     for name, verifier in verifiers.items():
         if name in engine.scorers:
             raise ValueError(f"verifier name {name!r} is built in; choose another name")
@@ -80,7 +80,10 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         else:
             num_verifier_blocks = max(1, options.verifier_kv_memory_bytes // vshape.bytes_per_block(dtype))
         engine.add_verifier_store(VerifierStore(name, verifier, vshape, num_verifier_blocks,
-                                                config.max_num_batched_tokens, engine))
+                                                config.max_num_batched_tokens, engine,
+                                                max_model_len=config.max_model_len,
+                                                # where the generator is served without padding, so is its reward model
+                                                batch_invariant=config.batch_invariant if engine.padding else False))
     # The engine asks the splitter for batch caps when its search load changes (None: static split).
     engine.kv_split = splitter
     return engine, source
@@ -154,19 +157,21 @@ def _roofline_splitter(options: RuntimeOptions, model, verifiers: dict, max_mode
     return splitter
 
 
-def _tier_chain(options: RuntimeOptions, engine: Engine, model_key: bytes) -> TierChain:
-    chain = tier_chain(engine, model_key, options.host_kv_memory_bytes, options.disk_kv_dir, options.disk_kv_bytes)
+def _tier_chain(options: RuntimeOptions, payload: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                model_key: bytes) -> TierChain:
+    chain = tier_chain(payload, dtype, device, model_key, options.host_kv_memory_bytes, options.disk_kv_dir,
+                       options.disk_kv_bytes)
     if chain.disk is not None:
         log.info("disk KV tier at %s: %d blocks found", chain.disk.path, chain.disk.num_blocks)
     return chain
 
 
-def tier_chain(engine: Engine, model_key: bytes, host_bytes: int, disk_dir: str | None, disk_bytes: int,
-               uncached_reads: bool = False) -> TierChain:
-    """The host and disk tiers to attach below `engine`'s compute pool, holding its policy's payload
-    (a block, or under `token` one layer of one); no host tier for 0 bytes, no disk tier without a dir."""
-    payload, dtype = engine.tier_payload_shape, engine.cache.dtype
-    compute = "gpu" if engine.device.type == "cuda" else "cpu"
+def tier_chain(payload: tuple[int, ...], dtype: torch.dtype, device: torch.device, model_key: bytes,
+               host_bytes: int, disk_dir: str | None, disk_bytes: int, uncached_reads: bool = False) -> TierChain:
+    """The host and disk tiers to attach below an engine's compute pool on `device`, holding its
+    policy's `payload` (`Engine.tier_payload_shape`: a block, or under `token` one layer of one) of
+    `dtype`; no host tier for 0 bytes, no disk tier without a dir."""
+    compute = "gpu" if device.type == "cuda" else "cpu"
     host = None
     if host_bytes > 0:
         host = HostTier(payload, dtype, host_bytes, pin_memory=True, name="host")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
+from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.plain import PlainRequests
@@ -47,19 +48,11 @@ class EngineConfig:
     batch_invariant: bool | str = "auto"  # pad steps so each row's bits are its own (row_padding.padding_for)
 
 
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
 class Engine:
+    """The loop, and what it owns: the compute pool, its queues, the requests and searches under way.
+    Nothing below it holds the engine: each part declares the port it needs (runtime.requests.host,
+    runtime.search.host, runtime.verify.host, runtime.kv.host), which the engine satisfies."""
+
     def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"") -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -68,16 +61,16 @@ class Engine:
         head = model.get_output_embeddings()  # a quantized head's weight is packed: ask its out_features
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.planner = StepPlanner(self, config.policy)
+        self.planner = StepPlanner(self, config.policy, config.max_num_seqs)
         self.pacer = StepPacer(config.block_size)  # steps short enough for searches' deadlines
         self.model_key = model_key
         self.padding = padding_for(model, config.batch_invariant, config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len=config.max_model_len, block_size=config.block_size)
         self._build_pool(config.num_blocks)
-        self.streamed = check_granularity(self)
+        self.streamed = check_granularity(self, model, config, model_key)
         self.kv_split = None  # the roofline KV split (runtime.kv.kv_split), when configured
         self.kv_caps = None  # its batch caps for the search load now
-        self.plain = PlainRequests(self)
+        self.plain = PlainRequests(self, tokenizer, self.eos_ids, self.device, config.max_model_len, self.streamed)
         self.requests: dict[str, RequestState] = self.plain.requests
         self.searches: dict[str, SearchController] = {}
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
@@ -92,7 +85,7 @@ class Engine:
         self.outbox: list[FromRuntime] = []
         self.deferred: list = []  # callbacks to run once a step's sampled tokens are all handed out
         self.verifier_samples: list[float] = []
-        self.stats = {"tokens_prompt": 0, "tokens_cached": 0, "tokens_generated": 0, "search_requests": {},
+        self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {},
                       "search_paths": 0, "search_steps": 0, "preemptions": 0,
                       "speculative_tokens": {}}
 
@@ -132,7 +125,7 @@ class Engine:
         if self.config.policy != "token":
             self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
             return
-        self._build_pool(logical_blocks(self, chain))
+        self._build_pool(logical_blocks(chain, self.cache, self.kv, self.config))
         self.layers = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
         self.runner.layer_provider = self.layers.begin_step
 
@@ -149,7 +142,8 @@ class Engine:
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
-            ids, max_tokens = admit(self, request)
+            ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
+                                    self.config, self.kv, self.streamed)
             if request.search is not None:
                 controller = self._make_search(request, ids, max_tokens)
                 self.searches[request.request_id] = controller
@@ -191,7 +185,7 @@ class Engine:
                 if not seq.is_finished:
                     self.scheduler.finish(seq)
 
-    # -- operations the search controller uses ------------------------------------------------
+    # -- what searches and the judge ask of the engine (runtime.search.host, runtime.verify.host) --
     def fork_sequence(self, parent: Sequence, num_tokens: int | None = None) -> Sequence:
         """A child sharing the blocks of `parent`'s first `num_tokens` tokens (all by default),
         parked until resumed."""
@@ -311,7 +305,7 @@ class Engine:
             self.pacer.observe(plan.num_tokens, time.perf_counter() - started)
         except BlockLost as lost:  # nothing was computed from it: its holders recompute it
             log.warning("%s; recomputing it", lost)
-            recompute_lost(self, lost)
+            recompute_lost(lost, self.layers, self.pool, self.scheduler)
             return self._drain()
         if scored:
             self.plain.on_prompt_logits(plan.scheduled, scored, logits[len(sampled):])
@@ -322,7 +316,7 @@ class Engine:
         seqs: list[Sequence] = []
         for row, index in enumerate(sampled):
             seq = plan.scheduled[index].seq
-            for target in seq.owner.on_logits(self, seq, logits[row]):
+            for target in seq.owner.on_logits(seq, logits[row]):
                 rows.append(row)
                 seqs.append(target)
         if seqs:
@@ -331,7 +325,7 @@ class Engine:
             for seq, out in zip(seqs, samples):
                 seq.append_token(out.token_id)
                 self.stats["tokens_generated"] += 1
-                seq.owner.on_sampled(self, seq, out)
+                seq.owner.on_sampled(seq, out)
         while self.deferred:
             self.deferred.pop(0)()
         return self._drain()
@@ -367,8 +361,9 @@ class Engine:
             prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
-            **{key: self.stats[key] for key in ("tokens_prompt", "tokens_cached", "tokens_generated", "search_paths",
-                                                 "search_steps")},
+            tokens_cached=self.plain.tokens_cached,
+            tokens_generated=self.stats["tokens_generated"] + (self.streamed.tokens_generated if self.streamed else 0),
+            **{key: self.stats[key] for key in ("tokens_prompt", "search_paths", "search_steps")},
             search_requests=dict(self.stats["search_requests"]),
             speculative_tokens=dict(self.stats["speculative_tokens"]),
             verifier_seconds=tuple(self.verifier_samples),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from runtime.kv.host import PlannerHost
 from scheduler.grouping import Beam, group_beams, order_groups
 from scheduler.sequence import Sequence
 from storage.block_hash import hash_blocks
@@ -30,17 +31,18 @@ POLICIES = ("lbs", "lbs_no_prefix", "token")
 
 
 class StepPlanner:
-    def __init__(self, engine, policy: str) -> None:
+    def __init__(self, host: PlannerHost, policy: str, max_num_seqs: int) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown scheduler policy {policy!r}; one of {', '.join(POLICIES)}")
-        self.engine = engine
+        self.host = host
         self.policy = policy
+        self.max_num_seqs = max_num_seqs
         self.num_groups = 0  # groups planned so far (a step with one group counts one)
         self.num_prefetched = 0  # blocks brought up from a lower tier ahead of their group
 
     def block_keys(self, seq: Sequence) -> list:
         """Names of the full blocks whose KV the path has computed, prefix first."""
-        kv = self.engine.kv
+        kv = self.host.kv
         block_size = kv.block_size
         num_full = max(0, len(seq.token_ids) - 1) // block_size
         if len(seq.block_hashes) >= num_full:
@@ -55,17 +57,17 @@ class StepPlanner:
         """(blocks, sequences) this search may use now: the pool less what other requests hold,
         and the batch less what other requests run."""
         ids = {s.seq_id for s in mine}
-        scheduler = self.engine.scheduler
+        scheduler = self.host.scheduler
         held: set[int] = set()
         for seq in scheduler.running + scheduler.parked:
             if seq.seq_id not in ids:
                 held.update(seq.block_table)
         others_running = sum(1 for s in scheduler.running if s.seq_id not in ids)
-        max_seqs = self.engine.config.max_num_seqs - others_running
-        caps = self.engine.kv_caps  # the roofline split's decode batch for the load now
+        max_seqs = self.max_num_seqs - others_running
+        caps = self.host.kv_caps  # the roofline split's decode batch for the load now
         if caps is not None:
             max_seqs = min(max_seqs, caps.decode_batch)
-        return self.engine.pool.num_blocks - len(held), max(1, max_seqs)
+        return self.host.pool.num_blocks - len(held), max(1, max_seqs)
 
     def plan(self, seqs: Seq[Sequence], step_tokens: Seq[int]) -> list[list[int]]:
         """Indices into `seqs`, one list per group, in execution order."""
@@ -74,7 +76,7 @@ class StepPlanner:
         if self.policy == "token" or len(seqs) == 1:
             self.num_groups += 1
             return [list(range(len(seqs)))]
-        kv = self.engine.kv
+        kv = self.host.kv
         beams = []
         for i, (seq, tokens) in enumerate(zip(seqs, step_tokens)):
             keys = self.block_keys(seq)
@@ -85,7 +87,7 @@ class StepPlanner:
             self.num_groups += 1
             return [list(range(len(seqs)))]
         if self.policy == "lbs":
-            running = self.engine.scheduler.running
+            running = self.host.scheduler.running
             groups = order_groups(groups, resident=[k for s in running for k in self.block_keys(s)])
         self.num_groups += len(groups)
         return [list(g.beam_ids) for g in groups]
@@ -94,12 +96,12 @@ class StepPlanner:
         """Bring the next group's blocks that live in a lower tier into the compute pool (as cached
         blocks, which its admission then finds), leaving `reserve` free blocks for the running
         group. Returns the blocks brought up."""
-        tiers = self.engine.tiers
+        tiers = self.host.tiers
         if tiers is None or self.policy == "token":
             return 0
         moved = 0
         for seq in seqs:
-            room = self.engine.pool.num_free - reserve
+            room = self.host.pool.num_free - reserve
             if room <= 0:
                 break
             if not seq.block_table:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from scheduler.kv_manager import KVManager
+from scheduler.scheduler import Scheduler
 from storage.block_hash import BlockHash, hash_block
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache
@@ -256,28 +258,25 @@ class LayerStep:
         self._futures[layer] = res.pipeline.load(pieces)
 
 
-def logical_blocks(engine, chain: TierChain) -> int:
+def logical_blocks(chain: TierChain, cache: KVCache, kv: KVManager, config) -> int:
     """Blocks the paths may hold under `token`: as many as the tiers below compute hold every layer
-    of (at least the compute budget), and no more than `max_num_seqs` sequences of `max_model_len`
-    tokens could ever use."""
-    config = engine.config
-    cache = engine.cache
+    of (at least the compute budget, `config.num_blocks`), and no more than `max_num_seqs` sequences
+    of `max_model_len` tokens could ever use."""
     below = chain.disk.capacity_bytes // cache.bytes_per_block if chain.disk is not None else 0
     if chain.host is not None:
         if chain.host.block_shape != cache.shape.block_shape[1:]:
             raise ValueError(f"under policy token the host tier holds one layer of a block, shape "
                              f"{cache.shape.block_shape[1:]}, not {chain.host.block_shape}")
         below += chain.host.num_slots // cache.shape.num_layers
-    most = config.max_num_seqs * engine.kv.num_blocks_for(config.max_model_len)
+    most = config.max_num_seqs * kv.num_blocks_for(config.max_model_len)
     return max(config.num_blocks, min(below, most))
 
 
-def recompute_lost(engine, lost: BlockLost) -> None:
+def recompute_lost(lost: BlockLost, layers: LayerwiseResidency, pool: BlockPool, scheduler: Scheduler) -> None:
     """A block whose KV is gone: every path holding it gives its blocks up and is recomputed, and
     the block's name is forgotten, so no prefix lookup serves it."""
-    engine.layers.forget(lost.block_id)
-    engine.pool.forget_name(lost.block_id)
-    scheduler = engine.scheduler
+    layers.forget(lost.block_id)
+    pool.forget_name(lost.block_id)
     for seq in list(scheduler.running) + list(scheduler.parked):
         if lost.block_id in seq.block_table:
             scheduler.give_up_blocks(seq)

@@ -25,6 +25,8 @@ import torch
 
 from runtime.kv.head_pieces import PiecePlan, plan_pieces
 from runtime.kv.headwise import HeadwiseDecoder
+from runtime.kv.host import StreamHost
+from runtime.kv.sequence_owner import SequenceOwner
 from runtime.model.sampler import sample
 from scheduler.sequence import Sequence
 from storage.disk_tier import DiskTier
@@ -36,15 +38,20 @@ log = logging.getLogger("ponder.runtime")
 
 
 class StreamedRequests:
-    def __init__(self, engine, group_heads: int = 1) -> None:
-        shape = engine.cache.shape
-        self.engine = engine
+    def __init__(self, host: StreamHost, model, config, model_key: bytes, group_heads: int = 1) -> None:
+        """`config`: the engine's settings (the compute budget `num_blocks`, `max_num_batched_tokens`,
+        `max_model_len`)."""
+        shape = host.cache.shape
+        self.host = host
+        self.model = model
+        self.model_key = model_key
+        self.max_model_len = config.max_model_len
         self.group_heads = group_heads
         self.num_slices = shape.num_layers * (shape.num_kv_heads // group_heads)
-        self.budget_pieces = engine.config.num_blocks * self.num_slices
+        self.budget_pieces = config.num_blocks * self.num_slices
         self.piece_shape = (2, group_heads, shape.block_size, shape.head_dim)
-        self.piece_bytes = engine.cache.bytes_per_block // (self.num_slices * group_heads) * group_heads
-        self.prefill_chunk = max(shape.block_size, engine.config.max_num_batched_tokens)
+        self.piece_bytes = host.cache.bytes_per_block // (self.num_slices * group_heads) * group_heads
+        self.prefill_chunk = max(shape.block_size, config.max_num_batched_tokens)
         self.queue: deque[Sequence] = deque()
         self.seq: Sequence | None = None  # the request running now
         self.decoder: HeadwiseDecoder | None = None
@@ -52,18 +59,19 @@ class StreamedRequests:
         self.bytes_done: dict[str, int] = {}  # transfer counters of finished requests
         self.stall_done = 0.0
         self.num_rebuilt = 0  # KV rebuilds after a lost or corrupt piece
+        self.tokens_generated = 0
 
     # ---- sizes ---------------------------------------------------------------------------------
     def plan(self, num_tokens: int) -> PiecePlan:
         """The pieces of a sequence of `num_tokens` tokens; MemoryError if it cannot stream."""
-        shape = self.engine.cache.shape
+        shape = self.host.cache.shape
         return plan_pieces(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                            group_heads=self.group_heads, head_dim=shape.head_dim,
                            block_size=shape.block_size, max_tokens=num_tokens,
                            budget_pieces=self.budget_pieces, prefetch=True)
 
     def _tier_bytes(self) -> tuple[int, int]:
-        chain = self.engine.tier_chain
+        chain = self.host.tier_chain
         if chain is None:
             return 0, 0
         return (chain.host.capacity_bytes if chain.host is not None else 0,
@@ -79,7 +87,7 @@ class StreamedRequests:
 
     def max_tokens(self) -> int:
         """The most tokens of KV one streamed sequence may hold (0: none)."""
-        low, high = 0, self.engine.config.max_model_len
+        low, high = 0, self.max_model_len
         while low < high:
             mid = (low + high + 1) // 2
             low, high = (mid, high) if self.fits(mid) else (low, mid - 1)
@@ -91,14 +99,14 @@ class StreamedRequests:
         return self.seq is not None or bool(self.queue)
 
     def add(self, seq: Sequence) -> None:
-        self.engine.scheduler.hold(seq)  # known to the scheduler (finish, abort), never scheduled
+        self.host.scheduler.hold(seq)  # known to the scheduler (finish, abort), never scheduled
         self.queue.append(seq)
 
     def step(self) -> bool:
         """Run one forward of the streamed request, if one can run now; whether one ran."""
         while self.seq is not None and self.seq.is_finished:  # aborted
             self._end()
-        while self.seq is None and self.queue and self.engine.pool.num_used == 0:
+        while self.seq is None and self.queue and self.host.pool.num_used == 0:
             seq = self.queue.popleft()
             if not seq.is_finished:
                 self._start(seq)
@@ -129,29 +137,29 @@ class StreamedRequests:
         return self.decoder.forward([seq.token_ids[done]])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        engine = self.engine
-        seq.owner.on_logits(engine, seq, logits)
+        owner: SequenceOwner = seq.owner
+        owner.on_logits(seq, logits)
         (out,) = sample(logits[None], [seq.owner.sampling],
                         [(seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids)])
         seq.append_token(out.token_id)
         seq.num_computed_tokens = self.decoder.num_tokens
-        engine.stats["tokens_generated"] += 1
-        seq.owner.on_sampled(engine, seq, out)
+        self.tokens_generated += 1
+        owner.on_sampled(seq, out)
 
     def _start(self, seq: Sequence) -> None:
-        engine = self.engine
-        engine.pool.reset_prefix_cache()  # the compute tier is lent whole: nothing cached survives
-        if engine.tiers is not None:
-            engine.tiers.drain()
+        cache = self.host.cache
+        self.host.pool.reset_prefix_cache()  # the compute tier is lent whole: nothing cached survives
+        if self.host.tiers is not None:
+            self.host.tiers.drain()
         plan = self.plan(len(seq.token_ids) + seq.owner.request.max_tokens - 1)
         host_bytes, disk_bytes = self._tier_bytes()
-        chain = engine.tier_chain
+        chain = self.host.tier_chain
         needed = plan.total_pieces * self.piece_bytes
-        host = HostTier(self.piece_shape, engine.cache.dtype, min(host_bytes, needed),
-                        pin_memory=engine.device.type == "cuda", name=chain.host.name) \
+        host = HostTier(self.piece_shape, cache.dtype, min(host_bytes, needed),
+                        pin_memory=cache.device.type == "cuda", name=chain.host.name) \
             if host_bytes > 0 else None
         disk = None
-        compute = chain.compute_name if chain is not None else ("gpu" if engine.device.type == "cuda" else "cpu")
+        compute = chain.compute_name if chain is not None else ("gpu" if cache.device.type == "cuda" else "cpu")
         if disk_bytes > 0:
             self._workdir = tempfile.mkdtemp(prefix="streamed-", dir=chain.disk.path.parent)
             disk = DiskTier(self._workdir, f"streamed|{self.piece_shape}", disk_bytes, name=chain.disk.name,
@@ -159,9 +167,9 @@ class StreamedRequests:
         # A streamed context is read once per token in order: promoting disk hits into a host
         # tier too small for it would only evict what the next slice reads.
         pieces = TierChain(host, disk, compute_name=compute, promote_disk_hits=False)
-        extra_key = engine.model_key + f"|streamed{seq.seq_id}|gh{self.group_heads}".encode()
+        extra_key = self.model_key + f"|streamed{seq.seq_id}|gh{self.group_heads}".encode()
         self.seq = seq
-        self.decoder = HeadwiseDecoder(engine.model, plan, pieces, engine.cache.kv, extra_key)
+        self.decoder = HeadwiseDecoder(self.model, plan, pieces, cache.kv, extra_key)
 
     def _rebuild(self, seq: Sequence) -> None:
         """Start the KV over and run the same forwards again, up to where it was."""

@@ -1,10 +1,23 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings, and the end-of-sequence tokens a model stops on.
 
 Text is decoded over a short window of recent tokens so each step costs O(1) in the output length,
 and characters that may still become the start of a stop string are held back until they cannot.
 """
 
 from __future__ import annotations
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """Every id the model's generation config or the tokenizer names as end of sequence."""
+    ids: set[int] = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
 
 
 class IncrementalDetokenizer:

@@ -3,25 +3,35 @@ model and the KV cache before anything is scheduled."""
 
 from __future__ import annotations
 
+from collections.abc import Container
+from typing import TYPE_CHECKING
+
 from runtime.kv.head_pieces import plan_pieces
 from runtime.model.loader import SettingError
 from runtime.wire.protocol import GenerateRequest
 from runtime.requests.state import InvalidRequest, prompt_token_ids
+from scheduler.kv_manager import KVManager
+
+if TYPE_CHECKING:
+    from runtime.kv.host import StreamHost
+    from runtime.kv.streamed import StreamedRequests
 
 GRANULARITIES = ("block", "head")
 
 
-def admit(engine, request: GenerateRequest) -> tuple[list[int], int]:
-    """The prompt's token ids and the output tokens allowed, or `InvalidRequest` naming the field."""
-    config = engine.config
-    if request.request_id in engine.requests or request.request_id in engine.searches:
+def admit(request: GenerateRequest, running: tuple[Container[str], ...], tokenizer, vocab_size: int, config,
+          kv: KVManager, streamed: StreamedRequests | None) -> tuple[list[int], int]:
+    """The prompt's token ids and the output tokens allowed, or `InvalidRequest` naming the field.
+    `running`: the ids of the requests under way; `config`: the engine's settings (`max_model_len`,
+    `block_size`); `kv`: the compute pool's, which says how many blocks a request needs and has."""
+    if any(request.request_id in ids for ids in running):
         raise InvalidRequest(f"request id {request.request_id} is already running")
-    ids = prompt_token_ids(request, engine.tokenizer)
+    ids = prompt_token_ids(request, tokenizer)
     params = request.sampling
     if not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
-    if any(not 0 <= t < engine.vocab_size for t in ids):
-        raise InvalidRequest(f"prompt token ids must lie in [0, {engine.vocab_size})", "prompt")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"prompt token ids must lie in [0, {vocab_size})", "prompt")
     room = config.max_model_len - len(ids)
     if room <= 0:
         raise InvalidRequest(
@@ -34,21 +44,21 @@ def admit(engine, request: GenerateRequest) -> tuple[list[int], int]:
             f"this model's maximum context length is {config.max_model_len} tokens; the prompt has "
             f"{len(ids)} tokens and max_tokens is {max_tokens}, {len(ids) + max_tokens} in all",
             "max_tokens", code="context_length_exceeded")
-    num_blocks = engine.pool.num_blocks  # under token with tiers: what the tiers hold
-    if engine.kv.num_blocks_for(len(ids) + max_tokens) > num_blocks:
-        _check_streamed(engine, request, len(ids) + max_tokens)
-    if any(not 0 <= t < engine.vocab_size for t in params.stop_token_ids):
-        raise InvalidRequest(f"stop_token_ids must lie in [0, {engine.vocab_size})", "stop_token_ids")
+    num_blocks = kv.pool.num_blocks  # under token with tiers: what the tiers hold
+    if kv.num_blocks_for(len(ids) + max_tokens) > num_blocks:
+        _check_streamed(request, len(ids) + max_tokens, num_blocks * config.block_size, streamed)
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
     if params.top_logprobs > 20:
         raise InvalidRequest("top_logprobs must be at most 20", "top_logprobs")
     return ids, max_tokens
 
 
-def _check_streamed(engine, request: GenerateRequest, num_tokens: int) -> None:
-    """A request over the compute pool may stream head-wise (one choice, no search) if the host and
-    disk tiers hold its KV; otherwise it is refused, saying how many tokens would fit."""
-    held = engine.pool.num_blocks * engine.config.block_size
-    streamed = engine.streamed
+def _check_streamed(request: GenerateRequest, num_tokens: int, held: int,
+                    streamed: StreamedRequests | None) -> None:
+    """A request over the compute pool (which holds `held` tokens) may stream head-wise (one choice,
+    no search) if the host and disk tiers hold its KV; otherwise it is refused, saying how many
+    tokens would fit."""
     if streamed is None or request.search is not None or request.sampling.n > 1:
         raise InvalidRequest(
             f"the prompt and max_tokens need {num_tokens} tokens of KV cache, more than the {held} this "
@@ -79,11 +89,10 @@ def check_budget(shape, num_blocks: int, max_model_len: int, granularity: str) -
                                f"stream one sequence of max_model_len {max_model_len} tokens: {exc}") from None
 
 
-def check_granularity(engine) -> "StreamedRequests | None":
+def check_granularity(host: StreamHost, model, config, model_key: bytes) -> StreamedRequests | None:
     """The head-wise server of requests over the compute pool when `kv_granularity = head`, after
-    `check_budget`."""
+    `check_budget` (`config`: the engine's settings)."""
     from runtime.kv.streamed import StreamedRequests  # the model side: start-up's settings check needs none of it
 
-    config = engine.config
-    check_budget(engine.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)
-    return StreamedRequests(engine) if config.kv_granularity == "head" else None
+    check_budget(host.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)
+    return StreamedRequests(host, model, config, model_key) if config.kv_granularity == "head" else None

@@ -9,6 +9,7 @@ its prompt is prefilled. With max_tokens 0 nothing is sampled: the request ends 
 from __future__ import annotations
 
 from runtime.model.detokenizer import IncrementalDetokenizer
+from runtime.requests.host import RequestsHost
 from runtime.wire.protocol import Delta, Finished, FromRuntime, GenerateRequest
 from runtime.requests.state import ChoiceState, InvalidRequest, RequestState, token_logprob
 from runtime.model.sampler import SamplingState, derive_seed, score_tokens
@@ -17,10 +18,18 @@ from scheduler.sequence import Sequence
 
 
 class PlainRequests:
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, host: RequestsHost, tokenizer, eos_ids: frozenset[int], device, max_model_len: int,
+                 streamed) -> None:
+        """`streamed`: the head-wise server (runtime.kv.streamed), or None."""
+        self.host = host
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.device = device
+        self.max_model_len = max_model_len
+        self.streamed = streamed
         self.requests: dict[str, RequestState] = {}
         self.touched: dict[str, RequestState] = {}
+        self.tokens_cached = 0  # prompt tokens the prefix cache served, over every request
 
     def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, streamed: bool = False) -> RequestState:
         """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.kv.streamed)."""
@@ -30,19 +39,19 @@ class PlainRequests:
                                  "outgrows the compute pool", "prompt_logprobs")
         state = RequestState(request.request_id, params, ids, max_tokens)
         if params.echo:
-            state.prompt_text = request.prompt if request.prompt is not None else self.engine.tokenizer.decode(ids)
+            state.prompt_text = request.prompt if request.prompt is not None else self.tokenizer.decode(ids)
         if params.prompt_logprobs is not None:
             state.prompt_scores = [None] * len(ids)
         for index in range(params.n):
-            sampling = SamplingState(params, derive_seed(params.seed, index), self.engine.device)
-            detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.include_stop_str_in_output)
-            state.choices.append(ChoiceState(state, index, sampling, detok))
+            sampling = SamplingState(params, derive_seed(params.seed, index), self.device)
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+            state.choices.append(ChoiceState(state, index, sampling, detok, self))
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])
         self.requests[state.request_id] = state
         if streamed:
-            self.engine.streamed.add(state.choices[0].seq)
+            self.streamed.add(state.choices[0].seq)
         else:
-            self.engine.scheduler.add(state.choices[0].seq)
+            self.host.scheduler.add(state.choices[0].seq)
         return state
 
     def abort(self, request_id: str) -> None:
@@ -50,7 +59,7 @@ class PlainRequests:
         if state is not None:
             for choice in state.choices:
                 if choice.seq is not None and not choice.seq.is_finished:
-                    self.engine.scheduler.finish(choice.seq)
+                    self.host.scheduler.finish(choice.seq)
 
     # -- prompt logprobs --------------------------------------------------------------------------
     def prompt_rows(self, scheduled: list[ScheduledSequence]) -> list[tuple[int, int]]:
@@ -79,7 +88,7 @@ class PlainRequests:
     def _uncache(self, entry: ScheduledSequence, max_cached_tokens: int) -> ScheduledSequence:
         """Admit `entry`'s sequence again (it was admitted this step) with at most `max_cached_tokens`
         tokens from the prefix cache, undoing the first admission's prefix statistics."""
-        kv = self.engine.kv
+        kv = self.host.kv
         seq = entry.seq
         if seq.num_preemptions == 0:  # the first admission counted this query and its hit
             kv.prefix_stats.query_tokens -= len(seq.token_ids)
@@ -111,40 +120,39 @@ class PlainRequests:
             return [seq]
         request.is_forked = True
         request.num_cached_tokens = seq.num_cached_tokens
-        engine = self.engine
-        engine.stats["tokens_cached"] += seq.num_cached_tokens
+        self.tokens_cached += seq.num_cached_tokens
+        scheduler = self.host.scheduler
         if request.max_tokens == 0:  # the prompt alone (echo, prompt logprobs): nothing is sampled
             for other in request.choices:
                 other.finish_reason = "length"
-            engine.scheduler.finish(seq)
+            scheduler.finish(seq)
             self.touched[request.request_id] = request
             return []
         targets = []
         for other in request.choices[1:]:
             child = Sequence(seq.token_ids, seq.num_prompt_tokens, owner=other)
-            engine.kv.fork(seq, child)
-            engine.scheduler.add_running(child)
+            self.host.kv.fork(seq, child)
+            scheduler.add_running(child)
             other.seq = child
             targets.append(child)
         return targets + [seq]
 
     def on_sampled(self, choice: ChoiceState, out) -> None:
-        engine = self.engine
         seq = choice.seq
         params = choice.request.params
         choice.pending_token_ids.append(out.token_id)
         if params.logprobs and out.logprob is not None:
-            choice.pending_logprobs.append(token_logprob(engine.tokenizer, out.token_id, out.logprob, out.top))
+            choice.pending_logprobs.append(token_logprob(self.tokenizer, out.token_id, out.logprob, out.top))
         is_stop_token = out.token_id in params.stop_token_ids or (
-            out.token_id in engine.eos_ids and not params.ignore_eos)
+            out.token_id in self.eos_ids and not params.ignore_eos)
         if not is_stop_token:
             choice.detok.add(out.token_id)
         if is_stop_token or choice.detok.stopped:
             choice.finish_reason = "stop"
-        elif seq.num_output_tokens >= choice.request.max_tokens or len(seq) >= engine.config.max_model_len:
+        elif seq.num_output_tokens >= choice.request.max_tokens or len(seq) >= self.max_model_len:
             choice.finish_reason = "length"
         if choice.finish_reason is not None:
-            engine.scheduler.finish(seq)
+            self.host.scheduler.finish(seq)
         self.touched[choice.request.request_id] = choice.request
 
     def emit(self) -> list[FromRuntime]:
@@ -166,7 +174,7 @@ class PlainRequests:
                     logprobs=tuple(choice.pending_logprobs) if request.params.logprobs else None,
                     finish_reason=choice.finish_reason,
                     prompt_text=request.prompt_text if is_first else None,
-                    prompt_logprobs=request.prompt_logprobs(self.engine.tokenizer) if is_first else None))
+                    prompt_logprobs=request.prompt_logprobs(self.tokenizer) if is_first else None))
                 choice.has_started = True
                 choice.has_ended = finished
                 choice.pending_token_ids.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.wire.protocol import (
@@ -25,12 +26,23 @@ class InvalidRequest(ValueError):
                             param=self.param, code=self.code)
 
 
+class ChoiceEvents(Protocol):
+    """Where a choice's logits and sampled tokens are handled (`runtime.requests.plain.PlainRequests`)."""
+
+    def on_logits(self, choice: "ChoiceState", seq: Sequence) -> list[Sequence]: ...
+
+    def on_sampled(self, choice: "ChoiceState", out) -> None: ...
+
+
 @dataclass
 class ChoiceState:
+    """One choice of a plain request, and the owner of its sequence (`runtime.kv.sequence_owner`)."""
+
     request: "RequestState"
     index: int
     sampling: SamplingState
     detok: IncrementalDetokenizer
+    events: ChoiceEvents = field(repr=False, compare=False)
     seq: Sequence | None = None
     finish_reason: str | None = None
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -46,11 +58,11 @@ class ChoiceState:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def on_logits(self, engine, seq: Sequence, row) -> list[Sequence]:
-        return engine.plain.on_logits(self, seq)
+    def on_logits(self, seq: Sequence, row) -> list[Sequence]:
+        return self.events.on_logits(self, seq)
 
-    def on_sampled(self, engine, seq: Sequence, out) -> None:
-        engine.plain.on_sampled(self, out)
+    def on_sampled(self, seq: Sequence, out) -> None:
+        self.events.on_sampled(self, out)
 
 
 @dataclass

@@ -26,8 +26,8 @@ class DecodingAhead:
 
     # -- speculative beam extension ---------------------------------------------------------------
     def _may_speculate(self) -> bool:
-        return (self.engine.config.speculative_extension and bool(self.active)
-                and self.step_index < self.search.max_steps - 1 and self.engine.has_idle_slot())
+        return (self.host.config.speculative_extension and bool(self.active)
+                and self.step_index < self.search.max_steps - 1 and self.host.has_idle_slot())
 
     def _on_speculative_token(self, path: SearchPath, out) -> None:
         self.stats["tokens_generated"] += 1
@@ -38,13 +38,13 @@ class DecodingAhead:
         if reason is not None or ends_step:
             path.spec_outcome, path.spec_finish = "step", reason
             self._end_speculation(path)
-        elif not self.active or not self.engine.has_idle_slot():
+        elif not self.active or not self.host.has_idle_slot():
             self._end_speculation(path)
 
     def _end_speculation(self, path: SearchPath) -> None:
         path.speculating = False
         self.speculating.discard(path)
-        self.engine.park_sequence(path.seq)
+        self.host.park_sequence(path.seq)
 
     def stop_speculation(self) -> None:
         """Give every idle slot back (the scheduler has other work, or the group is done)."""
@@ -53,13 +53,13 @@ class DecodingAhead:
 
     # -- look-ahead -----------------------------------------------------------------------------
     def _start_lookahead(self, path: SearchPath) -> None:
-        seq = self.engine.fork_sequence(path.seq, path.step_end)
+        seq = self.host.fork_sequence(path.seq, path.step_end)
         greedy = msgspec.structs.replace(self.params, temperature=0.0)
-        run = Lookahead(path, seq, SamplingState(greedy, 0, self.engine.device, track_logprobs=True),
+        run = Lookahead(path, seq, SamplingState(greedy, 0, self.host.device, track_logprobs=True),
                         len(seq.token_ids), self.search.lookahead, len(seq.token_ids))
         seq.owner = run
         self.lookaheads.add(run)
-        self.engine.resume_sequence(seq)
+        self.host.resume_sequence(seq)
 
     def on_lookahead_token(self, run: Lookahead, out) -> None:
         seq, path = run.seq, run.path
@@ -74,10 +74,10 @@ class DecodingAhead:
             ends = run.steps_left == 0
         if not ends:
             return
-        text = self.engine.tokenizer.decode(seq.token_ids[run.start:], skip_special_tokens=True)
+        text = self.host.tokenizer.decode(seq.token_ids[run.start:], skip_special_tokens=True)
         units = [normalize_step(u, self.search.step_delimiter) for u in text.split(self.search.step_delimiter)]
         path.lookahead_units = [u for u in units if u.strip()]
-        self.engine.release_sequence(seq)
+        self.host.release_sequence(seq)
         self.lookaheads.discard(run)
         if not self.lookaheads:
             self._submit_scores()
@@ -87,7 +87,7 @@ class DecodingAhead:
         (granularity 1, no roll-out look-ahead): a verifier may score it along with this one."""
         if path.spec_outcome is None or self.search.granularity != 1 or self.search.lookahead:
             return None
-        unit = self.engine.tokenizer.decode(path.seq.token_ids[path.step_end:], skip_special_tokens=True)
+        unit = self.host.tokenizer.decode(path.seq.token_ids[path.step_end:], skip_special_tokens=True)
         unit = normalize_step(unit, self.search.step_delimiter)
         return unit if unit.strip() else None
 

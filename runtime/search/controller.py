@@ -1,4 +1,5 @@
-"""The shared step loop of every search strategy, run on the engine's sequences.
+"""The shared step loop of every search strategy, run on the engine's sequences through the port
+it declares (`runtime.search.host`).
 
 Paths are engine sequences. Each generates one step (until the step delimiter, `max_step_tokens`,
 EOS or the length limit) and is then parked with its blocks. When no path of the request is still
@@ -24,6 +25,7 @@ from runtime.model.sampler import SamplingState, derive_seed
 from runtime.search.ahead import DecodingAhead
 from runtime.search.aggregate import normalize_step
 from runtime.search.answers import compile_answer_pattern
+from runtime.search.host import SearchHost
 from runtime.search.output import SearchOutput
 from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.strategies import Strategy, make_strategy
@@ -32,9 +34,9 @@ from scheduler.sequence import Sequence
 
 
 class SearchController(DecodingAhead, SearchOutput):
-    def __init__(self, engine, request_id: str, params: SamplingParams, search: SearchParams,
+    def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
                  prompt_ids: list[int], question: str, max_tokens: int, verifier) -> None:
-        self.engine = engine
+        self.host = host
         self.request_id = request_id
         self.params = params
         self.search = search
@@ -45,7 +47,7 @@ class SearchController(DecodingAhead, SearchOutput):
         self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
-        self.tree = TreeRecorder(request_id, engine.emit, search.include_tree)
+        self.tree = TreeRecorder(request_id, host.emit, search.include_tree)
         self.generating: set[SearchPath] = set()  # paths whose step is not done (running or queued)
         self.active: set[SearchPath] = set()  # paths of the group running now
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
@@ -86,7 +88,7 @@ class SearchController(DecodingAhead, SearchOutput):
         deadline is abandoned, its scores so far taken back, and the search answers at once."""
         if not self.pending_scores or self.is_finished or not self._out_of_time():
             return
-        self.engine.abandon_scoring(self)
+        self.host.abandon_scoring(self)
         for path, count in self.scores_before.items():
             del path.step_scores[count:]
         self.pending_scores = 0
@@ -98,7 +100,7 @@ class SearchController(DecodingAhead, SearchOutput):
         uid = self.next_uid
         self.next_uid += 1
         self.stats["paths_explored"] += 1
-        sampling = SamplingState(self.params, derive_seed(self.params.seed, uid), self.engine.device,
+        sampling = SamplingState(self.params, derive_seed(self.params.seed, uid), self.host.device,
                                  track_logprobs=True)
         path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=len(seq.token_ids),
                           step_end=len(seq.token_ids), chunk_start=len(seq.token_ids))
@@ -109,9 +111,9 @@ class SearchController(DecodingAhead, SearchOutput):
         """The prompt is computed: fork it into the initial paths, which all sample from its logits."""
         self.num_cached_tokens = root.num_cached_tokens
         self.stats["prefix_hit_tokens"] += root.num_cached_tokens
-        paths = [self._new_path(self.engine.fork_sequence(root), subtree)
+        paths = [self._new_path(self.host.fork_sequence(root), subtree)
                  for subtree in self.strategy.initial_paths()]
-        self.engine.release_sequence(root)
+        self.host.release_sequence(root)
         self.tree.change(self.tree.add(None, 0), "kept", text=self.question)  # the root, every path's node
         self._start_step(paths)
         self.tree.flush()
@@ -121,7 +123,7 @@ class SearchController(DecodingAhead, SearchOutput):
     def _step_tokens(self, path: SearchPath) -> int:
         """The most tokens `path` may decode in the step starting now."""
         used = len(path.seq.token_ids)
-        room = min(self.max_tokens - (used - len(self.prompt_ids)), self.engine.config.max_model_len - used)
+        room = min(self.max_tokens - (used - len(self.prompt_ids)), self.host.config.max_model_len - used)
         if self.step_index >= self.search.max_steps - 1:
             return max(1, room)
         return max(1, min(room, self.search.max_step_tokens))
@@ -144,13 +146,13 @@ class SearchController(DecodingAhead, SearchOutput):
             path.spec_outcome = path.spec_finish = None
             path.text = self._text(path)
             if path.is_done:
-                self.engine.release_sequence(path.seq)
+                self.host.release_sequence(path.seq)
             self.stepped.append(path)
         if not to_run:
             self._verify()
             return
         self.generating.update(to_run)
-        plan = self.engine.plan_step([p.seq for p in to_run], [self._step_tokens(p) for p in to_run])
+        plan = self.host.plan_step([p.seq for p in to_run], [self._step_tokens(p) for p in to_run])
         self.queued = deque([to_run[i] for i in group] for group in plan)
         self._next_group()
 
@@ -163,20 +165,20 @@ class SearchController(DecodingAhead, SearchOutput):
             return
         self.active = set(group)
         for path in group:
-            self.engine.resume_sequence(path.seq)
+            self.host.resume_sequence(path.seq)
         if self.queued:
-            reserve = sum(self.engine.kv.num_blocks_for(len(p.seq.token_ids) + self._step_tokens(p))
+            reserve = sum(self.host.kv.num_blocks_for(len(p.seq.token_ids) + self._step_tokens(p))
                           - len(p.seq.block_table) for p in group)
-            self.engine.prepare_group([p.seq for p in self.queued[0]], max(0, reserve))
+            self.host.prepare_group([p.seq for p in self.queued[0]], max(0, reserve))
 
     def _text(self, path: SearchPath) -> str:
-        return self.engine.tokenizer.decode(path.seq.token_ids[len(self.prompt_ids):path.step_end],
+        return self.host.tokenizer.decode(path.seq.token_ids[len(self.prompt_ids):path.step_end],
                                             skip_special_tokens=True)
 
     def _discard(self, path: SearchPath) -> None:
         """Release a path that ends here; its speculative tokens were for nothing."""
         self.spec_tokens["discarded"] += path.num_speculative
-        self.engine.release_sequence(path.seq)
+        self.host.release_sequence(path.seq)
 
     def _step_outcome(self, owner: SearchPath | Lookahead, token: int, step_start: int, *,
                       is_last_step: bool) -> tuple[str | None, bool, str]:
@@ -187,13 +189,13 @@ class SearchController(DecodingAhead, SearchOutput):
         params = self.params
         seq = owner.seq
         if owner.step_text is None or owner.step_text.start != step_start:
-            owner.step_text = StepText(self.engine.tokenizer, step_start)
+            owner.step_text = StepText(self.host.tokenizer, step_start)
         text = owner.step_text.text(seq.token_ids)
         num_step_tokens = len(seq.token_ids) - step_start
-        if token in params.stop_token_ids or (token in self.engine.eos_ids and not params.ignore_eos):
+        if token in params.stop_token_ids or (token in self.host.eos_ids and not params.ignore_eos):
             return "stop", False, text
         if (len(seq.token_ids) - len(self.prompt_ids) >= self.max_tokens
-                or len(seq.token_ids) >= self.engine.config.max_model_len):
+                or len(seq.token_ids) >= self.host.config.max_model_len):
             return "length", False, text
         if self.strategy.stops_on_boxed and "\\boxed{" in text and "}" in text.split("\\boxed{")[-1]:
             return "stop", False, text
@@ -223,18 +225,18 @@ class SearchController(DecodingAhead, SearchOutput):
         was_active = path in self.active
         self.active.discard(path)
         if path.is_done:
-            self.engine.release_sequence(seq)
+            self.host.release_sequence(seq)
         elif was_active and self._may_speculate():
             path.speculating = True
             self.speculating.add(path)
         elif was_active:
-            self.engine.park_sequence(seq)
+            self.host.park_sequence(seq)
         self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
         if not self.active and not self.advance_pending:
             # After the engine has handed out every token of this step: a speculating path's
             # token from the same batch must reach it before the search moves on.
             self.advance_pending = True
-            self.engine.defer(self._advance)
+            self.host.defer(self._advance)
 
     def _advance(self) -> None:
         """The running group is done: run the next one, or verify the step."""
@@ -264,7 +266,7 @@ class SearchController(DecodingAhead, SearchOutput):
         known = []
         for path in to_score:
             unit_ids = path.seq.token_ids[path.chunk_start:path.step_end]
-            unit = self.engine.tokenizer.decode(unit_ids, skip_special_tokens=True)
+            unit = self.host.tokenizer.decode(unit_ids, skip_special_tokens=True)
             path.chunks.append(normalize_step(unit, self.search.step_delimiter))
             if path.next_score is not None and path.next_score[0] == path.chunks[-1]:
                 known.append((path, path.next_score[1]))
@@ -350,7 +352,7 @@ class SearchController(DecodingAhead, SearchOutput):
         if not self.tree.enabled:
             return
         for path in stepped:
-            text = self.engine.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
+            text = self.host.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
                                                 skip_special_tokens=True)
             scored = (self.verify_now or path.is_done) and path.step_scores
             self.tree.change(path.node, "running", text, path.step_scores[-1] if scored else None)
@@ -364,7 +366,7 @@ class SearchController(DecodingAhead, SearchOutput):
         for uid, count in zip(expansion.parents, expansion.children):
             parent = by_uid.pop(uid)
             for _ in range(count - 1):
-                child = self._new_path(self.engine.fork_sequence(parent.seq, parent.step_end), parent.subtree)
+                child = self._new_path(self.host.fork_sequence(parent.seq, parent.step_end), parent.subtree)
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
                 child.node = parent.node  # its first step's node hangs under the parent's last one

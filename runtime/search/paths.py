@@ -1,22 +1,33 @@
-"""The owners of a search's sequences: its paths, their look-ahead forks and the prompt's root."""
+"""The owners of a search's sequences (`runtime.kv.sequence_owner`): its paths, their look-ahead
+forks and the prompt's root."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from runtime.model.detokenizer import StepText
-from runtime.model.sampler import SamplingState
+from runtime.model.sampler import SampleOutput, SamplingState
 from runtime.search.aggregate import aggregate
 from scheduler.sequence import Sequence
 
-if TYPE_CHECKING:
-    from runtime.search.controller import SearchController
+
+class PathEvents(Protocol):
+    """What the owners here tell their search (`runtime.search.controller.SearchController`)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def spawn(self, root: Sequence) -> list[Sequence]: ...
+
+    def on_token(self, path: "SearchPath", out: SampleOutput) -> None: ...
+
+    def on_lookahead_token(self, run: "Lookahead", out: SampleOutput) -> None: ...
 
 
 @dataclass(eq=False)
 class SearchPath:
-    controller: "SearchController"
+    controller: PathEvents
     uid: int
     subtree: int
     seq: Sequence
@@ -57,10 +68,10 @@ class SearchPath:
     def request_id(self) -> str:
         return self.controller.request_id
 
-    def on_logits(self, engine, seq, row):
+    def on_logits(self, seq, row):
         return [seq]
 
-    def on_sampled(self, engine, seq, out) -> None:
+    def on_sampled(self, seq, out) -> None:
         self.controller.on_token(self, out)
 
 
@@ -80,10 +91,10 @@ class Lookahead:
     def request_id(self) -> str:
         return self.path.controller.request_id
 
-    def on_logits(self, engine, seq, row):
+    def on_logits(self, seq, row):
         return [seq]
 
-    def on_sampled(self, engine, seq, out) -> None:
+    def on_sampled(self, seq, out) -> None:
         self.path.controller.on_lookahead_token(self, out)
 
 
@@ -91,11 +102,14 @@ class Lookahead:
 class SearchRoot:
     """The prompt's sequence: prefilled once, then forked into the initial paths."""
 
-    controller: "SearchController"
+    controller: PathEvents
 
     @property
     def request_id(self) -> str:
         return self.controller.request_id
 
-    def on_logits(self, engine, seq, row):
+    def on_logits(self, seq, row):
         return self.controller.spawn(seq)
+
+    def on_sampled(self, seq, out) -> None:
+        raise AssertionError("a search's prompt is never sampled: its logits go to the paths it forks")

@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from runtime.verify.host import JudgeHost
 from runtime.verify.verifiers import calculator
 from runtime.verify.verifiers.confidence import confidence_from_logprobs
 from runtime.verify.verifiers.judge import JudgeVerifier
@@ -55,17 +57,19 @@ class CalculatorScorer:
 
 @dataclass(eq=False)
 class ScoreBatch:
-    """The scores one verification asked for; the controller hears once all of them arrived."""
+    """The scores one verification asked for; the controller hears once all of them arrived, and
+    `observe` how long they took."""
 
     controller: object
     remaining: int
     started: float
+    observe: Callable[[float], None]
 
-    def scored(self, engine, path, score: float, prefilled: int, cached: int) -> None:
+    def scored(self, path, score: float, prefilled: int, cached: int) -> None:
         self.controller.on_score(path, score, prefilled=prefilled, cached=cached)
         self.remaining -= 1
         if self.remaining == 0:
-            engine.observe_verifier(time.perf_counter() - self.started)
+            self.observe(time.perf_counter() - self.started)
             self.controller.score_done()
 
 
@@ -79,25 +83,28 @@ class _ScoreJob:
     def request_id(self) -> str:
         return self.batch.controller.request_id
 
-    def on_logits(self, engine, seq: Sequence, row: torch.Tensor):
+    def on_logits(self, seq: Sequence, row: torch.Tensor):
         yes = torch.logsumexp(row[list(self.scorer.judge.yes_token_ids)], dim=-1)
         no = torch.logsumexp(row[list(self.scorer.judge.no_token_ids)], dim=-1)
         score = float(torch.sigmoid(yes - no))
         cached = seq.num_cached_tokens
-        engine.park_sequence(seq)  # kept until the next verification of its search forks from it
+        self.scorer.host.park_sequence(seq)  # kept until the next verification of its search forks from it
         self.scorer.kept.setdefault(self.batch.controller, []).append(seq)
         first, *same = self.paths
-        self.batch.scored(engine, first, score, len(seq.token_ids) - cached, cached)
+        self.batch.scored(first, score, len(seq.token_ids) - cached, cached)
         for path in same:  # asked once: nothing was prefilled for it, all of it was known
-            self.batch.scored(engine, path, score, 0, len(seq.token_ids))
+            self.batch.scored(path, score, 0, len(seq.token_ids))
         return []
+
+    def on_sampled(self, seq: Sequence, out) -> None:
+        raise AssertionError("a judge's question is only prefilled: its score is read from its logits")
 
 
 class JudgeScorer:
     name = "judge"
 
-    def __init__(self, engine, judge: JudgeVerifier) -> None:
-        self.engine = engine
+    def __init__(self, host: JudgeHost, judge: JudgeVerifier) -> None:
+        self.host = host
         self.judge = judge
         # Each search's questions of its latest verification, parked with their blocks: the next
         # question about a path begins with its previous one up to where that one's suffix began.
@@ -108,7 +115,7 @@ class JudgeScorer:
         sampled the same step) share its sequence and its score, which a second sequence would
         only compute again in the same batch, before the first one's blocks are in the cache."""
         controller.pending_scores += 1
-        batch = ScoreBatch(controller, len(paths), time.perf_counter())
+        batch = ScoreBatch(controller, len(paths), time.perf_counter(), self.host.observe_verifier)
         jobs: dict[tuple[int, ...], _ScoreJob] = {}
         for path in paths:
             units = path.scoring_units()
@@ -123,13 +130,13 @@ class JudgeScorer:
             if num_shared > 1:
                 # Its KV up to the last shared token, the partial block too (the prefix cache
                 # matches whole blocks only): only the rest is prefilled.
-                seq = self.engine.fork_prompt(parent, list(token_ids), num_shared)
+                seq = self.host.fork_prompt(parent, list(token_ids), num_shared)
                 seq.owner = job
-                self.engine.add_scoring_fork(seq, controller)
+                self.host.add_scoring_fork(seq, controller)
             else:
-                self.engine.add_scoring_sequence(Sequence(list(token_ids), owner=job), controller)
+                self.host.add_scoring_sequence(Sequence(list(token_ids), owner=job), controller)
         for seq in kept:
-            self.engine.release_sequence(seq)
+            self.host.release_sequence(seq)
 
 
 def longest_shared(seqs: list[Sequence], token_ids: tuple[int, ...]) -> tuple[Sequence | None, int]:

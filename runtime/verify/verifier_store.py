@@ -19,6 +19,7 @@ import torch
 
 from runtime.model.model_runner import ModelRunner
 from runtime.model.row_padding import padding_for
+from runtime.verify.host import VerifierHost
 from runtime.verify.scoring import ScoreBatch
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence
@@ -40,18 +41,17 @@ class ScoreJob:
 
 class VerifierStore:
     def __init__(self, name: str, verifier, shape: KVShape, num_blocks: int, max_batched_tokens: int,
-                 engine) -> None:
+                 host: VerifierHost, *, max_model_len: int, batch_invariant: bool | str) -> None:
         self.name = name
         self.verifier = verifier
-        self.engine = engine
+        self.host = host
         model = verifier.model
         self.device = next(model.parameters()).device
         self.pool = BlockPool(num_blocks, shape.block_size)
         self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode())
         self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
-        # Where the generator is served without padding, so is its reward model.
-        padding = padding_for(model, engine.config.batch_invariant if engine.padding else False, max_batched_tokens,
-                              max_model_len=engine.config.max_model_len, block_size=shape.block_size)
+        padding = padding_for(model, batch_invariant, max_batched_tokens, max_model_len=max_model_len,
+                              block_size=shape.block_size)
         self.runner = ModelRunner(model, self.cache, padding)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
@@ -80,13 +80,13 @@ class VerifierStore:
     def submit(self, controller, paths) -> None:
         """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
         controller.pending_scores += 1
-        batch = ScoreBatch(controller, len(paths), time.perf_counter())
+        batch = ScoreBatch(controller, len(paths), time.perf_counter(), self.host.observe_verifier)
         capacity = self.pool.num_blocks * self.pool.block_size
         for path in paths:
             units = path.scoring_units()
             last = self.verifier.build_inputs(controller.question, units)[-1]
             if len(last.token_ids) > capacity:
-                self.engine.fail_request(controller.request_id, f"the verifier input of {len(last.token_ids)} "
+                self.host.fail_request(controller.request_id, f"the verifier input of {len(last.token_ids)} "
                                          f"tokens exceeds the {self.name} verifier's KV store")
                 return
             read = last.read_positions[-1]
@@ -119,7 +119,7 @@ class VerifierStore:
             if not self.kv.admit(job.seq, len(job.seq.token_ids), max_cached_tokens=job.read_position):
                 if jobs:
                     break
-                self.engine.fail_request(job.controller.request_id, "the verifier's KV store cannot hold "
+                self.host.fail_request(job.controller.request_id, "the verifier's KV store cannot hold "
                                          "one scoring sequence")
                 continue
             self.queue.popleft()
@@ -148,7 +148,7 @@ class VerifierStore:
             self.tokens_cached += cached
             if getattr(job.controller, "is_finished", False):
                 continue
-            job.batch.scored(self.engine, job.path, score, computed, cached)
+            job.batch.scored(job.path, score, computed, cached)
 
     def abort(self, controller) -> None:
         self.queue = deque(job for job in self.queue if job.controller is not controller)

@@ -1,0 +1,53 @@
+"""What the KV room's long-lived parts ask of the engine (their ports); the engine satisfies them.
+
+The engine builds its compute pool (KV tensor, block pool, KV manager, scheduler) anew when tiers
+are attached under `token`, attaches the tiers after it is made, and re-chooses the batch caps as
+its search load changes: those are read through these ports at each use. What stays fixed (the
+model, the settings) is handed over when the part is made.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from runtime.kv.kv_tiers import TieredPrefixCache
+from scheduler.kv_manager import KVManager
+from scheduler.roofline import BatchCaps
+from scheduler.scheduler import Scheduler
+from storage.block_pool import BlockPool
+from storage.kv_cache import KVCache
+from storage.tiers import TierChain
+
+
+class PoolHost(Protocol):
+    """The compute pool as it is now, its queues, and the prefix cache's tiers below it if attached."""
+
+    @property
+    def pool(self) -> BlockPool: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def tiers(self) -> TieredPrefixCache | None: ...
+
+
+class PlannerHost(PoolHost, Protocol):
+    """For `runtime.kv.beam_groups.StepPlanner`: what a search step's groups must fit."""
+
+    @property
+    def kv(self) -> KVManager: ...
+
+    @property
+    def kv_caps(self) -> BatchCaps | None: ...
+
+
+class StreamHost(PoolHost, Protocol):
+    """For `runtime.kv.streamed.StreamedRequests`: the compute tier it borrows whole, and the tiers
+    below it its own tiers are sized by."""
+
+    @property
+    def cache(self) -> KVCache: ...
+
+    @property
+    def tier_chain(self) -> TierChain | None: ...
