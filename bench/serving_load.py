@@ -36,8 +36,8 @@ from bench.report import columns, emit
 PROMPT = "Write a short story about robot number {client}-{request}, who learns to paint."
 
 
-def _body(client: int, request: int, max_tokens: int) -> dict:
-    return {"model": "bench", "messages": [{"role": "user", "content": PROMPT.format(client=client, request=request)}],
+def _body(model: str, client: int, request: int, max_tokens: int) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": PROMPT.format(client=client, request=request)}],
             "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
 
 
@@ -66,10 +66,11 @@ async def _stream(http: httpx.AsyncClient, base: str, body: dict) -> dict:
 
 async def _clients(base: str, clients: int, requests: int, max_tokens: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as http:
-        await _stream(http, base, _body(-1, 0, 8))  # warm-up
+        model = (await http.get(base + "/v1/models")).json()["data"][0]["id"]  # the name it serves
+        await _stream(http, base, _body(model, -1, 0, 8))  # warm-up
 
         async def client(index: int) -> list[dict]:
-            return [await _stream(http, base, _body(index, r, max_tokens)) for r in range(requests)]
+            return [await _stream(http, base, _body(model, index, r, max_tokens)) for r in range(requests)]
 
         started = time.perf_counter()
         streams = [s for per_client in await asyncio.gather(*(client(i) for i in range(clients))) for s in per_client]
