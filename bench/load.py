@@ -354,6 +354,22 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def wait_until(proc: subprocess.Popen, name: str, log_path: Path, ready, timeout_s: float,
+               interval_s: float = 0.2) -> None:
+    """Poll `ready()` (an HTTP error or a bad body counts as not yet) until it is true; raise if `proc`
+    exits first (with the tail of its log) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited early:\n{log_path.read_text()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if ready():
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} was not ready within {timeout_s:.0f} s")
+        time.sleep(interval_s)
+
+
 @contextlib.contextmanager
 def serve(model: Path, log_path: Path, device: str = "auto", env: dict | None = None,
           timeout_s: float = 300.0) -> Iterator[str]:
@@ -367,16 +383,8 @@ def serve(model: Path, log_path: Path, device: str = "auto", env: dict | None = 
                                 cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited early:\n{log_path.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the server was not healthy within {timeout_s:.0f} s")
-            time.sleep(0.2)
+        wait_until(proc, "the server", log_path, lambda: httpx.get(base + "/health", timeout=2).status_code == 200,
+                   timeout_s)
         yield base
     finally:
         stop(proc)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import _round, build_tiny_model, free_port, percentile, serve, stop
+from bench.load import _round, build_tiny_model, free_port, percentile, serve, stop, wait_until
 from bench.report import columns, emit
 
 ROUTED = "x-smg-routed-worker-id"  # smg's response header naming the replica it chose
@@ -74,16 +74,9 @@ def router(workers: list[str], policy: str, log_path: Path, timeout_s: float = 1
              "--worker-startup-check-interval", "1", "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"smg exited early:\n{log_path.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if httpx.get(base + "/readiness", timeout=2).json().get("healthy_workers") == len(workers):
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("smg did not count every replica healthy")
-            time.sleep(0.5)
+        wait_until(proc, "smg", log_path,
+                   lambda: httpx.get(base + "/readiness", timeout=2).json().get("healthy_workers") == len(workers),
+                   timeout_s, interval_s=0.5)
         yield base
     finally:
         stop(proc)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import free_port, serve, stop
+from bench.load import free_port, serve, stop, wait_until
 from bench.report import columns, emit
 
 PROMPT = "Write a short story about robot number {client}-{request}, who learns to paint."
@@ -94,16 +94,8 @@ def llama_server(binary: str, model: Path, parallel: int, threads: int, context:
                                  "-tb", str(threads)], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited early:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("llama-server was not healthy within 120 s")
-            time.sleep(0.2)
+        wait_until(proc, "llama-server", log_path,
+                   lambda: httpx.get(base + "/health", timeout=2).status_code == 200, 120)
         yield base
     finally:
         stop(proc)
