@@ -67,8 +67,7 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         model_key += f"|quantize={quantized.mode}|{quantized.detail}".encode()
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
-    engine = Engine(model, tokenizer, config, model_key)
-    engine.quantized = quantized
+    engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter)
     if options.host_kv_memory_bytes > 0 or options.disk_kv_dir:
         engine.attach_tiers(_tier_chain(options, engine.tier_payload_shape, engine.cache.dtype, engine.device, model_key))
     for name, verifier in verifiers.items():
@@ -84,8 +83,6 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                                                 max_model_len=config.max_model_len,
                                                 # where the generator is served without padding, so is its reward model
                                                 batch_invariant=config.batch_invariant if engine.padding else False))
-    # The engine asks the splitter for batch caps when its search load changes (None: static split).
-    engine.kv_split = splitter
     return engine, source
 
 

@@ -14,6 +14,7 @@ from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
 from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
+from runtime.model.quantize import Quantized
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.plain import PlainRequests
 from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
@@ -53,7 +54,10 @@ class Engine:
     Nothing below it holds the engine: each part declares the port it needs (runtime.requests.host,
     runtime.search.host, runtime.verify.host, runtime.kv.host), which the engine satisfies."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"") -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"", *,
+                 quantized: Quantized | None = None, kv_split=None) -> None:
+        """`quantized`: what the `quantize` setting made of the model's layers (float weights when
+        not given); `kv_split`: the roofline KV split (runtime.kv.kv_split), or None for a static one."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -68,7 +72,8 @@ class Engine:
                                    max_model_len=config.max_model_len, block_size=config.block_size)
         self._build_pool(config.num_blocks)
         self.streamed = check_granularity(self, model, config, model_key)
-        self.kv_split = None  # the roofline KV split (runtime.kv.kv_split), when configured
+        self.quantized = quantized or Quantized("none", "none", 0, "float weights")
+        self.kv_split = kv_split
         self.kv_caps = None  # its batch caps for the search load now
         self.plain = PlainRequests(self, tokenizer, self.eos_ids, self.device, config.max_model_len, self.streamed)
         self.requests: dict[str, RequestState] = self.plain.requests
