@@ -1,6 +1,7 @@
 """The README's search example, timed in-process on the engine `ponder serve` builds.
 
-    ponder bench example [--model PATH] [--quick] [--deterministic] [--json PATH]
+    ponder bench example [--model PATH] [--quick] [--deterministic] [--verifier NAME] [--max-tokens N]
+                         [--json PATH]
 
 The request is the one the README's performance section times: a chat completion with a beam search
 (n 16, beam width 4, the `judge` verifier), `max_tokens` 512, OpenAI `n` 2, seed 42, temperature 0.8.
@@ -11,7 +12,10 @@ process drives it: `add_request`, then `step` until idle. The model load is not 
 Reported: seconds, generated tokens, tok/s, the search's own split (seconds generating and
 verifying, judge tokens prefilled), and what the engine's model steps were: decode steps (every
 row one token) with their mean batch size and seconds, and prefill steps (prompt, judge questions)
-with their tokens and seconds. `--quick` is a small search for a smoke run.
+with their tokens and seconds. Then the same engine decodes 16 sampled sequences of the example's
+prompt as one plain request (`n` 16, 64 tokens; 8 with `--quick`), and the search's tokens per second
+are given as a fraction of that rate: how close the search explores at the engine's own speed.
+`--verifier` and `--max-tokens` change the example's; `--quick` is a small search for a smoke run.
 """
 
 from __future__ import annotations
@@ -79,26 +83,46 @@ def example_request(body: dict, settings: Settings, request_id: str) -> Generate
                            search=chat.search.to_params(False, settings.search.max_timeout_s))
 
 
-def run(model: str | None, quick: bool, deterministic: bool = False) -> dict:
+def run(model: str | None, quick: bool, deterministic: bool = False, verifier: str | None = None,
+        max_tokens: int | None = None) -> dict:
     settings = Settings.load(None, model={"path": model}, scheduler={"batch_invariant": deterministic or None})
     engine, source = build_engine(settings.runtime_options())
     steps = StepLog(engine.runner)
-    request = example_request(QUICK if quick else EXAMPLE, settings, "bench-example")
+    body = dict(QUICK if quick else EXAMPLE)
+    body["search"] = {**body["search"], **({"verifier": verifier} if verifier else {})}
+    body["max_tokens"] = max_tokens or body["max_tokens"]
+    request = example_request(body, settings, "bench-example")
     _, finished, seconds = searched(engine, request)
     summary = finished.search
     spec = engine.stats["speculative_tokens"]
+    model_steps = steps.summary()
+    engine.runner.execute = steps.execute  # the plain rate runs unobserved
+    plain = plain_rate(engine, request, 8 if quick else 64)
     return {"model": source.name, "quantize": engine.quantized.mode, "threads": torch.get_num_threads(),
             "deterministic": engine.padding is not None,
-            "request": QUICK if quick else EXAMPLE, "seconds": round(seconds, 2),
+            "request": body, "seconds": round(seconds, 2),
             "tokens_generated": summary.tokens_generated,
             "tok_s": round(summary.tokens_generated / seconds, 1),
+            "plain_16_tok_s": round(plain, 1),
+            "vs_plain_16": round(summary.tokens_generated / seconds / plain, 2),
             "seconds_generating": round(summary.seconds_generating, 2),
             "seconds_verifying": round(summary.seconds_verifying, 2),
             "verifier_tokens_prefilled": summary.verifier_tokens_prefilled,
             "verifier_calls": summary.verifier_calls, "steps": summary.steps,
             "paths_explored": summary.paths_explored, "prefix_hit_tokens": summary.prefix_hit_tokens,
             "speculative_tokens_used": spec.get("used", 0), "speculative_tokens_discarded": spec.get("discarded", 0),
-            **steps.summary()}
+            **model_steps}
+
+
+def plain_rate(engine, request: GenerateRequest, tokens: int) -> float:
+    """The engine's tokens/s for 16 sampled sequences of `request`'s prompt (one plain request, n 16),
+    the best of two runs after a warm-up."""
+    from bench.decode import engine_tokens_per_s
+
+    text = engine.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=False)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    engine_tokens_per_s(engine, ids, 16, 4)
+    return max(engine_tokens_per_s(engine, ids, 16, tokens)["tokens_per_s"] for _ in range(2))
 
 
 def table(r: dict) -> str:
@@ -108,6 +132,8 @@ def table(r: dict) -> str:
             f"n={search['n']} width={search['beam_width']}, {search['verifier']}, max_tokens "
             f"{r['request']['max_tokens']}, seed {r['request']['seed']}")
     rows = [["seconds", r["seconds"]], ["generated tokens", r["tokens_generated"]], ["tok/s", r["tok_s"]],
+            ["plain n=16 tok/s (same engine)", r["plain_16_tok_s"]],
+            ["search tok/s / plain n=16", f"{r['vs_plain_16']:.2f}x"],
             ["s generating", r["seconds_generating"]], ["s verifying", r["seconds_verifying"]],
             ["judge tokens prefilled", r["verifier_tokens_prefilled"]],
             ["search steps", r["steps"]], ["paths explored", r["paths_explored"]],
@@ -128,9 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deterministic", action="store_true",
                         help="as `ponder serve --deterministic`: the same tokens however the engine batches them, "
                              "so two versions of the engine can be compared on the very same search")
+    parser.add_argument("--verifier", default=None, help="the search's verifier (default: the example's, judge)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="the search's max_tokens (default: the example's)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    results = run(args.model, args.quick, args.deterministic)
+    results = run(args.model, args.quick, args.deterministic, args.verifier, args.max_tokens)
     emit(results, table(results), args.json_path)
     return 0
 

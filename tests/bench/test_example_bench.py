@@ -33,6 +33,15 @@ def test_quick_run_reports_the_search_and_its_model_steps(tiny_llama, tmp_path, 
     assert results["decode_steps"] > 0 and results["prefill_steps"] >= 1
     assert results["decode_mean_batch"] == round(results["decode_rows"] / results["decode_steps"], 2)
     assert results["prefill_tokens"] >= results["verifier_tokens_prefilled"]
+    # The same engine's plain n=16 rate, and the search's as a fraction of it.
+    assert results["plain_16_tok_s"] > 0
+    assert abs(results["vs_plain_16"] - results["tok_s"] / results["plain_16_tok_s"]) < 0.02  # both rounded
+
+
+def test_the_verifier_and_length_can_be_changed(tiny_llama, capsys):
+    results = bench_example.run(str(tiny_llama), True, verifier="confidence", max_tokens=12)
+    assert results["request"]["search"]["verifier"] == "confidence" and results["request"]["max_tokens"] == 12
+    assert results["verifier_tokens_prefilled"] == 0 and 0 < results["tokens_generated"] <= 12 * 2 * 4
 
 
 def test_deterministic_runs_give_the_same_search(tiny_llama, capsys):
