@@ -3,9 +3,9 @@
     python -m runtime.preflight < encoded RuntimeOptions
 
 The runtime process runs `problem` first and says what it found before it loads anything (`ponder
-serve` starts that process before it binds its port, and stops there on a problem), so a setting this machine cannot honour (`--device cuda` without
-CUDA, a dtype the device only emulates) stops start-up with one line naming the setting instead of
-leaving a server up that answers 503. Exit status 2 and the line on stderr on a bad setting; 3 for a checkpoint that would leave a weight at
+serve` starts that process before it binds its port, and stops there on a problem), so a setting
+this machine cannot honour (`--device cuda` without CUDA, a dtype the device only emulates) stops
+start-up with one line naming the setting instead of leaving a server up that answers 503. Exit status 2 and the line on stderr on a bad setting; 3 for a checkpoint that would leave a weight at
 random or holds tensors nothing reads (runtime.model.loader.check_loading).
 """
 

@@ -1,7 +1,8 @@
 """The runtime process: `python -m runtime.process --fd N`.
 
 Reads `RuntimeOptions` then requests from the socket inherited as fd N, checks the settings and
-says so (`SettingsChecked`; it ends there on a problem), loads the model, answers `Ready`, and runs the engine loop: drain incoming messages, run one step, send what it produced.
+says so (`SettingsChecked`; it ends there on a problem), loads the model, answers `Ready`, and runs
+the engine loop: drain incoming messages, run one step, send what it produced.
 Statistics go out every `stats_interval_s`. The process exits when the socket closes.
 """
 

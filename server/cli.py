@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
-    module = importlib.import_module(f"bench.{args.name}")
+    module = importlib.import_module(f"bench.{args.name.replace('-', '_')}")  # serving-load: bench.serving_load
     return module.main(args.args)
 
 

@@ -69,6 +69,18 @@ def test_cli_help_lists_the_documented_flags():
         assert flag in out
 
 
+def test_every_bench_name_the_cli_offers_is_a_benchmark_with_a_main():
+    import importlib
+
+    from server.cli import build_parser
+
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    names = next(action.choices for action in bench._actions if action.dest == "name")
+    assert "serving-load" in names and "timeout" in names
+    for name in names:
+        assert callable(importlib.import_module(f"bench.{name.replace('-', '_')}").main), name
+
+
 def test_a_bad_setting_stops_start_up_with_one_line_naming_it(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nquantize = "int3"\n')
