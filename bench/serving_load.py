@@ -43,6 +43,13 @@ def _body(model: str, client: int, request: int, max_tokens: int) -> dict:
 
 async def _stream(http: httpx.AsyncClient, base: str, body: dict) -> dict:
     """One streamed chat completion: seconds to the first and last content token, tokens received."""
+    try:
+        return await _timed_stream(http, base, body)
+    except httpx.HTTPError as exc:  # say which server failed
+        raise RuntimeError(f"{base}: {type(exc).__name__}: {exc}") from exc
+
+
+async def _timed_stream(http: httpx.AsyncClient, base: str, body: dict) -> dict:
     started = time.perf_counter()
     first = last = None
     tokens = 0

@@ -254,6 +254,8 @@ bool supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+constexpr int64_t kInlineKeys = 4096;  // (key, KV head) pairs below which a call runs on one thread
+
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
                       const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out,
                       double softcap, int64_t window) {
@@ -299,7 +301,12 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
   // Each thread takes a contiguous range of items. A prompt's queries come in order of their
   // context, so items are taken from both ends in turn (shortest, longest, second shortest, ...):
   // every range holds about the same number of keys. The order never changes a query's arithmetic.
-  at::parallel_for(0, G * KVH, 1, [&](int64_t i0, int64_t i1) {
+  // A call with few keys in all (one stream's decode step) runs on the calling thread alone: waking
+  // the others and waiting for them costs more than they save, most of all on a busy machine.
+  int64_t keys = 0;
+  for (int64_t g = 0; g < G; ++g) keys += cp[g];
+  const int64_t grain = keys * KVH < kInlineKeys ? G * KVH : 1;
+  at::parallel_for(0, G * KVH, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(shared * longest);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t k = i / KVH, h = i % KVH, g = k % 2 ? G - 1 - k / 2 : k / 2;
