@@ -284,10 +284,10 @@ class Engine:
             controller.check_deadline()  # a search past its deadline answers now, verified or not
         if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
             return self._drain()
-        self.pacer.pace(self.scheduler, self.verifier_stores, self.searches.values())
+        token_cap = self.pacer.token_cap(self.searches.values())  # a search's deadline: shorter steps
         for store in self.verifier_stores:
             if store.has_work:
-                store.step()
+                store.step(token_cap)
         if self.scheduler.waiting:  # speculation only fills slots nothing else wants
             for controller in self.searches.values():
                 controller.stop_speculation()
@@ -296,7 +296,7 @@ class Engine:
             for seq in list(self.scheduler.waiting)[:min(room, 8)]:
                 self.tiers.promote_prefix(seq)
         try:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(token_cap)
         except MemoryError as exc:
             return self._fail_blocked(str(exc))
         self.stats["preemptions"] += len(plan.preempted) + len(plan.released)

@@ -47,7 +47,6 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.token_cap: int | None = None  # a tighter budget for the next step (a search's deadline)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Parked sequences (search paths between steps), oldest first. They give up their blocks
@@ -117,10 +116,10 @@ class Scheduler:
             self.kv.free(seq)
             seq.num_preemptions += 1
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_cap: int | None = None) -> SchedulerOutput:
+        """The next step; `token_cap`: fewer tokens than `max_num_batched_tokens` (a search's deadline)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens if self.token_cap is None else min(self.max_num_batched_tokens,
-                                                                                 self.token_cap)
+        budget = self.max_num_batched_tokens if token_cap is None else min(self.max_num_batched_tokens, token_cap)
 
         index = 0
         while index < len(self.running) and budget > 0:

@@ -32,18 +32,12 @@ class StepPacer:
         old = self.seconds_per_token
         self.seconds_per_token = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
 
-    def token_cap(self, budgets: Iterable[float]) -> int | None:
-        """The most tokens a step may hold while searches with these `timeout_s` are live; None: no cap
-        (no such search, or no rate measured yet)."""
-        budget = min(budgets, default=None)
+    def token_cap(self, searches: Iterable) -> int | None:
+        """The most tokens the next step may hold, for the live `searches` (runtime.search.controller)
+        with a deadline; None: no cap (no such search, or no rate measured yet). The engine gives it to
+        its scheduler and to every reward model's store."""
+        budget = min((s.search.timeout_s for s in searches if s.deadline is not None and not s.is_finished),
+                     default=None)
         if budget is None or self.seconds_per_token is None:
             return None
         return max(self.smallest_step, int((0.05 * budget + 0.25) / self.seconds_per_token))
-
-    def pace(self, scheduler, stores: Iterable, searches: Iterable) -> None:
-        """Cap the generator's scheduler and every reward model's store for the step about to run, for
-        the live `searches` (runtime.search.controller) that have a deadline."""
-        cap = self.token_cap(s.search.timeout_s for s in searches if s.deadline is not None and not s.is_finished)
-        scheduler.token_cap = cap
-        for store in stores:
-            store.pace_cap = cap

@@ -55,7 +55,6 @@ class VerifierStore:
         self.runner = ModelRunner(model, self.cache, padding)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
-        self.pace_cap: int | None = None  # and for the next step (a search's deadline: runtime.search.pacing)
         self.last_input_tokens = 0  # mean verifier input of the latest submission (the load, for the split)
         self.queue: deque[ScoreJob] = deque()
         self.tokens_prefilled = 0
@@ -75,7 +74,9 @@ class VerifierStore:
 
     @property
     def step_token_budget(self) -> int:
-        return min(cap for cap in (self.max_batched_tokens, self.prefill_token_cap, self.pace_cap) if cap is not None)
+        if self.prefill_token_cap is None:
+            return self.max_batched_tokens
+        return min(self.max_batched_tokens, self.prefill_token_cap)
 
     def submit(self, controller, paths) -> None:
         """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
@@ -105,10 +106,11 @@ class VerifierStore:
         if paths:
             self.last_input_tokens = sum(len(job.seq.token_ids) for job in list(self.queue)[-len(paths):]) // len(paths)
 
-    def step(self) -> None:
-        """Prefill as many queued jobs as fit, read their scores, release their blocks to the cache."""
+    def step(self, token_cap: int | None = None) -> None:
+        """Prefill as many queued jobs as fit, read their scores, release their blocks to the cache;
+        `token_cap`: a tighter budget for this step (a search's deadline: runtime.search.pacing)."""
         jobs: list[ScoreJob] = []
-        budget = self.step_token_budget
+        budget = self.step_token_budget if token_cap is None else min(self.step_token_budget, token_cap)
         while self.queue:
             job = self.queue[0]
             if getattr(job.controller, "is_finished", False):
