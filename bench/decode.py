@@ -56,6 +56,12 @@ def _request(prompt_ids: list[int], n: int, tokens: int) -> GenerateRequest:
                                                    seed=0, ignore_eos=True))
 
 
+def chat_prompt_ids(tokenizer, messages) -> list[int]:
+    """The token ids a chat request's `messages` become: the chat template, no added special tokens."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def engine_tokens_per_s(engine, prompt_ids: list[int], n: int, tokens: int) -> dict:
     engine.add_request(_request(prompt_ids, n, tokens))
     engine.step()  # prefill and the first token of every sequence
@@ -158,8 +164,7 @@ def run(model: str | None, tokens: int, parallel: int, systems: list[str], profi
         engine, _ = build_engine(RuntimeOptions(model=model, device="cpu", max_num_seqs=max(64, parallel),
                                                 **PONDER[name]))
         if prompt_ids is None:
-            text = engine.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-            prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            prompt_ids = chat_prompt_ids(engine.tokenizer, PROMPT)
         engine_tokens_per_s(engine, prompt_ids, 1, 8)  # warm-up
         entry = {"system": name, "setting": engine.quantized.describe(), "weight_bytes": step_weight_bytes(engine.model),
                  **{f"tokens_per_s_{key}": best_of(repeats, lambda n=n: engine_tokens_per_s(engine, prompt_ids, n, tokens))
@@ -181,9 +186,7 @@ def run(model: str | None, tokens: int, parallel: int, systems: list[str], profi
         if prompt_ids is None:
             from runtime.model.loader import load_tokenizer
 
-            tokenizer = load_tokenizer(source)
-            text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+            prompt_ids = chat_prompt_ids(load_tokenizer(source), PROMPT)
         results["systems"].append({"system": "transformers", "setting": "generate, float32, eager, sdpa",
                                    "weight_bytes": step_weight_bytes(hf),
                                    **{f"tokens_per_s_{key}": best_of(repeats, lambda n=n: hf_tokens_per_s(

@@ -117,12 +117,11 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
 def plain_rate(engine, request: GenerateRequest, tokens: int) -> float:
     """The engine's tokens/s for 16 sampled sequences of `request`'s prompt (one plain request, n 16),
     the best of two runs after a warm-up."""
-    from bench.decode import engine_tokens_per_s
+    from bench.decode import best_of, chat_prompt_ids, engine_tokens_per_s
 
-    text = engine.tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=False)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = chat_prompt_ids(engine.tokenizer, request.messages)
     engine_tokens_per_s(engine, ids, 16, 4)
-    return max(engine_tokens_per_s(engine, ids, 16, tokens)["tokens_per_s"] for _ in range(2))
+    return best_of(2, lambda: engine_tokens_per_s(engine, ids, 16, tokens))["tokens_per_s"]
 
 
 def table(r: dict) -> str:

@@ -110,16 +110,14 @@ def llama_server(binary: str, model: Path, parallel: int, threads: int, context:
 
 def in_process_rate(model: Path, max_tokens: int) -> float:
     """One greedy stream's decode tokens/s in the engine `ponder serve` builds, in this process."""
-    from bench.decode import engine_tokens_per_s
+    from bench.decode import best_of, chat_prompt_ids, engine_tokens_per_s
     from runtime.bootstrap import build_engine
     from server.config import Settings
 
     engine, _ = build_engine(Settings.load(None, model={"path": str(model)}).runtime_options())
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT.format(client=0, request=0)}],
-                                                add_generation_prompt=True, tokenize=False)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    ids = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": PROMPT.format(client=0, request=0)}])
     engine_tokens_per_s(engine, ids, 1, 8)  # warm-up
-    rate = max(engine_tokens_per_s(engine, ids, 1, max_tokens)["tokens_per_s"] for _ in range(3))
+    rate = best_of(3, lambda: engine_tokens_per_s(engine, ids, 1, max_tokens))["tokens_per_s"]
     engine.close()
     return rate
 

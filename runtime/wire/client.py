@@ -63,7 +63,6 @@ class SpawnedRuntime:
     reads its verdict (`settings_checked`) before binding a port. The client then adopts it."""
 
     def __init__(self, options: RuntimeOptions) -> None:
-        self.options = options
         self.sock, child = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.process", "--fd", str(child.fileno())],
                                      pass_fds=[child.fileno()], env=runtime_environment())
