@@ -50,7 +50,7 @@ def serve(channel: Channel) -> None:
     options = decode_options(raw)
     from runtime.preflight import problem
 
-    with contextlib.redirect_stderr(io.StringIO()):  # the verdict is the one line: no progress bars
+    with quiet():
         verdict = problem(options)
     channel.send(verdict)
     if verdict.problem is not None:
@@ -153,6 +153,19 @@ def _loop(channel: Channel, engine, options) -> None:
         if now - last_stats >= options.stats_interval_s:
             channel.send(engine.runtime_stats())
             last_stats = now
+
+
+@contextlib.contextmanager
+def quiet():
+    """The settings check speaks only through its verdict: no progress bars, and no log records
+    (transformers sends its load report to the root logger where `CI` is set). The load that follows
+    logs what it finds."""
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def check_when_idle(engine) -> bool:

@@ -8,6 +8,7 @@ loader uses), then damaged the way real downloads are: a tensor dropped, a tenso
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from runtime.verify.verifiers.registry import check_verifier, load_verifier
 from tests.conftest import build_model
 
 ROOT = Path(__file__).resolve().parents[3]
+# With CI set, transformers hands its load report to the root logger: the one line must hold there too.
+LOUD = {**os.environ, "CI": "true"}
 
 
 def edit_tensors(directory: Path, edit) -> Path:
@@ -111,7 +114,7 @@ def test_a_damaged_generator_is_refused_when_checked_and_when_loaded(generator_d
 def test_serve_stops_at_start_up_with_one_line_for_a_damaged_generator(generator_dir):
     edit_tensors(generator_dir, dropped("model.norm.weight"))
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(generator_dir),
-                          "--port", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          "--port", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300, env=LOUD)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1
     assert out.stderr.startswith(f"ponder: refusing the checkpoint {generator_dir}: 1 model parameter(s) "
@@ -125,7 +128,7 @@ def test_serve_stops_at_start_up_with_one_line_for_a_damaged_verifier(generator_
     config.write_text(f'[verifiers.shepherd]\nkind = "math-shepherd"\npath = "{verifier}"\n')
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(generator_dir),
                           "--config", str(config), "--port", "1"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, env=LOUD)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1
     assert out.stderr.startswith(f"ponder: refusing the checkpoint {verifier}: 1 model parameter(s) missing "
