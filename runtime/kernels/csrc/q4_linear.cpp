@@ -6,7 +6,7 @@
 // described at `tile` in q4_tile.h): codes [N / 8, 4 K] bytes, d and m [N / 8, K / 32, 8] float16,
 // N rounded up to a block. Activations are quantized per group of 32 to int8 on the way in, as
 // llama.cpp does for these blocks, so a group's inner product is an exact integer (vpdpbusd with
-// AVX512-VNNI, maddubs + madd with AVX2), rescaled in float32 in a fixed order: each output depends
+// AVX512-VNNI, maddubs summed in int16 lanes and widened once a group with AVX2), rescaled in float32 in a fixed order: each output depends
 // only on its own row and column, so a row's bits never depend on the batch, the thread count or the
 // instruction set.
 //
@@ -30,10 +30,15 @@ namespace {
 #pragma GCC target("avx2,fma,f16c")
 #define Q4_NAMESPACE avx2
 #define Q4_ROWS 4  // rows a tile: 16 vector registers
-#define Q4_DOT(acc, q, x) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)))
-// codes <= 15 and |x| <= 127, so a pair of products fits int16 and maddubs never saturates.
+// The chains stay in int16 lanes (a lane is the sum of 2 products a chunk, 8 over a group's two chains) and
+// are widened once a group: codes <= 15 and |x| <= 127, so a lane holds at most 8 * 2 * 15 * 127 = 30480,
+// maddubs never saturates and every sum is exact. One int16 multiply-add a group instead of one a chunk
+// (the multiplier is the bottleneck on CPUs that split 256-bit operations, e.g. AMD Zen 1).
+#define Q4_DOT(acc, q, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, x))
+#define Q4_SUM(a, b) _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1))
 #include "q4_tile.h"
 #undef Q4_DOT
+#undef Q4_SUM
 #undef Q4_NAMESPACE
 #undef Q4_ROWS
 #pragma GCC pop_options
@@ -43,8 +48,10 @@ namespace {
 #define Q4_NAMESPACE vnni
 #define Q4_ROWS 8  // rows a tile: 32 vector registers
 #define Q4_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
+#define Q4_SUM(a, b) _mm256_add_epi32(a, b)
 #include "q4_tile.h"
 #undef Q4_DOT
+#undef Q4_SUM
 #undef Q4_NAMESPACE
 #undef Q4_ROWS
 #pragma GCC pop_options

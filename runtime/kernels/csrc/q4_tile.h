@@ -1,5 +1,6 @@
 // The int4 kernel's body, compiled once per instruction set by q4_linear.cpp, which defines
-// Q4_NAMESPACE, Q4_DOT(acc, codes, xq) (acc plus 8 int32 lanes, each the sum of 4 code * activation products),
+// Q4_NAMESPACE, Q4_DOT(acc, codes, xq) (acc plus, in each 32-bit lane, the sum of its 4 code * activation
+// products), Q4_SUM(a, b) (the two chains' sums as 8 int32 lanes),
 // Q4_ROWS (rows a tile, as many as the vector registers allow)
 // and the target before including it. Every integer sum is exact, so both instruction sets give
 // the same bits.
@@ -86,7 +87,7 @@ void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, i
       }
     }
     for (int r = 0; r < TR; ++r) {
-      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a[r], b[r])), _mm256_set1_ps(xscale[r * G + g]));
+      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(Q4_SUM(a[r], b[r])), _mm256_set1_ps(xscale[r * G + g]));
       acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
     }
     if (m != nullptr) {

@@ -31,6 +31,17 @@ def test_exact_activations_give_the_exact_product():
     assert torch.equal(layer.dequantized().double(), weights)
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_largest_sums_do_not_saturate(sign):
+    # Every code 15 against every activation +-127: the largest group sum the kernel can meet (AVX2 keeps
+    # a group's partial sums in int16 lanes, up to 8 * 2 * 15 * 127 = 30480), still exact.
+    layer, codes, _, _ = random_layer()
+    codes.fill_(15)
+    layer = Int4Linear(codes, torch.full((40, 3), 2 ** -4), torch.full((40, 3), -(2 ** -1)))
+    x = torch.full((3, 96), 127.0 * sign)
+    assert torch.equal(layer(x).double(), x.double() @ (codes.double() * 2 ** -4 - 2 ** -1).T)
+
+
 def test_the_product_is_close_to_float_with_quantized_activations():
     layer, *_ = random_layer(out_features=70, in_features=192)
     x = torch.randn(5, 192, generator=torch.Generator().manual_seed(1))  # not whatever earlier tests left
