@@ -10,6 +10,9 @@ only. It needs an x86-64 CPU with AVX2, FMA and F16C (and runs AVX512-VNNI where
 `runtime/kernels/csrc/decode_attention.cpp`): each query attends to exactly its own context, read from its
 blocks where they lie, so nothing is gathered or padded and no query's result depends on the others.
 
+`int4_layers` runs a whole int4 decoder stack (`runtime/kernels/csrc/int4_layers.cpp`) through those two
+kernels in one call, operator for operator as runtime.model.decoder's int4 loop, so with the same bits.
+
 torch's extension builder compiles them once into ponder's start-up cache (runtime.startup_cache,
 `~/.cache/ponder/kernels/`), keyed by the sources' contents, the flags, the torch version and the CPU's
 vector unit, in about 15 s (minutes on a loaded machine); a later process loads the built library
@@ -34,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
-_FILES = ("q4_linear.cpp", "decode_attention.cpp")
+_FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"
@@ -121,6 +124,14 @@ def attention_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's decode attention kernel cannot run here: {reason}")
     return torch.ops.ponder.decode_attention.default
+
+
+def layers_kernel():
+    """The `torch.ops.ponder.int4_layers` op; raises KernelUnavailable where it cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's int4 decoder kernel cannot run here: {reason}")
+    return torch.ops.ponder.int4_layers.default
 
 
 def q4_unavailable() -> str | None:

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
 
 from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
 ARCHITECTURES = ("llama", "qwen2")
+_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation Int4Stack's kernel computes
 
 
 class Projections:
@@ -161,6 +163,7 @@ class LeanDecoder:
                 layer.o_int4, layer.down_int4 = o_proj, down
         head = self.head
         self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
+        self.stack = Int4Stack.build(self) if self.int4 else None
 
     @classmethod
     def build(cls, model: nn.Module) -> "LeanDecoder | None":
@@ -221,6 +224,8 @@ class LeanDecoder:
     def _int4_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
         """The residual stream after every layer, each layer four int4 kernel calls (see `int4`)."""
+        if self.stack is not None and self.stack.covers(meta):
+            return self.stack(hidden, cos, sin, meta)
         num_tokens, half = hidden.shape[0], self.head_dim // 2
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for layer in self.layers:
@@ -248,3 +253,54 @@ class LeanDecoder:
             return self.head(self.hidden_states(input_ids, positions, meta)[keep])
         stream = self.hidden_states(input_ids, positions, meta, normed=False)[keep]
         return self.head_int4.fused_rows(stream, self.norm.weight, self.norm.eps)
+
+
+class Int4Stack:
+    """`LeanDecoder._int4_layers` as one call of ponder's `int4_layers` kernel, for a step whose every
+    row is attended by the decode kernel (`covers`): the same operators in the same order, so the same
+    bits (tested), without the Python operator calls a layer otherwise costs. Built where every layer
+    is int4 with silu, its cache layer is its place in the stack, and the kernel loads."""
+
+    def __init__(self, decoder: LeanDecoder, kernel) -> None:
+        self.kernel = kernel
+        self.heads, self.kv_heads = decoder.num_heads, decoder.num_kv_heads
+        empty = torch.empty(0)
+        self.weights: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+        self.floats: list[float] = []
+        for layer in decoder.layers:
+            qkv, o, gate_up, down = layer.qkv.fused, layer.o_int4, layer.gate_up.fused, layer.down_int4
+            tensors = (layer.input_norm.weight, qkv.weight, qkv.d, qkv.m, qkv.bias, o.weight, o.d, o.m,
+                       layer.post_norm.weight, gate_up.weight, gate_up.d, gate_up.m, gate_up.bias,
+                       down.weight, down.d, down.m)
+            self.weights += [empty if t is None else t.detach() for t in tensors]
+            self.sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features,
+                           layer.gate_up.sizes[0]]
+            scale = layer.scaling if layer.scaling is not None else decoder.head_dim ** -0.5
+            self.floats += [layer.input_norm.eps, layer.post_norm.eps, scale]
+
+    @classmethod
+    def build(cls, decoder: LeanDecoder) -> "Int4Stack | None":
+        from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
+
+        if any(layer.index != i or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
+               or layer.input_norm.weight.dtype != torch.float32 or layer.post_norm.weight.dtype != torch.float32
+               for i, layer in enumerate(decoder.layers)):
+            return None
+        try:
+            return cls(decoder, layers_kernel())
+        except KernelUnavailable:
+            return None
+
+    @staticmethod
+    def covers(meta: AttentionMetadata) -> bool:
+        """True when every row of the step is attended by the decode kernel and no residency mode
+        needs to run between layers."""
+        return meta.decode_rows is not None and not meta.decode_groups and not meta.prefills and meta.layers is None
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, d = hidden.shape[0], meta.decode_rows
+        return self.kernel(hidden, cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous(),
+                           self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,
+                           meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx)

@@ -19,6 +19,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "ponder_kernels.h"
+
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -256,6 +258,10 @@ bool supported() {
 
 constexpr int64_t kInlineKeys = 4096;  // (key, KV head) pairs below which a call runs on one thread
 
+}  // namespace
+
+namespace ponder {
+
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
                       const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out,
                       double softcap, int64_t window) {
@@ -315,10 +321,10 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
   });
 }
 
-}  // namespace
+}  // namespace ponder
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {
   m.def("decode_attention(Tensor queries, Tensor rows, Tensor cache, Tensor tables, Tensor ctx, int layer, "
         "float scale, Tensor(a!) out, float softcap=0, int window=0) -> ()");
 }
-TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("decode_attention", &ponder::decode_attention); }

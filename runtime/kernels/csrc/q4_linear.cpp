@@ -18,6 +18,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "ponder_kernels.h"
+
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
@@ -71,6 +73,10 @@ void check_half(const c10::optional<at::Tensor>& t, int64_t count, const char* w
               "q4_linear: ", what, " must be contiguous float16 [out / 8, in / 32, 8]");
 }
 
+}  // namespace
+
+namespace ponder {
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const c10::optional<at::Tensor>& m, int64_t N, const c10::optional<at::Tensor>& norm_weight,
                      double eps, const c10::optional<at::Tensor>& residual, int64_t isa) {
@@ -123,11 +129,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
-}  // namespace
+}  // namespace ponder
 
 TORCH_LIBRARY(ponder, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, int n, Tensor? norm_weight=None, float eps=0.0, "
         "Tensor? residual=None, int isa=-1) -> Tensor");
   m.def("q4_best_isa() -> int", &best_isa);
 }
-TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("q4_linear", &q4_linear); }
+TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("q4_linear", &ponder::q4_linear); }

@@ -63,6 +63,30 @@ def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transfor
         assert torch.allclose(a, b, rtol=0, atol=2e-5 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_int4_stack_kernel_gives_the_int4_loop_s_bits(model_dir, invariant):
+    # A step whose every row the decode kernel attends runs the whole stack in one kernel call
+    # (Int4Stack); the Python loop over the same kernels must give the very same logits and tokens.
+    results, logits, covered = [], [], []
+    for stack in (True, False):
+        engine = engine_for(model_dir, quantize="int4", batch_invariant=invariant, num_blocks=64)
+        decoder = engine.runner.decoder
+        assert decoder.stack is not None
+        if stack:
+            covers = decoder.stack.covers
+            decoder.stack.covers = lambda meta: covered.append(covers(meta)) or covered[-1]
+        else:
+            decoder.stack = None
+        logits.append(recorded_logits(engine))
+        requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
+                    for i, p in enumerate(PROMPTS)]
+        results.append(run(engine, requests))
+    assert results[0] == results[1]
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
+    # Under batch invariance the prompts are attended by the decode kernel too: every step is covered.
+    assert all(covered) if invariant else covered.count(True) == len(covered) - 1
+
+
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 def test_fused_projections_share_the_layers_weights_and_keep_their_bits(tiny_qwen2, mode):
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2).eval()

@@ -1,0 +1,112 @@
+// A whole int4 decoder stack in one call (runtime.model.decoder uses it for a step whose every row
+// is attended by the decode kernel): per layer, exactly the operators of the decoder's int4 loop, in
+// its order and dtypes, so the residual stream comes out with the same bits, without the dozens of
+// Python operator calls a layer otherwise costs (most of one stream's decode step on a small model).
+//
+// int4_layers(hidden [T, E], cos [T, D], sin [T, D], weights, sizes, floats, heads, kv_heads,
+//             cache [blocks, layers, 2, KVH, bs, D], slot_rows [2, T, KVH], rows [G], tables [G, W], ctx [G])
+// returns the residual stream after every layer [T, E]. For layer l:
+//   qkv  = q4_linear(hidden; input norm) (+ bias)              [T, (H + 2 KVH) D]
+//   q, k = rotary: x * cos + x rolled by D / 2 * sin           (`sin` with its first half negated)
+//   the keys and values are stored at slot_rows (+ the layer's offset), and every query of `rows`
+//   attends to its context with decode_attention (the other rows' outputs are 0: padding)
+//   hidden = hidden + q4_linear(attention)                     (the o projection)
+//   gate, up = q4_linear(hidden; post-attention norm) (+ bias)
+//   hidden = hidden + q4_linear(silu(gate) * up)               (the down projection)
+// weights: 16 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
+// codes, d, m, bias, down codes, d, m (an empty tensor for a missing m or bias); sizes: 5 a layer
+// (qkv, o, gate/up and down out features, then gate's); floats: 3 a layer (the two norms' eps, the
+// attention scale).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "ponder_kernels.h"
+
+namespace {
+
+constexpr int64_t kTensors = 16, kSizes = 5, kFloats = 3;
+
+c10::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
+}
+
+// The decoder's rotary arithmetic, element for element: two products, each rounded, then their sum
+// (the kernels are built without floating-point contraction, so no fused multiply-add).
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float a = x[i] * cos[i];
+    const float b = x[(i + half) % D] * sin[i];
+    out[i] = a + b;
+  }
+}
+
+at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
+                       at::TensorList weights, at::IntArrayRef sizes, at::ArrayRef<double> floats, int64_t H,
+                       int64_t KVH, const at::Tensor& cache, const at::Tensor& slot_rows, const at::Tensor& rows,
+                       const at::Tensor& tables, const at::Tensor& ctx) {
+  const int64_t L = static_cast<int64_t>(weights.size()) / kTensors;
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kTensors &&
+              static_cast<int64_t>(sizes.size()) == L * kSizes && static_cast<int64_t>(floats.size()) == L * kFloats,
+              "int4_layers: weights, sizes and floats must hold 16, 5 and 3 entries a layer");
+  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat, "int4_layers: hidden must be float32 [T, E]");
+  TORCH_CHECK(cache.dim() == 6 && cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.size(1) >= L &&
+              cache.size(3) == KVH, "int4_layers: cache must be contiguous float32 [blocks, layers, 2, kv_heads, bs, D]");
+  const int64_t T = hidden_in.size(0), D = cache.size(5), bs = cache.size(4);
+  TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat && cos.numel() == T * D && sin.numel() == T * D,
+              "int4_layers: cos and sin must be contiguous float32 [T, head_dim]");
+  TORCH_CHECK(slot_rows.scalar_type() == at::kLong && slot_rows.is_contiguous() && slot_rows.numel() == 2 * T * KVH,
+              "int4_layers: slot_rows must be contiguous int64 [2, T, kv_heads]");
+  const int64_t layer_rows = 2 * KVH * bs, cache_rows = cache.numel() / D;
+  const int64_t* slots = slot_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < 2 * T * KVH; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] + (L - 1) * layer_rows < cache_rows, "int4_layers: no cache row ", slots[i]);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* kv = cache.data_ptr<float>();
+  at::Tensor hidden = hidden_in.contiguous();
+  at::Tensor queries = at::empty({T, H, D}, hidden.options());
+  at::Tensor attended = at::empty({T, H, D}, hidden.options());
+  float* qp = queries.data_ptr<float>();
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + l * kTensors;
+    const int64_t* n = sizes.data() + l * kSizes;
+    const double* f = floats.data() + l * kFloats;
+    at::Tensor qkv = ponder::q4_linear(hidden, w[1], w[2], present(w[3]), n[0], w[0], f[0], {}, -1);
+    if (w[4].numel() != 0) qkv = qkv + w[4];
+    TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "int4_layers: layer ", l, "'s qkv has ", qkv.size(1), " outputs");
+    const float* x = qkv.data_ptr<float>();
+    const int64_t width = qkv.size(1);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = x + t * width;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, cp + t * D, sp + t * D, D, qp + (t * H + h) * D);
+      for (int64_t h = 0; h < KVH; ++h) {
+        rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + (slots[t * KVH + h] + l * layer_rows) * D);
+        std::memcpy(kv + (slots[(T + t) * KVH + h] + l * layer_rows) * D, row + (H + KVH + h) * D, D * sizeof(float));
+      }
+    }
+    attended.zero_();
+    ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, 0);
+    hidden = ponder::q4_linear(attended.view({T, H * D}), w[5], w[6], present(w[7]), n[1], {}, 0.0, hidden, -1);
+    at::Tensor gate_up = ponder::q4_linear(hidden, w[9], w[10], present(w[11]), n[2], w[8], f[1], {}, -1);
+    if (w[12].numel() != 0) gate_up = gate_up + w[12];
+    const int64_t gate = n[4];
+    // silu through ATen, as the decoder calls it (its vectorized exp is part of the bits); the product
+    // is exact elementwise arithmetic.
+    at::Tensor act = at::silu(gate_up.narrow(1, 0, gate)).mul_(gate_up.narrow(1, gate, gate_up.size(1) - gate));
+    hidden = ponder::q4_linear(act, w[13], w[14], present(w[15]), n[3], {}, 0.0, hidden, -1);
+  }
+  return hidden;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ponder, m) {
+  m.def("int4_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] sizes, float[] floats, "
+        "int heads, int kv_heads, Tensor(a!) cache, Tensor slot_rows, Tensor rows, Tensor tables, Tensor ctx) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("int4_layers", &int4_layers); }
