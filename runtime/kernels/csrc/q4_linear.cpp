@@ -31,16 +31,21 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define Q4_NAMESPACE avx2
-#define Q4_ROWS 4  // rows a tile: 16 vector registers
-// The chains stay in int16 lanes (a lane is the sum of 2 products a chunk, 8 over a group's two chains) and
-// are widened once a group: codes <= 15 and |x| <= 127, so a lane holds at most 8 * 2 * 15 * 127 = 30480,
+#define Q4_ROWS 6  // rows a tile: 16 vector registers (a chain and an accumulator a row)
+#define Q4_CHAINS 1
+// The chain stays in int16 lanes (a lane gains the sum of 2 products a chunk and nibble, 8 over a group) and
+// is widened once a group: codes <= 15 and |x| <= 127, so a lane holds at most 8 * 2 * 15 * 127 = 30480,
 // maddubs never saturates and every sum is exact. One int16 multiply-add a group instead of one a chunk
 // (the multiplier is the bottleneck on CPUs that split 256-bit operations, e.g. AMD Zen 1).
-#define Q4_DOT(acc, q, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, x))
-#define Q4_SUM(a, b) _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1))
+// The empty asm keeps each chain a running sum in its register: left free, the compiler reorders the
+// integer adds, computes every product first and spills most of them to the stack.
+#define Q4_DOT(acc, q, x) \
+  ({ __m256i sum_ = _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, x)); __asm__("" : "+x"(sum_)); sum_; })
+#define Q4_SUM(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
 #include "q4_tile.h"
 #undef Q4_DOT
 #undef Q4_SUM
+#undef Q4_CHAINS
 #undef Q4_NAMESPACE
 #undef Q4_ROWS
 #pragma GCC pop_options
@@ -49,11 +54,13 @@ namespace {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 #define Q4_NAMESPACE vnni
 #define Q4_ROWS 8  // rows a tile: 32 vector registers
+#define Q4_CHAINS 2  // two independent dpbusd chains a row
 #define Q4_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
 #define Q4_SUM(a, b) _mm256_add_epi32(a, b)
 #include "q4_tile.h"
 #undef Q4_DOT
 #undef Q4_SUM
+#undef Q4_CHAINS
 #undef Q4_NAMESPACE
 #undef Q4_ROWS
 #pragma GCC pop_options

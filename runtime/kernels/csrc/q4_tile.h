@@ -1,6 +1,6 @@
 // The int4 kernel's body, compiled once per instruction set by q4_linear.cpp, which defines
 // Q4_NAMESPACE, Q4_DOT(acc, codes, xq) (acc plus, in each 32-bit lane, the sum of its 4 code * activation
-// products), Q4_SUM(a, b) (the two chains' sums as 8 int32 lanes),
+// products), Q4_CHAINS (1 or 2 chains a row), Q4_SUM(chains...) (their sums as 8 int32 lanes),
 // Q4_ROWS (rows a tile, as many as the vector registers allow)
 // and the target before including it. Every integer sum is exact, so both instruction sets give
 // the same bits.
@@ -72,8 +72,13 @@ void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, i
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * g)));
+#if Q4_CHAINS == 2
     __m256i a[TR], b[TR];  // two chains a row (low and high nibbles), summed exactly
     for (int r = 0; r < TR; ++r) a[r] = b[r] = _mm256_setzero_si256();
+#else
+    __m256i a[TR];  // one chain a row, which frees registers for more rows a tile
+    for (int r = 0; r < TR; ++r) a[r] = _mm256_setzero_si256();
+#endif
     for (int c = 0; c < 4; ++c) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128 * g + 32 * c));
       const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -83,11 +88,20 @@ void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, i
         std::memcpy(&x0, x, 4);
         std::memcpy(&x1, x + 4, 4);
         a[r] = Q4_DOT(a[r], lo, _mm256_set1_epi32(x0));
+#if Q4_CHAINS == 2
         b[r] = Q4_DOT(b[r], hi, _mm256_set1_epi32(x1));
+#else
+        a[r] = Q4_DOT(a[r], hi, _mm256_set1_epi32(x1));
+#endif
       }
     }
     for (int r = 0; r < TR; ++r) {
-      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(Q4_SUM(a[r], b[r])), _mm256_set1_ps(xscale[r * G + g]));
+#if Q4_CHAINS == 2
+      const __m256i sum = Q4_SUM(a[r], b[r]);
+#else
+      const __m256i sum = Q4_SUM(a[r]);
+#endif
+      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(xscale[r * G + g]));
       acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
     }
     if (m != nullptr) {
@@ -118,10 +132,11 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
       float* o = out + r * N + n;
       switch (rows) {
         case Q4_ROWS: tile<Q4_ROWS>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
+        case 4: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
         case 3: tile<3>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
         case 2: tile<2>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
         case 1: tile<1>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
-        default: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;  // 4 of 8
+        default: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;  // 4 of 5 to 7
       }
       r += rows > 4 && rows < Q4_ROWS ? 4 : rows;
     }
