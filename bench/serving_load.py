@@ -72,7 +72,9 @@ async def _timed_stream(http: httpx.AsyncClient, base: str, body: dict) -> dict:
 
 
 async def _clients(base: str, clients: int, requests: int, max_tokens: int) -> dict:
-    async with httpx.AsyncClient(timeout=600) as http:
+    # A connection a request: llama-server closes idle keep-alive connections, and a request sent on one
+    # it has just closed fails with "Server disconnected without sending a response" (both servers alike).
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         model = (await http.get(base + "/v1/models")).json()["data"][0]["id"]  # the name it serves
         await _stream(http, base, _body(model, -1, 0, 8))  # warm-up
 
