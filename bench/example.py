@@ -27,6 +27,7 @@ import torch
 
 from bench.report import columns, emit
 from bench.search import searched
+from runtime.search.answers import warm_up
 from runtime.bootstrap import build_engine
 from runtime.wire.protocol import GenerateRequest
 from server.config import Settings
@@ -92,6 +93,7 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
     body["search"] = {**body["search"], **({"verifier": verifier} if verifier else {})}
     body["max_tokens"] = max_tokens or body["max_tokens"]
     request = example_request(body, settings, "bench-example")
+    warm_up()  # as the runtime process does once it is ready
     _, finished, seconds = searched(engine, request)
     summary = finished.search
     spec = engine.stats["speculative_tokens"]

@@ -17,6 +17,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -68,6 +69,10 @@ def serve(channel: Channel) -> None:
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
                        verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode))
     log.info("runtime ready: %s", source.name)
+    from runtime.search.answers import warm_up
+
+    # After Ready, so start-up does not wait for it; a first search finding it under way waits on the GIL.
+    threading.Thread(target=warm_up, name="ponder-warm-up", daemon=True).start()
     try:
         _loop(channel, engine, options)
     except DeviceFailure:

@@ -1,3 +1,7 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from runtime.search.answers import (
@@ -188,3 +192,10 @@ def test_integers_are_compared_without_math_verify_and_as_it_would(monkeypatch):
     for a, b in [("-0", "0"), ("051", "51"), ("51", "51.0")]:
         with pytest.raises(pytest.fail.Exception):
             answers_equivalent(a, b)
+
+
+def test_warm_up_loads_the_parser_before_the_first_search():
+    # A fresh interpreter: math-verify is not loaded until an answer needs it, and warm_up loads it.
+    code = ("import sys; from runtime.search import answers; assert 'math_verify' not in sys.modules; "
+            "answers.warm_up(); assert 'math_verify' in sys.modules; assert answers._parse.cache_info().currsize == 2")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[3])
