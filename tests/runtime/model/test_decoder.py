@@ -8,6 +8,7 @@ from runtime.model.quantize import Int4Linear, Int8Linear, quantize_model
 from tests.runtime.engine_helpers import engine_for, request, run
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 5, 6, 7, 8, 9, 20, 21], [1, 40]]
+LONG_PROMPT = [1] + [5 + (7 * i) % 70 for i in range(49)]
 
 
 @pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
@@ -67,24 +68,26 @@ def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transfor
 def test_the_int4_stack_kernel_gives_the_int4_loop_s_bits(model_dir, invariant):
     # A step whose every row the decode kernel attends runs the whole stack in one kernel call
     # (Int4Stack); the Python loop over the same kernels must give the very same logits and tokens.
-    results, logits, covered = [], [], []
+    results, logits, covered, padded = [], [], [], []
     for stack in (True, False):
         engine = engine_for(model_dir, quantize="int4", batch_invariant=invariant, num_blocks=64)
         decoder = engine.runner.decoder
         assert decoder.stack is not None
         if stack:
             covers = decoder.stack.covers
-            decoder.stack.covers = lambda meta: covered.append(covers(meta)) or covered[-1]
+            decoder.stack.covers = lambda meta: padded.append(meta.num_padding) or covered.append(covers(meta)) \
+                or covered[-1]
         else:
             decoder.stack = None
         logits.append(recorded_logits(engine))
         requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
-                    for i, p in enumerate(PROMPTS)]
+                    for i, p in enumerate([*PROMPTS, LONG_PROMPT])]
         results.append(run(engine, requests))
     assert results[0] == results[1]
     assert all(torch.equal(a, b) for a, b in zip(*logits))
     # Under batch invariance the prompts are attended by the decode kernel too: every step is covered.
     assert all(covered) if invariant else covered.count(True) == len(covered) - 1
+    assert padded[0] == (57 if invariant else 0)  # the first step's 71 rows, padded to 128 under invariance
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
