@@ -285,9 +285,9 @@ class Engine:
         if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
             return self._drain()
         token_cap = self.pacer.token_cap(self.searches.values())  # a search's deadline: shorter steps
-        for store in self.verifier_stores:
-            if store.has_work:
-                store.step(token_cap)
+        for store in (store for store in self.verifier_stores if store.has_work):
+            for score in store.step(token_cap):  # each goes to its search, in the order read
+                score.deliver()
         if self.scheduler.waiting:  # speculation only fills slots nothing else wants
             for controller in self.searches.values():
                 controller.stop_speculation()
