@@ -148,7 +148,7 @@ class Engine:
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
             ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
-                                    self.config, self.kv, self.streamed)
+                                    self.config, self.kv, self.streamed, verifiers=self.scorers)
             if request.search is not None:
                 controller = self._make_search(request, ids, max_tokens)
                 self.searches[request.request_id] = controller
@@ -163,17 +163,9 @@ class Engine:
 
     def _make_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> SearchController:
         search = request.search
-        scorer = self.scorers.get(search.verifier)
-        if scorer is None:
-            raise InvalidRequest(f"unknown verifier {search.verifier!r}; this server has "
-                                 f"{', '.join(sorted(self.scorers))}", "search.verifier")
-        if search.strategy == "dvts" and search.n % search.beam_width:
-            raise InvalidRequest("dvts needs search.n to be a multiple of search.beam_width", "search.n")
-        if request.sampling.n > search.n:
-            raise InvalidRequest("n (choices returned) cannot exceed search.n (paths explored)", "n")
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
-                                          question_of(request), max_tokens, scorer)
+                                          question_of(request), max_tokens, self.scorers[search.verifier])
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1
