@@ -220,7 +220,6 @@ class Engine:
 
     def prepare_group(self, seqs: list[Sequence], reserve: int) -> None:
         """The group after the running one: keep its blocks, and bring up those in a lower tier."""
-        self.scheduler.keep(seqs)
         self.planner.prefetch(seqs, reserve)
 
     def add_scoring_sequence(self, seq: Sequence, controller: SearchController) -> None:
