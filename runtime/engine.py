@@ -150,9 +150,7 @@ class Engine:
             ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
                                     self.config, self.kv, self.streamed, verifiers=self.scorers)
             if request.search is not None:
-                controller = self._make_search(request, ids, max_tokens)
-                self.searches[request.request_id] = controller
-                self.scheduler.add(controller.root)
+                self._add_search(request, ids, max_tokens)
             else:
                 self.plain.add(request, ids, max_tokens,
                                streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks)
@@ -161,7 +159,7 @@ class Engine:
         self.stats["tokens_prompt"] += len(ids)
         return [Accepted(request_id=request.request_id, prompt_tokens=len(ids))]
 
-    def _make_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> SearchController:
+    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> None:
         search = request.search
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
@@ -169,7 +167,8 @@ class Engine:
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1
-        return controller
+        self.searches[request.request_id] = controller
+        self.scheduler.add(controller.root)
 
     def abort(self, request_id: str) -> None:
         self.plain.abort(request_id)
@@ -327,9 +326,7 @@ class Engine:
         return self._drain()
 
     def _drain(self) -> list[FromRuntime]:
-        messages = self.plain.emit()
-        messages.extend(self.outbox)
-        self.outbox = []
+        messages, self.outbox = self.plain.emit() + self.outbox, []
         return messages
 
     def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:
