@@ -23,6 +23,7 @@ from runtime.requests.state import InvalidRequest, RequestState, question_of
 from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
 from runtime.search.pacing import StepPacer
+from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep, Park, Prefetch, Release, Resume, Verify
 from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer
 from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
@@ -52,7 +53,8 @@ class EngineConfig:
 class Engine:
     """The loop, and what it owns: the compute pool, its queues, the requests and searches under way.
     Nothing below it holds the engine: each part declares the port it needs (runtime.requests.host,
-    runtime.search.host, runtime.verify.host, runtime.kv.host), which the engine satisfies."""
+    runtime.search.host, runtime.verify.host, runtime.kv.host), which the engine satisfies, and a
+    search asks for every change in its plan (runtime.search.plan), which the engine carries out."""
 
     def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"", *,
                  quantized: Quantized | None = None, kv_split=None) -> None:
@@ -88,7 +90,6 @@ class Engine:
         self.tiers: TieredPrefixCache | None = None  # lbs, lbs_no_prefix: whole blocks below compute
         self.layers: LayerwiseResidency | None = None  # token: layer pieces below compute
         self.outbox: list[FromRuntime] = []
-        self.deferred: list = []  # callbacks to run once a step's sampled tokens are all handed out
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {},
                       "search_paths": 0, "search_steps": 0, "preemptions": 0,
@@ -148,11 +149,9 @@ class Engine:
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
             ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
-                                    self.config, self.kv, self.streamed)
+                                    self.config, self.kv, self.streamed, verifiers=self.scorers)
             if request.search is not None:
-                controller = self._make_search(request, ids, max_tokens)
-                self.searches[request.request_id] = controller
-                self.scheduler.add(controller.root)
+                self._add_search(request, ids, max_tokens)
             else:
                 self.plain.add(request, ids, max_tokens,
                                streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks)
@@ -161,23 +160,16 @@ class Engine:
         self.stats["tokens_prompt"] += len(ids)
         return [Accepted(request_id=request.request_id, prompt_tokens=len(ids))]
 
-    def _make_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> SearchController:
+    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> None:
         search = request.search
-        scorer = self.scorers.get(search.verifier)
-        if scorer is None:
-            raise InvalidRequest(f"unknown verifier {search.verifier!r}; this server has "
-                                 f"{', '.join(sorted(self.scorers))}", "search.verifier")
-        if search.strategy == "dvts" and search.n % search.beam_width:
-            raise InvalidRequest("dvts needs search.n to be a multiple of search.beam_width", "search.n")
-        if request.sampling.n > search.n:
-            raise InvalidRequest("n (choices returned) cannot exceed search.n (paths explored)", "n")
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
-                                          question_of(request), max_tokens, scorer)
+                                          question_of(request), max_tokens, self.scorers[search.verifier])
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1
-        return controller
+        self.searches[request.request_id] = controller
+        self.scheduler.add(controller.root)
 
     def abort(self, request_id: str) -> None:
         self.plain.abort(request_id)
@@ -187,27 +179,15 @@ class Engine:
             for store in self.verifier_stores:
                 store.abort(controller)
             for seq in controller.sequences() + self.scoring.pop(request_id, []):
-                if not seq.is_finished:
-                    self.scheduler.finish(seq)
+                self.release_sequence(seq)
 
-    # -- what searches and the judge ask of the engine (runtime.search.host, runtime.verify.host) --
-    def fork_sequence(self, parent: Sequence, num_tokens: int | None = None) -> Sequence:
-        """A child sharing the blocks of `parent`'s first `num_tokens` tokens (all by default),
-        parked until resumed."""
-        child = Sequence(parent.token_ids[:num_tokens], parent.num_prompt_tokens)
-        self.kv.fork(parent, child, num_tokens)
-        self.scheduler.hold(child)
-        return child
-
+    # -- what searches read and the judge asks of the engine (runtime.search.host, runtime.verify.host) --
     def release_sequence(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq)
 
     def park_sequence(self, seq: Sequence) -> None:
         self.scheduler.park(seq)
-
-    def resume_sequence(self, seq: Sequence) -> None:
-        self.scheduler.resume(seq)
 
     def has_idle_slot(self) -> bool:
         """Whether a running sequence may keep its slot to decode speculatively without taking anything
@@ -225,11 +205,6 @@ class Engine:
             self.kv_caps = self.kv_split.rechoose(live, context, verifier_input or context + max(step_tokens))
             self.kv_split.apply(self.kv_caps, self.verifier_stores)
         return self.planner.plan(seqs, step_tokens)
-
-    def prepare_group(self, seqs: list[Sequence], reserve: int) -> None:
-        """The group after the running one: keep its blocks, and bring up those in a lower tier."""
-        self.scheduler.keep(seqs)
-        self.planner.prefetch(seqs, reserve)
 
     def add_scoring_sequence(self, seq: Sequence, controller: SearchController) -> None:
         self.scoring.setdefault(controller.request_id, []).append(seq)
@@ -251,23 +226,8 @@ class Engine:
         self.scoring.setdefault(controller.request_id, []).append(seq)
         self.scheduler.resume(seq)
 
-    def defer(self, callback) -> None:
-        """Run `callback` after the current step has handed every sampled token to its owner."""
-        self.deferred.append(callback)
-
-    def emit(self, message: FromRuntime) -> None:
-        self.outbox.append(message)
-
     def observe_verifier(self, seconds: float) -> None:
         self.verifier_samples.append(seconds)
-
-    def abandon_scoring(self, controller: SearchController) -> None:
-        """Drop every verification `controller` has under way: queued reward-model jobs, and the
-        judge's questions, whether computing or kept for its next verification."""
-        for store in self.verifier_stores:
-            store.abort(controller)
-        for seq in self.scoring.pop(controller.request_id, []):
-            self.release_sequence(seq)
 
     def search_finished(self, controller: SearchController) -> None:
         self.searches.pop(controller.request_id, None)
@@ -278,19 +238,56 @@ class Engine:
         for outcome, count in controller.spec_tokens.items():
             self.stats["speculative_tokens"][outcome] = self.stats["speculative_tokens"].get(outcome, 0) + count
 
+    def _carry_out(self, controller: SearchController | None) -> bool:
+        """Do what a search asked for since it was last reached, in order; whether it waits for the step's end."""
+        if controller is None:
+            return False
+        plan = controller.take_plan()
+        for action in plan.actions:
+            match action:
+                case Fork(parent, child, num_tokens):
+                    self.kv.fork(parent, child, num_tokens)
+                    self.scheduler.hold(child)
+                case Release(seq):
+                    self.release_sequence(seq)
+                case Park(seq):
+                    self.scheduler.park(seq)
+                case Resume(seq):
+                    self.scheduler.resume(seq)
+                case GroupStep(seqs, step_tokens):
+                    controller.start_groups(self.plan_step(seqs, step_tokens))
+                    self._carry_out(controller)  # the first group resumed, the next one prefetched
+                case Prefetch(seqs, reserve):
+                    self.planner.prefetch(seqs, reserve)
+                case Verify(paths):
+                    controller.verifier.submit(controller, paths)
+                case Emit(message):
+                    self.outbox.append(message)
+                case AbandonScoring():  # queued reward-model jobs, the judge's questions (computing or kept)
+                    for store in self.verifier_stores:
+                        store.abort(controller)
+                    for seq in self.scoring.pop(controller.request_id, []):
+                        self.release_sequence(seq)
+                case Answered():
+                    self.search_finished(controller)
+        return plan.advance
+
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
         for controller in list(self.searches.values()):
             controller.check_deadline()  # a search past its deadline answers now, verified or not
+            self._carry_out(controller)
         if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
             return self._drain()
         token_cap = self.pacer.token_cap(self.searches.values())  # a search's deadline: shorter steps
-        for store in self.verifier_stores:
-            if store.has_work:
-                store.step(token_cap)
+        for store in (store for store in self.verifier_stores if store.has_work):
+            for score in store.step(token_cap):  # each goes to its search, in the order read
+                score.deliver()
+                self._carry_out(self.searches.get(score.request_id))
         if self.scheduler.waiting:  # speculation only fills slots nothing else wants
-            for controller in self.searches.values():
+            for controller in list(self.searches.values()):
                 controller.stop_speculation()
+                self._carry_out(controller)
         if self.tiers is not None:
             room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
             for seq in list(self.scheduler.waiting)[:min(room, 8)]:
@@ -324,6 +321,8 @@ class Engine:
             for target in seq.owner.on_logits(seq, logits[row]):
                 rows.append(row)
                 seqs.append(target)
+            self._carry_out(self.searches.get(seq.owner.request_id))  # a search's prompt, a judge's question
+        ended: list[SearchController] = []  # searches whose running group these tokens ended, in order
         if seqs:
             samples = sample(logits[rows], [s.owner.sampling for s in seqs],
                              [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs])
@@ -331,14 +330,15 @@ class Engine:
                 seq.append_token(out.token_id)
                 self.stats["tokens_generated"] += 1
                 seq.owner.on_sampled(seq, out)
-        while self.deferred:
-            self.deferred.pop(0)()
+                if self._carry_out(search := self.searches.get(seq.owner.request_id)):
+                    ended.append(search)
+        for search in ended:  # only now: a speculating path's token of this step must reach it first
+            search.advance()
+            self._carry_out(search)
         return self._drain()
 
     def _drain(self) -> list[FromRuntime]:
-        messages = self.plain.emit()
-        messages.extend(self.outbox)
-        self.outbox = []
+        messages, self.outbox = self.plain.emit() + self.outbox, []
         return messages
 
     def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:

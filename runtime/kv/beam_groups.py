@@ -93,9 +93,11 @@ class StepPlanner:
         return [list(g.beam_ids) for g in groups]
 
     def prefetch(self, seqs: Seq[Sequence], reserve: int) -> int:
-        """Bring the next group's blocks that live in a lower tier into the compute pool (as cached
-        blocks, which its admission then finds), leaving `reserve` free blocks for the running
-        group. Returns the blocks brought up."""
+        """Prepare the next group: its parked sequences keep their blocks longest (the scheduler takes
+        others' first), and those of its blocks that live in a lower tier come into the compute pool
+        (as cached blocks, which its admission then finds), leaving `reserve` free blocks for the
+        running group. Returns the blocks brought up."""
+        self.host.scheduler.keep(seqs)
         tiers = self.host.tiers
         if tiers is None or self.policy == "token":
             return 0

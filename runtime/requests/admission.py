@@ -1,9 +1,9 @@
-"""What a request may ask of this engine: its prompt tokens and its max_tokens, checked against the
-model and the KV cache before anything is scheduled."""
+"""What a request may ask of this engine: its prompt tokens, its max_tokens and a search's verifier and
+path counts, checked against the model, the KV cache and the verifiers before anything is scheduled."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection, Container
 from typing import TYPE_CHECKING
 
 from runtime.kv.head_pieces import plan_pieces
@@ -20,10 +20,12 @@ GRANULARITIES = ("block", "head")
 
 
 def admit(request: GenerateRequest, running: tuple[Container[str], ...], tokenizer, vocab_size: int, config,
-          kv: KVManager, streamed: StreamedRequests | None) -> tuple[list[int], int]:
+          kv: KVManager, streamed: StreamedRequests | None, *,
+          verifiers: Collection[str]) -> tuple[list[int], int]:
     """The prompt's token ids and the output tokens allowed, or `InvalidRequest` naming the field.
     `running`: the ids of the requests under way; `config`: the engine's settings (`max_model_len`,
-    `block_size`); `kv`: the compute pool's, which says how many blocks a request needs and has."""
+    `block_size`); `kv`: the compute pool's, which says how many blocks a request needs and has;
+    `verifiers`: the names of the verifiers a search may ask for."""
     if any(request.request_id in ids for ids in running):
         raise InvalidRequest(f"request id {request.request_id} is already running")
     ids = prompt_token_ids(request, tokenizer)
@@ -51,7 +53,20 @@ def admit(request: GenerateRequest, running: tuple[Container[str], ...], tokeniz
         raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
     if params.top_logprobs > 20:
         raise InvalidRequest("top_logprobs must be at most 20", "top_logprobs")
+    if request.search is not None:
+        _check_search(request, verifiers)
     return ids, max_tokens
+
+
+def _check_search(request: GenerateRequest, verifiers: Collection[str]) -> None:
+    search = request.search
+    if search.verifier not in verifiers:
+        raise InvalidRequest(f"unknown verifier {search.verifier!r}; this server has "
+                             f"{', '.join(sorted(verifiers))}", "search.verifier")
+    if search.strategy == "dvts" and search.n % search.beam_width:
+        raise InvalidRequest("dvts needs search.n to be a multiple of search.beam_width", "search.n")
+    if request.sampling.n > search.n:
+        raise InvalidRequest("n (choices returned) cannot exceed search.n (paths explored)", "n")
 
 
 def _check_streamed(request: GenerateRequest, num_tokens: int, held: int,

@@ -44,7 +44,7 @@ class DecodingAhead:
     def _end_speculation(self, path: SearchPath) -> None:
         path.speculating = False
         self.speculating.discard(path)
-        self.host.park_sequence(path.seq)
+        self.plan.park(path.seq)
 
     def stop_speculation(self) -> None:
         """Give every idle slot back (the scheduler has other work, or the group is done)."""
@@ -53,13 +53,13 @@ class DecodingAhead:
 
     # -- look-ahead -----------------------------------------------------------------------------
     def _start_lookahead(self, path: SearchPath) -> None:
-        seq = self.host.fork_sequence(path.seq, path.step_end)
+        seq = self.plan.fork(path.seq, path.step_end)
         greedy = msgspec.structs.replace(self.params, temperature=0.0)
         run = Lookahead(path, seq, SamplingState(greedy, 0, self.host.device, track_logprobs=True),
                         len(seq.token_ids), self.search.lookahead, len(seq.token_ids))
         seq.owner = run
         self.lookaheads.add(run)
-        self.host.resume_sequence(seq)
+        self.plan.resume(seq)
 
     def on_lookahead_token(self, run: Lookahead, out) -> None:
         seq, path = run.seq, run.path
@@ -77,7 +77,7 @@ class DecodingAhead:
         text = self.host.tokenizer.decode(seq.token_ids[run.start:], skip_special_tokens=True)
         units = [normalize_step(u, self.search.step_delimiter) for u in text.split(self.search.step_delimiter)]
         path.lookahead_units = [u for u in units if u.strip()]
-        self.host.release_sequence(seq)
+        self.plan.release(seq)
         self.lookaheads.discard(run)
         if not self.lookaheads:
             self._submit_scores()

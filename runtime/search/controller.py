@@ -1,5 +1,5 @@
-"""The shared step loop of every search strategy, run on the engine's sequences through the port
-it declares (`runtime.search.host`).
+"""The shared step loop of every search strategy, run on the engine's sequences: it reads them through
+its port (`runtime.search.host`) and asks for every change in its plan (`runtime.search.plan`).
 
 Paths are engine sequences. Each generates one step (until the step delimiter, `max_step_tokens`,
 EOS or the length limit) and is then parked with its blocks. When no path of the request is still
@@ -28,6 +28,7 @@ from runtime.search.answers import compile_answer_pattern
 from runtime.search.host import SearchHost
 from runtime.search.output import SearchOutput
 from runtime.search.paths import Lookahead, SearchPath, SearchRoot
+from runtime.search.plan import SearchPlan
 from runtime.search.strategies import Strategy, make_strategy
 from runtime.search.tree import TreeRecorder
 from scheduler.sequence import Sequence
@@ -47,9 +48,11 @@ class SearchController(DecodingAhead, SearchOutput):
         self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
-        self.tree = TreeRecorder(request_id, host.emit, search.include_tree)
+        self.plan = SearchPlan()  # what it asked of the engine since the engine last took it
+        self.tree = TreeRecorder(request_id, lambda message: self.plan.emit(message), search.include_tree)
         self.generating: set[SearchPath] = set()  # paths whose step is not done (running or queued)
         self.active: set[SearchPath] = set()  # paths of the group running now
+        self.to_group: list[SearchPath] = []  # the paths of the latest `GroupStep`, in its order
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
         self.speculating: set[SearchPath] = set()
         self.advance_pending = False
@@ -74,6 +77,11 @@ class SearchController(DecodingAhead, SearchOutput):
         self.cut_step_verified: bool | None = None
         self.scores_before: dict[SearchPath, int] = {}  # per path under verification: its scores before it
 
+    def take_plan(self) -> SearchPlan:
+        """What it asked of the engine since the engine last took it, in the order asked."""
+        plan, self.plan = self.plan, SearchPlan()
+        return plan
+
     def _out_of_time(self) -> bool:
         """Past `search.timeout_s`, every running step ends at its next token and the search finishes,
         choosing among the paths it has (live ones count as cut short). The step cut short is verified
@@ -88,7 +96,7 @@ class SearchController(DecodingAhead, SearchOutput):
         deadline is abandoned, its scores so far taken back, and the search answers at once."""
         if not self.pending_scores or self.is_finished or not self._out_of_time():
             return
-        self.host.abandon_scoring(self)
+        self.plan.abandon_scoring()
         for path, count in self.scores_before.items():
             del path.step_scores[count:]
         self.pending_scores = 0
@@ -111,9 +119,8 @@ class SearchController(DecodingAhead, SearchOutput):
         """The prompt is computed: fork it into the initial paths, which all sample from its logits."""
         self.num_cached_tokens = root.num_cached_tokens
         self.stats["prefix_hit_tokens"] += root.num_cached_tokens
-        paths = [self._new_path(self.host.fork_sequence(root), subtree)
-                 for subtree in self.strategy.initial_paths()]
-        self.host.release_sequence(root)
+        paths = [self._new_path(self.plan.fork(root), subtree) for subtree in self.strategy.initial_paths()]
+        self.plan.release(root)
         self.tree.change(self.tree.add(None, 0), "kept", text=self.question)  # the root, every path's node
         self._start_step(paths)
         self.tree.flush()
@@ -146,14 +153,18 @@ class SearchController(DecodingAhead, SearchOutput):
             path.spec_outcome = path.spec_finish = None
             path.text = self._text(path)
             if path.is_done:
-                self.host.release_sequence(path.seq)
+                self.plan.release(path.seq)
             self.stepped.append(path)
         if not to_run:
             self._verify()
             return
         self.generating.update(to_run)
-        plan = self.host.plan_step([p.seq for p in to_run], [self._step_tokens(p) for p in to_run])
-        self.queued = deque([to_run[i] for i in group] for group in plan)
+        self.to_group = to_run
+        self.plan.group_step([p.seq for p in to_run], [self._step_tokens(p) for p in to_run])
+
+    def start_groups(self, groups: list[list[int]]) -> None:
+        """The engine's answer to `GroupStep`: the step's paths in the groups to run, in order."""
+        self.queued = deque([self.to_group[i] for i in group] for group in groups)
         self._next_group()
 
     def _next_group(self) -> None:
@@ -165,11 +176,11 @@ class SearchController(DecodingAhead, SearchOutput):
             return
         self.active = set(group)
         for path in group:
-            self.host.resume_sequence(path.seq)
+            self.plan.resume(path.seq)
         if self.queued:
             reserve = sum(self.host.kv.num_blocks_for(len(p.seq.token_ids) + self._step_tokens(p))
                           - len(p.seq.block_table) for p in group)
-            self.host.prepare_group([p.seq for p in self.queued[0]], max(0, reserve))
+            self.plan.prefetch([p.seq for p in self.queued[0]], max(0, reserve))
 
     def _text(self, path: SearchPath) -> str:
         return self.host.tokenizer.decode(path.seq.token_ids[len(self.prompt_ids):path.step_end],
@@ -178,7 +189,7 @@ class SearchController(DecodingAhead, SearchOutput):
     def _discard(self, path: SearchPath) -> None:
         """Release a path that ends here; its speculative tokens were for nothing."""
         self.spec_tokens["discarded"] += path.num_speculative
-        self.host.release_sequence(path.seq)
+        self.plan.release(path.seq)
 
     def _step_outcome(self, owner: SearchPath | Lookahead, token: int, step_start: int, *,
                       is_last_step: bool) -> tuple[str | None, bool, str]:
@@ -225,21 +236,20 @@ class SearchController(DecodingAhead, SearchOutput):
         was_active = path in self.active
         self.active.discard(path)
         if path.is_done:
-            self.host.release_sequence(seq)
+            self.plan.release(seq)
         elif was_active and self._may_speculate():
             path.speculating = True
             self.speculating.add(path)
         elif was_active:
-            self.host.park_sequence(seq)
+            self.plan.park(seq)
         self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
         if not self.active and not self.advance_pending:
             # After the engine has handed out every token of this step: a speculating path's
             # token from the same batch must reach it before the search moves on.
-            self.advance_pending = True
-            self.host.defer(self._advance)
+            self.advance_pending = self.plan.advance = True
 
-    def _advance(self) -> None:
-        """The running group is done: run the next one, or verify the step."""
+    def advance(self) -> None:
+        """The running group is done (`SearchPlan.advance`): run the next one, or verify the step."""
         self.advance_pending = False
         if self.is_finished or self.active:
             return
@@ -289,9 +299,13 @@ class SearchController(DecodingAhead, SearchOutput):
         self._submit_scores()
 
     def _submit_scores(self) -> None:
+        """A free verifier scores at once; a model's scores (`Verify`) arrive in later steps (`on_score`)."""
         if self.to_verify:
             self.stats["verifier_calls"] += 1
             self.scores_before = {path: len(path.step_scores) for path in self.to_verify}
+            if not getattr(self.verifier, "is_free", False):
+                self.plan.verify(self.to_verify)
+                return
             self.verifier.submit(self, self.to_verify)
         if self.pending_scores == 0 and not self.is_finished:
             self._settle()
@@ -366,7 +380,7 @@ class SearchController(DecodingAhead, SearchOutput):
         for uid, count in zip(expansion.parents, expansion.children):
             parent = by_uid.pop(uid)
             for _ in range(count - 1):
-                child = self._new_path(self.host.fork_sequence(parent.seq, parent.step_end), parent.subtree)
+                child = self._new_path(self.plan.fork(parent.seq, parent.step_end), parent.subtree)
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
                 child.node = parent.node  # its first step's node hangs under the parent's last one

@@ -16,11 +16,11 @@ class SearchOutput:
         texts = [p.text for p in live] + [p.text for p in self.final]
         prefix = _common_prefix(texts)
         if len(prefix) > len(self.committed):
-            self.host.emit(Delta(request_id=self.request_id, index=0, text=prefix[len(self.committed):]))
+            self.plan.emit(Delta(request_id=self.request_id, index=0, text=prefix[len(self.committed):]))
             self.committed = prefix
         if self.search.include_events:
             live = sorted(live, key=lambda p: p.uid)
-            self.host.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
+            self.plan.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
                                          scores=tuple(_reported(p.score) for p in live)))
 
     def _finish(self) -> None:
@@ -35,24 +35,24 @@ class SearchOutput:
                 output_ids = output_ids[:-1]
             returned += len(output_ids)
             text = path.text[len(self.committed):] if index == 0 else path.text
-            self.host.emit(Delta(
+            self.plan.emit(Delta(
                 request_id=self.request_id, index=index, text=text, token_ids=tuple(output_ids),
                 finish_reason=path.finish_reason or "stop",
                 search=StepScore(score=_reported(path.score), step_scores=tuple(path.step_scores),
                                  answer=candidates[self.final.index(path)].answer)))
         if self.search.include_events:
-            self.host.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
+            self.plan.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
                                          scores=tuple(_reported(p.score) for p in chosen)))
         self.tree.select(path.node for path in chosen)
         self.tree.flush(done=True)
-        self.host.emit(Finished(
+        self.plan.emit(Finished(
             request_id=self.request_id, prompt_tokens=len(self.prompt_ids), cached_tokens=self.num_cached_tokens,
             completion_tokens=returned,
             search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
                                  timed_out=self.timed_out,
                                  cut_step_verified=self.cut_step_verified if self.timed_out else None,
                                  **self.stats)))
-        self.host.search_finished(self)
+        self.plan.answered()
 
 
 def _reported(score: float) -> float | None:

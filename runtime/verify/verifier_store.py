@@ -38,6 +38,29 @@ class ScoreJob:
     ahead: tuple[str, int] | None = None  # (the path's next unit, its read position) when scored along
 
 
+@dataclass(frozen=True, eq=False)
+class StoreScore:
+    """A score read in a step of the store, which the engine hands to its search (`deliver`)."""
+
+    job: ScoreJob
+    score: float
+    prefilled: int  # tokens computed for it
+    cached: int  # tokens found in the store's prefix cache
+    score_ahead: float | None  # its path's next unit's, read along (LookAhead verification)
+
+    @property
+    def request_id(self) -> str:
+        return self.job.controller.request_id
+
+    def deliver(self) -> None:
+        """To the search, unless it ended meanwhile; the last score of a verification lets it go on."""
+        job = self.job
+        if getattr(job.controller, "is_finished", False):
+            return
+        if self.score_ahead is not None:
+            job.controller.on_next_score(job.path, job.ahead[0], self.score_ahead)
+        job.batch.scored(job.path, self.score, self.prefilled, self.cached)
+
 
 class VerifierStore:
     def __init__(self, name: str, verifier, shape: KVShape, num_blocks: int, max_batched_tokens: int,
@@ -79,7 +102,8 @@ class VerifierStore:
         return min(self.max_batched_tokens, self.prefill_token_cap)
 
     def submit(self, controller, paths) -> None:
-        """Queue the newest unit of each path; the controller hears back through on_score/score_done."""
+        """Queue the newest unit of each path; the controller hears back through on_score/score_done
+        when the engine delivers the scores `step` read."""
         controller.pending_scores += 1
         batch = ScoreBatch(controller, len(paths), time.perf_counter(), self.host.observe_verifier)
         capacity = self.pool.num_blocks * self.pool.block_size
@@ -106,9 +130,10 @@ class VerifierStore:
         if paths:
             self.last_input_tokens = sum(len(job.seq.token_ids) for job in list(self.queue)[-len(paths):]) // len(paths)
 
-    def step(self, token_cap: int | None = None) -> None:
+    def step(self, token_cap: int | None = None) -> list[StoreScore]:
         """Prefill as many queued jobs as fit, read their scores, release their blocks to the cache;
-        `token_cap`: a tighter budget for this step (a search's deadline: runtime.search.pacing)."""
+        `token_cap`: a tighter budget for this step (a search's deadline: runtime.search.pacing).
+        Returns the scores, in the order of their jobs, for the engine to hand to their searches."""
         jobs: list[ScoreJob] = []
         budget = self.step_token_budget if token_cap is None else min(self.step_token_budget, token_cap)
         while self.queue:
@@ -128,7 +153,7 @@ class VerifierStore:
             jobs.append(job)
             budget -= job.seq.num_uncomputed_tokens
         if not jobs:
-            return
+            return []
         scheduled = [ScheduledSequence(job.seq, job.seq.num_uncomputed_tokens) for job in jobs]
         reads = [(i, job.read_position) for i, job in enumerate(jobs)]
         reads += [(i, job.ahead[1]) for i, job in enumerate(jobs) if job.ahead is not None]
@@ -136,21 +161,20 @@ class VerifierStore:
         with torch.inference_mode():
             scores = self.verifier.read_scores(hidden).float().tolist()[:len(reads)]
         ahead_scores = iter(scores[len(jobs):])
+        read: list[StoreScore] = []
         for job, score in zip(jobs, scores):
+            score_ahead = None
             if job.ahead is not None:
                 score_ahead = next(ahead_scores)
                 self.scores_ahead += 1
-                if not getattr(job.controller, "is_finished", False):
-                    job.controller.on_next_score(job.path, job.ahead[0], score_ahead)
             cached = job.seq.num_computed_tokens
             computed = len(job.seq.token_ids) - cached
             self.kv.commit_computed(job.seq, len(job.seq.token_ids))
             self.kv.free(job.seq)
             self.tokens_prefilled += computed
             self.tokens_cached += cached
-            if getattr(job.controller, "is_finished", False):
-                continue
-            job.batch.scored(job.path, score, computed, cached)
+            read.append(StoreScore(job, score, computed, cached, score_ahead))
+        return read
 
     def abort(self, controller) -> None:
         self.queue = deque(job for job in self.queue if job.controller is not controller)
