@@ -21,6 +21,7 @@ from bench.threads import torch_threads
 from runtime.model import attention
 from runtime.bootstrap import tier_chain
 from runtime.engine import Engine, EngineConfig
+from runtime.kv.kv_tiers import TieredPrefixCache
 from storage.kv_cache import kv_shape_of
 from runtime.model.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
@@ -130,10 +131,11 @@ def moved_bytes(run: "Run", compute: str) -> dict[str, int]:
 def release(engine: Engine) -> None:
     """Stop the engine's transfer worker without persisting its blocks (a benchmark's disk is
     thrown away)."""
-    if engine.tiers is not None:
-        engine.tiers.transfers.close()
-    elif engine.layers is not None:
-        engine.layers.close()
+    residency = engine.residency
+    if isinstance(residency, TieredPrefixCache):
+        residency.transfers.close()
+    elif residency is not None:
+        residency.close()
 
 
 def fixed_step_search(prompt: list[int], *, paths: int, width: int, steps: int, step_tokens: int,

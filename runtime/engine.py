@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
+from runtime.kv.residency import Residency
 from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.model.quantize import Quantized
@@ -87,8 +88,7 @@ class Engine:
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
             log.warning("the judge verifier is unavailable for this model: %s", exc)
         self.verifier_stores: list = []
-        self.tiers: TieredPrefixCache | None = None  # lbs, lbs_no_prefix: whole blocks below compute
-        self.layers: LayerwiseResidency | None = None  # token: layer pieces below compute
+        self.residency: Residency | None = None  # where the KV below compute lives, once tiers are attached
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {},
@@ -114,8 +114,7 @@ class Engine:
     @property
     def tier_chain(self):
         """The host and disk tiers attached below the compute pool, or None."""
-        residency = self.tiers or self.layers
-        return residency.chain if residency is not None else None
+        return self.residency.chain if self.residency is not None else None
 
     @property
     def tier_payload_shape(self) -> tuple[int, ...]:
@@ -128,19 +127,17 @@ class Engine:
         """Put host and disk tiers below the compute pool, before any request: the prefix cache
         extends over them (runtime.kv.kv_tiers), or under `token` the paths' KV may outgrow the compute
         budget, its layers over the budget reloaded for every token (runtime.kv.layer_offload)."""
-        if self.config.policy != "token":
-            self.tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
-            return
-        self._build_pool(logical_blocks(chain, self.cache, self.kv, self.config))
-        self.layers = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
-        self.runner.layer_provider = self.layers.begin_step
+        if self.config.policy == "token":
+            self._build_pool(logical_blocks(chain, self.cache, self.kv, self.config))
+            self.residency = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
+        else:
+            self.residency = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+        self.runner.use_residency(self.residency)
 
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
-        if self.tiers is not None:
-            self.tiers.close()
-        if self.layers is not None:
-            self.layers.close()
+        if self.residency is not None:
+            self.residency.close()
 
     def add_verifier_store(self, store) -> None:
         self.scorers[store.name] = store
@@ -288,10 +285,10 @@ class Engine:
             for controller in list(self.searches.values()):
                 controller.stop_speculation()
                 self._carry_out(controller)
-        if self.tiers is not None:
+        if self.residency is not None:
             room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
             for seq in list(self.scheduler.waiting)[:min(room, 8)]:
-                self.tiers.promote_prefix(seq)
+                self.residency.promote_prefix(seq)
         try:
             plan = self.scheduler.schedule(token_cap)
         except MemoryError as exc:
@@ -307,7 +304,7 @@ class Engine:
             self.pacer.observe(plan.num_tokens, time.perf_counter() - started)
         except BlockLost as lost:  # nothing was computed from it: its holders recompute it
             log.warning("%s; recomputing it", lost)
-            recompute_lost(lost, self.layers, self.pool, self.scheduler)
+            recompute_lost(lost, self.residency, self.pool, self.scheduler)
             return self._drain()
         if scored:
             self.plain.on_prompt_logits(plan.scheduled, scored, logits[len(sampled):])
@@ -361,7 +358,7 @@ class Engine:
             requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
-                       **(self.tiers.block_counts() if self.tiers else {})},
+                       **(self.residency.block_counts() if self.residency else {})},
             kv_transfer_bytes=self.transfer_bytes(),
             prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
@@ -378,15 +375,14 @@ class Engine:
 
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
-        moved = dict(self.tier_chain.bytes_moved) if self.tier_chain is not None else {}
+        moved = self.residency.bytes_moved() if self.residency is not None else {}
         for pair, n in (self.streamed.bytes_moved() if self.streamed is not None else {}).items():
             moved[pair] = moved.get(pair, 0) + n
         return moved
 
     def transfer_stall_seconds(self) -> float:
         """Seconds the engine loop was blocked on transfers between tiers."""
-        residency = self.tiers or self.layers
-        seconds = residency.stall_seconds if residency is not None else 0.0
+        seconds = self.residency.stall_seconds() if self.residency is not None else 0.0
         return seconds + (self.streamed.stall_seconds if self.streamed is not None else 0.0)
 
     def check_integrity(self) -> None:
@@ -395,6 +391,6 @@ class Engine:
         assert not any(seq.block_table for seq in self.scheduler.waiting), "a waiting sequence holds blocks"
         for store in (s for s in self.verifier_stores if not s.has_work):  # a job frees its blocks when scored
             store.pool.check_integrity([])
-        if self.tiers is not None:
-            self.tiers.check_integrity()
+        if self.residency is not None:
+            self.residency.check_integrity()
 

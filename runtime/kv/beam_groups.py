@@ -98,8 +98,8 @@ class StepPlanner:
         (as cached blocks, which its admission then finds), leaving `reserve` free blocks for the
         running group. Returns the blocks brought up."""
         self.host.scheduler.keep(seqs)
-        tiers = self.host.tiers
-        if tiers is None or self.policy == "token":
+        residency = self.host.residency
+        if residency is None or self.policy == "token":
             return 0
         moved = 0
         for seq in seqs:
@@ -107,6 +107,6 @@ class StepPlanner:
             if room <= 0:
                 break
             if not seq.block_table:
-                moved += tiers.promote_prefix(seq, limit=room)
+                moved += residency.promote_prefix(seq, limit=room)
         self.num_prefetched += moved
         return moved

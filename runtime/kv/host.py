@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from runtime.kv.kv_tiers import TieredPrefixCache
+from runtime.kv.residency import Residency
 from scheduler.kv_manager import KVManager
 from scheduler.roofline import BatchCaps
 from scheduler.scheduler import Scheduler
@@ -20,7 +20,7 @@ from storage.tiers import TierChain
 
 
 class PoolHost(Protocol):
-    """The compute pool as it is now, its queues, and the prefix cache's tiers below it if attached."""
+    """The compute pool as it is now, its queues, and where the KV below it lives if tiers are attached."""
 
     @property
     def pool(self) -> BlockPool: ...
@@ -29,7 +29,7 @@ class PoolHost(Protocol):
     def scheduler(self) -> Scheduler: ...
 
     @property
-    def tiers(self) -> TieredPrefixCache | None: ...
+    def residency(self) -> Residency | None: ...
 
 
 class PlannerHost(PoolHost, Protocol):

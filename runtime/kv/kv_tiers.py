@@ -13,6 +13,9 @@ chain on its worker thread, so host copies and disk writes leave the engine loop
 is staged in private pinned memory and copied in asynchronously on the compute stream, ahead of the
 step that reads it. Before any lookup, demotions still in flight are awaited, so whether a block is
 found never depends on timing.
+
+It is a residency (runtime.kv.residency): the one whose blocks are named across incarnations, and
+one a step's layers need nothing of.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class TieredPrefixCache:
         self.chain = chain
         self.extra_key = extra_key
         self.num_promoted = 0
-        self.stall_seconds = 0.0  # the engine loop blocked on demotions and promotions
+        self.seconds_stalled = 0.0  # the engine loop blocked on demotions and promotions
         self.transfers = TransferEngine(chain, device=cache.device)
         self._in_flight: list[Future] = []  # demotions handed to the transfer engine, not yet awaited
         pool.on_evict = self._demote
@@ -45,6 +48,25 @@ class TieredPrefixCache:
     def check_integrity(self) -> None:
         """The tiers below compute agree with themselves (storage.tiers)."""
         self.chain.check_integrity()
+
+    # ---- a step: whole blocks move before admission, never around a layer ---------------------
+    def begin_step(self, scheduled, copies) -> bool:
+        return False
+
+    def before_layer(self, layer: int) -> None:
+        pass
+
+    def after_layer(self, layer: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def bytes_moved(self) -> dict[str, int]:
+        return self.chain.bytes_moved  # a copy
+
+    def stall_seconds(self) -> float:
+        return self.seconds_stalled
 
     def _demote(self, block_id: int, block_hash: bytes) -> None:
         if len(self._in_flight) >= 256:  # with no lookups for a while: forget the finished ones
@@ -55,7 +77,7 @@ class TieredPrefixCache:
         """Wait until every demotion handed out so far is in the chain."""
         began = time.perf_counter()
         self._reap(wait=True)
-        self.stall_seconds += time.perf_counter() - began
+        self.seconds_stalled += time.perf_counter() - began
 
     def _reap(self, wait: bool) -> None:
         pending = []
@@ -88,7 +110,7 @@ class TieredPrefixCache:
                     (block_id,) = self.pool.allocate(1)  # type: ignore[misc]
                     began = time.perf_counter()
                     staged = self.chain.fetch(block_hash, out=self.cache.staging_block())
-                    self.stall_seconds += time.perf_counter() - began
+                    self.seconds_stalled += time.perf_counter() - began
                     if staged is None:
                         self.pool.release([block_id])  # corrupt or gone: recomputed instead
                         break

@@ -22,6 +22,9 @@ A piece is named `piece_key(name, layer, 0)` with a name minted per incarnation 
 pool's generation), so a copy below compute of a dead block is never served as a new one. A piece
 that is gone or fails its disk checksum raises `PieceLost` before anything reads it; the engine
 then gives up every path holding that block and recomputes it (`recompute_lost`).
+
+It is a residency (runtime.kv.residency): the runner settles a step's blocks through `begin_step`,
+and the attention calls `before_layer` and `after_layer` around each layer (its `LayerStep`).
 """
 
 from __future__ import annotations
@@ -82,10 +85,26 @@ class LayerwiseResidency:
         self.num_written = 0  # pieces written back
         self.num_lost = 0  # blocks recomputed because a piece of them was gone or corrupt
         self.sync_seconds = 0.0  # restores and write-back copies made on the engine's thread
+        self._step: LayerStep | None = None  # the step under way, when its layers reload
 
-    @property
     def stall_seconds(self) -> float:
         return self.pipeline.stall_seconds + self.sync_seconds
+
+    def bytes_moved(self) -> dict[str, int]:
+        return self.chain.bytes_moved  # a copy
+
+    def promote_prefix(self, seq, limit: int | None = None) -> int:
+        """Nothing to promote: a block's pieces are named per incarnation, never looked up by prefix."""
+        return 0
+
+    def drain(self) -> None:
+        self.pipeline.drain()
+
+    def block_counts(self) -> dict[str, int]:
+        return {}  # no block below compute is named
+
+    def check_integrity(self) -> None:
+        self.chain.check_integrity()
 
     def record(self, block_id: int) -> _Sealed | None:
         """What is known of the block's current incarnation, if it was sealed."""
@@ -93,9 +112,9 @@ class LayerwiseResidency:
         return rec if rec is not None and rec.generation == self.pool.generations[block_id] else None
 
     # ---- one step ------------------------------------------------------------------------------
-    def begin_step(self, scheduled, copies) -> "LayerStep | None":
-        """Settle the blocks the step reads to this step's L and return its per-layer provider
-        (None when every layer is resident and nothing below compute is read)."""
+    def begin_step(self, scheduled, copies) -> bool:
+        """Settle the blocks the step reads to this step's L; whether its layers reload (not when
+        every layer is resident and nothing below compute is read)."""
         bs = self.cache.block_size
         reads: list[int] = []  # per path, its full blocks before the step (a shared one per path)
         filling: list[int] = []  # blocks this step fills
@@ -118,9 +137,19 @@ class LayerwiseResidency:
         for block in dict.fromkeys(reads):
             self._settle(block, first)
         self._seal(filling, first)
-        if first == self.num_layers:
-            return None
-        return LayerStep(self, first, reads, filling)
+        self._step = LayerStep(self, first, reads, filling) if first < self.num_layers else None
+        return self._step is not None
+
+    def before_layer(self, layer: int) -> None:
+        if self._step is not None:
+            self._step.before(layer)
+
+    def after_layer(self, layer: int) -> None:
+        if self._step is not None:
+            self._step.after(layer)
+
+    def end_step(self) -> None:
+        self._step = None
 
     def _settle(self, block: int, first: int) -> None:
         rec = self.record(block)
@@ -193,7 +222,7 @@ class LayerwiseResidency:
 
 
 class LayerStep:
-    """One forward's per-layer reloads, handed to the attention (`AttentionMetadata.layers`):
+    """One forward's per-layer reloads, which the residency's `before_layer` and `after_layer` run:
     `before(layer)` waits for the layer's pieces (and starts the next layer's), `after(layer)`
     writes back the layer's pieces of the blocks just filled and gives every offloaded piece back."""
 

@@ -149,8 +149,8 @@ class StreamedRequests:
     def _start(self, seq: Sequence) -> None:
         cache = self.host.cache
         self.host.pool.reset_prefix_cache()  # the compute tier is lent whole: nothing cached survives
-        if self.host.tiers is not None:
-            self.host.tiers.drain()
+        if self.host.residency is not None:
+            self.host.residency.drain()
         plan = self.plan(len(seq.token_ids) + seq.owner.request.max_tokens - 1)
         host_bytes, disk_bytes = self._tier_bytes()
         chain = self.host.tier_chain

@@ -27,6 +27,7 @@ token gets the KV it had).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +83,15 @@ class DecodeRows:
     kernel: object  # torch.ops.ponder.decode_attention
 
 
+class LayerHooks(Protocol):
+    """Where a step's KV lives, layer by layer (runtime.kv.residency): `before_layer(layer)` runs ahead
+    of the layer's cache reads and writes, `after_layer(layer)` once the layer is done with them."""
+
+    def before_layer(self, layer: int) -> None: ...
+
+    def after_layer(self, layer: int) -> None: ...
+
+
 @dataclass
 class AttentionMetadata:
     cache: KVCache
@@ -90,9 +100,7 @@ class AttentionMetadata:
     prefills: list[PrefillSlice]
     num_padding: int = 0  # throwaway tokens at the end of the row (see runtime.model.row_padding)
     decode_only: bool = False  # one decode group holding every row of the step, in order
-    # A per-layer KV provider for the step (runtime.kv.layer_offload.LayerStep): `before(layer)` runs
-    # ahead of the layer's cache reads and writes, `after(layer)` once the layer is done with them.
-    layers: object | None = None
+    layers: LayerHooks | None = None  # None: every layer of every block the step reads is resident
     decode_rows: DecodeRows | None = None  # instead of decode_groups, where the CPU kernel runs
 
 
@@ -110,10 +118,10 @@ def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: tor
     returns `[T, H, D]`. `softcap`: scores become softcap * tanh(score / softcap); `window`: a query at
     position p attends to positions p - window + 1 .. p only (transformers' sliding window)."""
     if meta.layers is not None:
-        meta.layers.before(layer)
+        meta.layers.before_layer(layer)
     out = _attend(meta, layer, queries, keys, values, scaling, softcap or None, window or None)
     if meta.layers is not None:
-        meta.layers.after(layer)
+        meta.layers.after_layer(layer)
     return out
 
 

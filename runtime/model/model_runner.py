@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, PrefillSlice, bucket_blocks
+from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks
 from runtime.kernels.cpu_kernels import KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
@@ -37,6 +38,19 @@ def _attention_kernel(cache: KVCache):
         return attention_kernel()
     except KernelUnavailable:
         return None
+
+
+class StepResidency(LayerHooks, Protocol):
+    """What the runner asks of where the KV lives below compute (runtime.kv.residency.Residency)."""
+
+    def begin_step(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> bool:
+        """Called with a step's plan after its copies: settle the blocks it reads, and say whether
+        its layers need `before_layer` and `after_layer`."""
+        ...
+
+    def end_step(self) -> None:
+        """The step's forward is over (or raised): forget its per-step state."""
+        ...
 
 
 @dataclass
@@ -61,13 +75,15 @@ class ModelRunner:
         self.device = cache.device
         self.block_size = cache.block_size
         self.padding = padding or RowPadding.none()
-        # Called with a step's (scheduled, copies) after the copies: a per-layer KV provider for the
-        # attention, or None (runtime.kv.layer_offload). None: every layer of every block is resident.
-        self.layer_provider = None
+        self.residency: StepResidency | None = None  # None: every layer of every block is resident
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)
         self.decoder = LeanDecoder.build(model)
         self.attention_kernel = _attention_kernel(cache)
+
+    def use_residency(self, residency: StepResidency) -> None:
+        """Run every step from the next one on through `residency`'s hooks."""
+        self.residency = residency
 
     def padded_rows(self, rows: list[int]) -> list[int]:
         """`rows` with the last repeated up to a row count that keeps each row's bits its own."""
@@ -79,17 +95,20 @@ class ModelRunner:
         """Compute the scheduled tokens; return float32 logits `[len(logits_for), vocab]` at the last
         new token of each scheduled entry whose index is in `logits_for`. Each (entry index, count) of
         `every_row_of` (prompt logprobs) appends the logits of that entry's first `count` new tokens."""
-        step = self._prepare(scheduled, copies)
-        wanted = [step.last_token_index[i] for i in logits_for]
-        for index, count in every_row_of:
-            wanted.extend(range(step.entry_start[index], step.entry_start[index] + count))
-        rows = self.padded_rows(wanted or [step.num_tokens - 1])
-        keep = torch.tensor(rows, device=self.device, dtype=torch.long)
-        if self.decoder is not None:
-            logits = self.decoder.logits(step.input_ids, step.positions, step.meta, keep)
-        else:
-            logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                                logits_to_keep=keep, ponder_attention=step.meta).logits[0]
+        try:
+            step = self._prepare(scheduled, copies)
+            wanted = [step.last_token_index[i] for i in logits_for]
+            for index, count in every_row_of:
+                wanted.extend(range(step.entry_start[index], step.entry_start[index] + count))
+            rows = self.padded_rows(wanted or [step.num_tokens - 1])
+            keep = torch.tensor(rows, device=self.device, dtype=torch.long)
+            if self.decoder is not None:
+                logits = self.decoder.logits(step.input_ids, step.positions, step.meta, keep)
+            else:
+                logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                                    logits_to_keep=keep, ponder_attention=step.meta).logits[0]
+        finally:
+            self._end_step()
         return logits[:len(wanted)].float()
 
     @torch.inference_mode()
@@ -97,19 +116,26 @@ class ModelRunner:
                       reads: Seq[tuple[int, int]]) -> torch.Tensor:
         """Compute the scheduled tokens with the base model (no head); return the final hidden states
         `[len(reads), hidden]` at (entry index, absolute token position) pairs, which must be new tokens."""
-        step = self._prepare(scheduled, copies)
-        rows = []
-        for index, position in reads:
-            entry = scheduled[index]
-            offset = position - entry.seq.num_computed_tokens
-            assert 0 <= offset < entry.num_new_tokens, "a read position must be computed in this step"
-            rows.append(step.entry_start[index] + offset)
-        if self.decoder is not None:
-            hidden = self.decoder.hidden_states(step.input_ids, step.positions, step.meta)
-        else:
-            hidden = self.model.base_model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                                           ponder_attention=step.meta).last_hidden_state[0]
+        try:
+            step = self._prepare(scheduled, copies)
+            rows = []
+            for index, position in reads:
+                entry = scheduled[index]
+                offset = position - entry.seq.num_computed_tokens
+                assert 0 <= offset < entry.num_new_tokens, "a read position must be computed in this step"
+                rows.append(step.entry_start[index] + offset)
+            if self.decoder is not None:
+                hidden = self.decoder.hidden_states(step.input_ids, step.positions, step.meta)
+            else:
+                hidden = self.model.base_model(input_ids=step.input_ids, position_ids=step.positions,
+                                               use_cache=False, ponder_attention=step.meta).last_hidden_state[0]
+        finally:
+            self._end_step()
         return hidden[torch.tensor(rows, device=self.device, dtype=torch.long)]
+
+    def _end_step(self) -> None:
+        if self.residency is not None:
+            self.residency.end_step()
 
     def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> "StepInputs":
         """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""
@@ -163,7 +189,8 @@ class ModelRunner:
             slot_offsets = torch.cat([slot_offsets, pad_positions % bs])
 
         to = self.device
-        layers = self.layer_provider(scheduled, copies) if self.layer_provider is not None else None
+        residency = self.residency
+        layers = residency if residency is not None and residency.begin_step(scheduled, copies) else None
         slot_rows = self.cache.row_index(slot_blocks, slot_offsets)
         decode_only = not prefills and not num_pad and len(decode_groups) == 1 and \
             decode_groups[0].rows.shape[0] == num_tokens

@@ -31,16 +31,16 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tiny_llama, tmp_path):
     churn(engine)
     names = hash_blocks(PROMPT[:28], 4, engine.kv.extra_key)
     assert all(engine.pool.lookup(h) is None for h in names)  # all pushed out of the compute tier
-    engine.tiers.drain()
-    assert all(engine.tiers.chain.lookup(h) == "host" for h in names)
-    moved = engine.tiers.chain.bytes_moved
+    engine.residency.drain()
+    assert all(engine.residency.chain.lookup(h) == "host" for h in names)
+    moved = engine.residency.chain.bytes_moved
     assert moved["cpu/host"] > 0 and moved["cpu/host"] % engine.cache.bytes_per_block == 0
     again = run(engine, [request("b", PROMPT, max_tokens=4)])["b"]
     assert again["finished"].cached_tokens == 28  # 7 blocks promoted back and hit
     assert again["choices"][0] == first["choices"][0]
-    assert engine.tiers.chain.bytes_moved["host/cpu"] == 7 * engine.cache.bytes_per_block
+    assert engine.residency.chain.bytes_moved["host/cpu"] == 7 * engine.cache.bytes_per_block
     engine.check_integrity()
-    engine.tiers.chain.check_integrity()
+    engine.residency.chain.check_integrity()
 
 
 def test_prefix_cache_survives_a_restart_through_the_disk_tier(tiny_llama, tmp_path):
@@ -89,7 +89,7 @@ def test_a_full_disk_disables_spilling_and_requests_still_succeed(tiny_llama, tm
     results = run(engine, [request(f"r{i}", [1] + [10 + i] * 30, max_tokens=3) for i in range(4)])
     engine.close()
     assert all(len(r["choices"][0]) == 3 for r in results.values())
-    assert not engine.tiers.chain.disk.is_enabled
+    assert not engine.residency.chain.disk.is_enabled
     assert any("disabl" in record.message.lower() for record in caplog.records)
 
 
@@ -98,7 +98,7 @@ def test_demotion_leaves_the_engine_loop_and_is_awaited_before_a_lookup(tiny_lla
     import time
 
     engine = tiered_engine(tiny_llama, tmp_path, host_blocks=64)
-    chain = engine.tiers.chain
+    chain = engine.residency.chain
     threads = set()
     slow_demote = chain.demote
 
@@ -119,7 +119,7 @@ def test_demotion_leaves_the_engine_loop_and_is_awaited_before_a_lookup(tiny_lla
 
 def test_finished_demotions_are_not_held_without_lookups(tiny_llama, tmp_path):
     engine = tiered_engine(tiny_llama, tmp_path, host_blocks=512)
-    tiers = engine.tiers
+    tiers = engine.residency
     for i in range(300):
         tiers._demote(i % engine.config.num_blocks, i.to_bytes(16, "little"))
         if i == 255:

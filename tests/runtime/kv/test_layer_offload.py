@@ -21,14 +21,14 @@ def expected(tiny_llama):
 def test_layerwise_offload_gives_the_resident_search(tiny_llama, expected, num_blocks, speculative):
     engine = engine_for(tiny_llama, num_blocks=num_blocks, scheduler_policy="token",
                         speculative_extension=speculative, host_kv_memory_bytes=4 << 20)
-    assert engine.pool.num_blocks > num_blocks and engine.layers.budget_blocks == num_blocks
+    assert engine.pool.num_blocks > num_blocks and engine.residency.budget_blocks == num_blocks
     assert engine_choices(run_search(engine, search_request("offloaded", **SEARCH))) == expected
-    engine.layers.pipeline.drain()
+    engine.residency.pipeline.drain()
     stats = engine.runtime_stats()
-    piece = engine.layers.piece_bytes
-    assert engine.layers.num_loaded > 0 and engine.stats["preemptions"] == 0
-    assert stats.kv_transfer_bytes["host/cpu"] == engine.layers.num_loaded * piece
-    assert stats.kv_transfer_bytes["cpu/host"] == engine.layers.num_written * piece
+    piece = engine.residency.piece_bytes
+    assert engine.residency.num_loaded > 0 and engine.stats["preemptions"] == 0
+    assert stats.kv_transfer_bytes["host/cpu"] == engine.residency.num_loaded * piece
+    assert stats.kv_transfer_bytes["cpu/host"] == engine.residency.num_written * piece
     assert stats.prefetch_stall_seconds > 0
 
 
@@ -37,7 +37,7 @@ def test_pieces_from_the_disk_tier_give_the_resident_search(tiny_llama, expected
                         disk_kv_dir=str(tmp_path), disk_kv_bytes=8 << 20)
     assert engine_choices(run_search(engine, search_request("disk", **SEARCH))) == expected
     moved = engine.runtime_stats().kv_transfer_bytes
-    assert moved["disk/cpu"] == engine.layers.num_loaded * engine.layers.piece_bytes > 0
+    assert moved["disk/cpu"] == engine.residency.num_loaded * engine.residency.piece_bytes > 0
 
 
 def test_bytes_follow_eq_1_and_2(tmp_path):
@@ -64,8 +64,8 @@ def test_bytes_follow_eq_1_and_2(tmp_path):
             low[block] = below[block] = first
             writes += 4 - first
     assert first < 4 and loads > 0
-    piece = engine.layers.piece_bytes
-    engine.layers.pipeline.drain()
+    piece = engine.residency.piece_bytes
+    engine.residency.pipeline.drain()
     moved = engine.runtime_stats().kv_transfer_bytes
     assert (moved["host/cpu"], moved["cpu/host"]) == (loads * piece, writes * piece)
     assert len(out["r"]["choices"][0]) == new
@@ -74,7 +74,7 @@ def test_bytes_follow_eq_1_and_2(tmp_path):
 def test_a_corrupt_disk_piece_is_recomputed_never_served(tiny_llama, expected, tmp_path, caplog):
     engine = engine_for(tiny_llama, num_blocks=4, scheduler_policy="token", speculative_extension=False,
                         disk_kv_dir=str(tmp_path), disk_kv_bytes=8 << 20)
-    disk = engine.layers.chain.disk
+    disk = engine.residency.chain.disk
     messages = []
     assert not isinstance(engine.add_request(search_request("corrupt", **SEARCH))[0], Exception)
     corrupted = False
@@ -84,12 +84,12 @@ def test_a_corrupt_disk_piece_is_recomputed_never_served(tiny_llama, expected, t
         if len(groups) >= 2:  # flip one byte in every piece written so far, reads go to the files
             for path in groups:
                 data = bytearray(path.read_bytes())
-                for i in range(0, len(data), engine.layers.piece_bytes):
+                for i in range(0, len(data), engine.residency.piece_bytes):
                     data[i] ^= 0xFF
                 path.write_bytes(bytes(data))
             disk._reuse.clear()
             corrupted = True
         engine.check_integrity()
     assert corrupted and "checksum mismatch" in caplog.text
-    assert engine.layers.num_lost > 0
+    assert engine.residency.num_lost > 0
     assert engine_choices(messages) == expected

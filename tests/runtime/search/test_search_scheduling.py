@@ -95,9 +95,9 @@ def test_blocks_brought_back_from_the_host_tier_give_the_same_search(tiny_llama,
     # ones a later step needs come back from there.
     engine = engine_for(tiny_llama, num_blocks=16, host_kv_memory_bytes=4 << 20)
     same(engine_choices(run_search(engine, search_request("host", **SEARCH))), expected)
-    moved = engine.tiers.chain.bytes_moved
+    moved = engine.residency.chain.bytes_moved
     block_bytes = engine.cache.shape.bytes_per_block(engine.cache.dtype)
-    assert engine.tiers.num_promoted > 0 and moved["host/cpu"] == engine.tiers.num_promoted * block_bytes
+    assert engine.residency.num_promoted > 0 and moved["host/cpu"] == engine.residency.num_promoted * block_bytes
 
 
 def test_an_unknown_policy_is_refused_at_start(tiny_llama):

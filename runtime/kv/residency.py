@@ -1,0 +1,57 @@
+"""One interface to where each block's KV lives below the compute pool: the residency.
+
+The engine holds one residency, or None when nothing lives below compute, and the runner calls it
+around every step it computes (`ModelRunner.use_residency`). A residency owns its tiers below compute
+(`chain`), every transfer between them and the compute pool, and the counters of those transfers;
+the block pool keeps owning the blocks, and the scheduler the queues. Two modes implement it:
+
+- `runtime.kv.kv_tiers.TieredPrefixCache`: whole named blocks go below compute when the pool
+  reclaims them and come back as prefix hits before admission; a step's layers need nothing of it.
+- `runtime.kv.layer_offload.LayerwiseResidency` (`policy = "token"`): the layers over the compute
+  budget live below it and are reloaded around each layer of every step.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from runtime.model.model_runner import StepResidency
+from scheduler.sequence import Sequence
+from storage.tiers import TierChain
+
+
+class Residency(StepResidency, Protocol):
+    """What the engine asks of a residency beyond the runner's step hooks (`StepResidency`:
+    `begin_step`, `before_layer`, `after_layer`, `end_step`)."""
+
+    @property
+    def chain(self) -> TierChain: ...  # the host and disk tiers below the compute pool
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes moved between tiers, as {"src/dst": bytes}, since it was made (a copy)."""
+        ...
+
+    def stall_seconds(self) -> float:
+        """Seconds the engine loop was blocked on its transfers since it was made."""
+        ...
+
+    def promote_prefix(self, seq: Sequence, limit: int | None = None) -> int:
+        """Bring the blocks of `seq`'s prefix that live below compute into the pool as cached blocks
+        before it is admitted, at most `limit` of them; returns how many came."""
+        ...
+
+    def drain(self) -> None:
+        """Wait until every transfer handed out so far has landed."""
+        ...
+
+    def block_counts(self) -> dict[str, int]:
+        """The named blocks each tier below compute holds, as {"tier/state": count}."""
+        ...
+
+    def check_integrity(self) -> None:
+        """AssertionError unless its tiers agree with themselves (tests, idle)."""
+        ...
+
+    def close(self) -> None:
+        """Keep what can outlive the process, then stop its transfers."""
+        ...
