@@ -15,6 +15,7 @@ from storage.kv_cache import kv_shape_of
 from runtime.kv.kv_split import KVSplitter, default_workload, device_peaks, model_cost
 from runtime.model.cached_model import load_quantized_model
 from runtime.model.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
+from runtime.startup_cache import file_identity
 from runtime.wire.protocol import RuntimeOptions
 from runtime.model.quantize import check_mode
 from runtime.verify.verifier_store import VerifierStore
@@ -55,16 +56,18 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         num_blocks = splitter.generator_blocks
     else:
         num_blocks = options.num_blocks or max(1, kv_bytes // shape.bytes_per_block(dtype))
+    model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
+    if quantized.mode != "none":  # a quantized model writes other KV than the float one
+        model_key += f"|quantize={quantized.mode}|{quantized.detail}".encode()
     config = EngineConfig(max_model_len=max_model_len, num_blocks=num_blocks, block_size=options.block_size,
                           max_num_seqs=options.max_num_seqs,
                           max_num_batched_tokens=max(options.max_num_batched_tokens, options.block_size),
                           enable_prefix_cache=options.enable_prefix_cache, policy=options.scheduler_policy,
                           kv_granularity=options.kv_granularity,
                           speculative_extension=speculates(options.speculative_extension, device),
-                          batch_invariant=options.batch_invariant)
-    model_key = f"{source.name}|{dtype}|{source.directory}|{source.gguf_file}".encode()
-    if quantized.mode != "none":  # a quantized model writes other KV than the float one
-        model_key += f"|quantize={quantized.mode}|{quantized.detail}".encode()
+                          batch_invariant=options.batch_invariant,
+                          invariance_cache={"model": file_identity(source.path),
+                                            "key": model_key.decode(errors="replace")})
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
     engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter)

@@ -49,6 +49,7 @@ class EngineConfig:
     kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.streamed)
     speculative_extension: bool = True
     batch_invariant: bool | str = "auto"  # pad steps so each row's bits are its own (row_padding.padding_for)
+    invariance_cache: dict | None = None  # the model's identity: the probe's verdict is kept in the start-up cache
 
 
 class Engine:
@@ -72,7 +73,8 @@ class Engine:
         self.pacer = StepPacer(config.block_size)  # steps short enough for searches' deadlines
         self.model_key = model_key
         self.padding = padding_for(model, config.batch_invariant, config.max_num_batched_tokens, config.max_num_seqs,
-                                   max_model_len=config.max_model_len, block_size=config.block_size)
+                                   max_model_len=config.max_model_len, block_size=config.block_size,
+                                   cache=config.invariance_cache)
         self._build_pool(config.num_blocks)
         self.streamed = check_granularity(self, model, config, model_key)
         self.quantized = quantized or Quantized("none", "none", 0, "float weights")

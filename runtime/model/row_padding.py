@@ -25,6 +25,7 @@ on the batch count), the deterministic mode is refused at start-up rather than s
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 
 import torch
@@ -42,6 +43,8 @@ ATTENTION_BATCH = 64  # most queries of one window a decode attention group hold
 GATHER_TOKENS = 1 << 16
 
 log = logging.getLogger("ponder.runtime")
+# The sources whose code decides which layers and attention run, and how they are probed.
+_CODE = ("model/row_padding.py", "model/decoder.py", "model/quantize.py", "model/attention.py", "kernels/cpu_kernels.py")
 
 
 class InvarianceUnavailable(RuntimeError):
@@ -49,15 +52,18 @@ class InvarianceUnavailable(RuntimeError):
 
 
 def padding_for(model: torch.nn.Module, setting: bool | str, max_rows: int, max_head_rows: int | None = None, *,
-                max_model_len: int | None = None, block_size: int = 16) -> "RowPadding | None":
+                max_model_len: int | None = None, block_size: int = 16, cache: dict | None = None) -> "RowPadding | None":
     """The padding that keeps `model`'s rows their own under `scheduler.batch_invariant` = `setting`,
     or None where results may depend on the batch. True: probed, and `InvarianceUnavailable` stops
     start-up. auto (the default): probed, and where the device cannot be shown to compute row by row,
-    one warning says what that means for seeds and the model is served without. False: not probed."""
+    one warning says what that means for seeds and the model is served without. False: not probed.
+    `cache` (the model's identity, from the start-up): on a CPU the probe's verdict is kept in the
+    start-up cache, so a later start with the same model, settings, threads, libraries and ponder
+    reads it instead of probing again (seconds for float32 layers)."""
     if setting is False:
         return None
     try:
-        return RowPadding.probe(model, max_rows, max_head_rows, max_model_len=max_model_len, block_size=block_size)
+        return _verdict(model, max_rows, max_head_rows, max_model_len, block_size, cache)
     except InvarianceUnavailable as exc:
         if setting is True:
             raise
@@ -65,6 +71,34 @@ def padding_for(model: torch.nn.Module, setting: bool | str, max_rows: int, max_
                     "step with other traffic or finds its prompt cached (scheduler.batch_invariant = true "
                     "refuses to start instead)", exc)
         return None
+
+
+def _verdict(model: torch.nn.Module, max_rows: int, max_head_rows: int | None, max_model_len: int | None,
+             block_size: int, cache: dict | None) -> "RowPadding":
+    """`RowPadding.probe`'s result, read from the start-up cache where `cache` names the model and it
+    runs on a CPU (a GPU's kernels are probed every start); a refusal is kept as well as a padding."""
+    parameter = next(model.parameters())
+    if cache is None or parameter.device.type != "cpu":
+        return RowPadding.probe(model, max_rows, max_head_rows, max_model_len=max_model_len, block_size=block_size)
+    from runtime.startup_cache import Entry, runtime_sources, sources_hash
+
+    entry = Entry("invariance", {**cache, "rows": [max_rows, max_head_rows, max_model_len, block_size],
+                                 "dtype": str(parameter.dtype), "threads": torch.get_num_threads(),
+                                 "batched_attention": decode_attention_is_batched(
+                                     parameter.device, parameter.dtype, _head_dim(_text_config(model))),
+                                 "code": sources_hash(runtime_sources(*_CODE))})
+    verdict = entry.read(lambda directory: json.loads((directory / "verdict.json").read_text()))
+    if verdict is None:
+        try:
+            padding = RowPadding.probe(model, max_rows, max_head_rows, max_model_len=max_model_len,
+                                       block_size=block_size)
+            verdict = {"safe_counts": padding.safe_counts, "max_rows": padding.max_rows}
+        except InvarianceUnavailable as exc:
+            verdict = {"unavailable": str(exc)}
+        entry.write(lambda directory: (directory / "verdict.json").write_text(json.dumps(verdict)))
+    if "unavailable" in verdict:
+        raise InvarianceUnavailable(verdict["unavailable"])
+    return RowPadding(verdict["safe_counts"], verdict["max_rows"])
 
 
 class RowPadding:

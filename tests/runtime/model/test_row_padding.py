@@ -10,6 +10,16 @@ from runtime.model.row_padding import RowPadding, attention_windows
 from tests.runtime.engine_helpers import engine_for
 
 
+@pytest.fixture(autouse=True)
+def own_startup_cache(tmp_path, monkeypatch):
+    """Each test probes for itself: no verdict another test kept in the start-up cache (the kernels,
+    loaded once a process, stay loaded)."""
+    from runtime.kernels.cpu_kernels import q4_unavailable
+
+    q4_unavailable()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "startup-cache"))
+
+
 def test_pad_goes_up_to_the_next_safe_count():
     padding = RowPadding([4, 8, 12, 13, 64, 192], 256)
     assert [padding.pad(n) for n in (1, 3, 4, 5, 8, 9, 11, 12, 13, 14, 100, 192, 193, 256)] == [
@@ -52,7 +62,7 @@ def test_a_device_that_is_not_deterministic_run_to_run_is_refused(monkeypatch):
         RowPadding.probe(model, max_rows=64)
 
 
-def test_auto_serves_without_padding_where_the_probe_fails_and_says_so_once(tiny_llama, monkeypatch, caplog):
+def test_auto_serves_without_padding_where_the_probe_fails_and_says_so_once(tiny_llama, tmp_path, monkeypatch, caplog):
     """The default (auto) serves a device that cannot be shown invariant, with one warning naming what
     it means for seeds; true (`--deterministic`) refuses to start there; false never probes."""
     import runtime.model.row_padding as row_padding
@@ -61,6 +71,7 @@ def test_auto_serves_without_padding_where_the_probe_fails_and_says_so_once(tiny
         raise row_padding.InvarianceUnavailable("a (64, 64) torch.float32 matmul on cpu gives different bits")
 
     assert engine_for(tiny_llama, batch_invariant="auto").padding is not None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "another-cache"))  # no verdict kept: probed again
     monkeypatch.setattr(row_padding.RowPadding, "probe", fails)
     with caplog.at_level("WARNING", logger="ponder.runtime"):
         engine = engine_for(tiny_llama, batch_invariant="auto")
@@ -251,3 +262,39 @@ def test_without_batch_invariance_nothing_is_padded(tiny_llama):
         from storage.kv_cache import KVCache
         ModelRunner(engine.model, KVCache(engine.cache.shape, 4, torch.float32, torch.device("cpu")),
                     RowPadding([4], 64))
+
+
+def test_the_probe_s_verdict_is_kept_for_the_next_start(tiny_llama, tmp_path, monkeypatch, caplog):
+    # With the model's identity given (as bootstrap gives it), a CPU keeps the verdict in the start-up
+    # cache: a second start reads it instead of probing; a refusal is kept too.
+    from transformers import AutoModelForCausalLM
+
+    import runtime.model.row_padding as row_padding
+    from runtime.startup_cache import file_identity
+
+    row_padding.decode_attention_is_batched(torch.device("cpu"), torch.float32, 64)  # kernels from the usual cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    probe, probes = row_padding.RowPadding.probe, []
+    monkeypatch.setattr(row_padding.RowPadding, "probe",
+                        classmethod(lambda cls, *a, **k: probes.append(1) or probe(*a, **k)))
+    identity = {"model": file_identity(tiny_llama), "key": "tiny"}
+    first = row_padding.padding_for(model, "auto", 96, 8, max_model_len=64, cache=identity)
+    second = row_padding.padding_for(model, "auto", 96, 8, max_model_len=64, cache=identity)
+    assert len(probes) == 1 and second.safe_counts == first.safe_counts and second.max_rows == first.max_rows
+    row_padding.padding_for(model, "auto", 128, 8, max_model_len=64, cache=identity)  # another setting: probed
+    assert len(probes) == 2
+
+    def fails(cls, *args, **kwargs):
+        probes.append(1)
+        raise row_padding.InvarianceUnavailable("this device is not deterministic")
+
+    monkeypatch.setattr(row_padding.RowPadding, "probe", classmethod(fails))
+    refused = {"model": file_identity(tiny_llama), "key": "another"}
+    with caplog.at_level("WARNING"):
+        assert row_padding.padding_for(model, "auto", 96, 8, max_model_len=64, cache=refused) is None
+        assert row_padding.padding_for(model, "auto", 96, 8, max_model_len=64, cache=refused) is None
+    with pytest.raises(row_padding.InvarianceUnavailable, match="not deterministic"):
+        row_padding.padding_for(model, True, 96, 8, max_model_len=64, cache=refused)
+    assert len(probes) == 3  # the refusal was probed once, then read
+    assert sum("batch invariance is off" in r.message for r in caplog.records) == 2
