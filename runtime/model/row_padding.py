@@ -77,9 +77,12 @@ def _verdict(model: torch.nn.Module, max_rows: int, max_head_rows: int | None, m
              block_size: int, cache: dict | None) -> "RowPadding":
     """`RowPadding.probe`'s result, read from the start-up cache where `cache` names the model and it
     runs on a CPU (a GPU's kernels are probed every start); a refusal is kept as well as a padding."""
+    def probe() -> RowPadding:
+        return RowPadding.probe(model, max_rows, max_head_rows, max_model_len=max_model_len, block_size=block_size)
+
     parameter = next(model.parameters())
     if cache is None or parameter.device.type != "cpu":
-        return RowPadding.probe(model, max_rows, max_head_rows, max_model_len=max_model_len, block_size=block_size)
+        return probe()
     from runtime.startup_cache import Entry, runtime_sources, sources_hash
 
     entry = Entry("invariance", {**cache, "rows": [max_rows, max_head_rows, max_model_len, block_size],
@@ -90,8 +93,7 @@ def _verdict(model: torch.nn.Module, max_rows: int, max_head_rows: int | None, m
     verdict = entry.read(lambda directory: json.loads((directory / "verdict.json").read_text()))
     if verdict is None:
         try:
-            padding = RowPadding.probe(model, max_rows, max_head_rows, max_model_len=max_model_len,
-                                       block_size=block_size)
+            padding = probe()
             verdict = {"safe_counts": padding.safe_counts, "max_rows": padding.max_rows}
         except InvarianceUnavailable as exc:
             verdict = {"unavailable": str(exc)}
