@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench import llama_cpp
-from bench.report import emit, plot_path
+from bench.report import emit, kernel_isa, plot_path
 from runtime.model import attention
 from runtime.bootstrap import build_engine
 from runtime.model.loader import load_causal_lm, resolve_model
@@ -152,7 +152,7 @@ def _timed(fn) -> float:
 
 
 def run(model: str | None, tokens: int, parallel: int, systems: list[str], profile: bool = False,
-        repeats: int = 3, prefill: tuple[int, ...] = (512, 2048)) -> dict:
+        repeats: int = 3, prefill: tuple[int, ...] = (512, 2048), cpu_isa: str = "auto") -> dict:
     threads = torch.get_num_threads()
     results: dict = {"threads": threads, "new_tokens": tokens, "parallel": parallel,
                      "read_bandwidth_gbs": round(read_bandwidth() / 1e9, 2), "systems": []}
@@ -162,7 +162,8 @@ def run(model: str | None, tokens: int, parallel: int, systems: list[str], profi
     for name in [s for s in systems if s in PONDER]:
         torch.manual_seed(0)
         engine, _ = build_engine(RuntimeOptions(model=model, device="cpu", max_num_seqs=max(64, parallel),
-                                                **PONDER[name]))
+                                                cpu_isa=cpu_isa, **PONDER[name]))
+        results["isa"] = kernel_isa()
         if prompt_ids is None:
             prompt_ids = chat_prompt_ids(engine.tokenizer, PROMPT)
         engine_tokens_per_s(engine, prompt_ids, 1, 8)  # warm-up
@@ -225,7 +226,8 @@ def _derive(results: dict) -> None:
 
 def table(results: dict) -> str:
     n = results["parallel"]
-    rows = [f"decode: {results['model']}, {results['threads']} threads, {results['new_tokens']} new tokens per "
+    rows = [f"decode: {results['model']}, {results['threads']} threads, {results.get('isa', 'no ponder')} kernel, "
+            f"{results['new_tokens']} new tokens per "
             f"sequence, read bandwidth {results['read_bandwidth_gbs']} GB/s",
             f"{'system':<14} {'weights MiB':>11} {'tok/s 1':>8} {'vs hf':>6} {'of bw':>6} "
             f"{f'tok/s {n}':>9} {'vs hf':>6} {'of bw':>6}"]
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompt lengths whose prefill is timed for default and not-invariant (\"\": none)")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler breakdown of the default system's decode steps")
+    parser.add_argument("--cpu-isa", default="auto", choices=("auto", "avx2"),
+                        help="ponder's int4 kernel: auto (AVX512-VNNI where present) or the AVX2 path (model.cpu_isa)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None,
                         help="PNG path (default: next to --json, else bench/out/decode.png)")
@@ -319,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     prefill = tuple(int(n) for n in args.prefill.split(",") if n.strip())
-    results = run(args.model, args.tokens, args.parallel, systems, args.profile, args.repeats, prefill)
+    results = run(args.model, args.tokens, args.parallel, systems, args.profile, args.repeats, prefill,
+                  args.cpu_isa)
     path = plot_path(args.plot_path, args.json_path, OUT_DIR / "decode.png")
     skipped = plot(results, path)
     results["plot"] = skipped or str(path)

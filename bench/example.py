@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench.report import columns, emit
+from bench.report import columns, emit, kernel_isa
 from bench.search import searched
 from runtime.search.answers import warm_up
 from runtime.bootstrap import build_engine
@@ -100,7 +100,7 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
     model_steps = steps.summary()
     engine.runner.execute = steps.execute  # the plain rate runs unobserved
     plain = plain_rate(engine, request, 8 if quick else 64)
-    return {"model": source.name, "quantize": engine.quantized.mode, "threads": torch.get_num_threads(),
+    return {"model": source.name, "quantize": engine.quantized.mode, "threads": torch.get_num_threads(), "isa": kernel_isa(),
             "deterministic": engine.padding is not None,
             "request": body, "seconds": round(seconds, 2),
             "tokens_generated": summary.tokens_generated,
@@ -129,7 +129,7 @@ def plain_rate(engine, request: GenerateRequest, tokens: int) -> float:
 def table(r: dict) -> str:
     search = r["request"]["search"]
     mode = ", deterministic" if r["deterministic"] else ""
-    head = (f"search example: {r['model']} ({r['quantize']}{mode}), {r['threads']} threads, {search['strategy']} "
+    head = (f"search example: {r['model']} ({r['quantize']}{mode}), {r['threads']} threads, {r['isa']} kernel, {search['strategy']} "
             f"n={search['n']} width={search['beam_width']}, {search['verifier']}, max_tokens "
             f"{r['request']['max_tokens']}, seed {r['request']['seed']}")
     rows = [["seconds", r["seconds"]], ["generated tokens", r["tokens_generated"]], ["tok/s", r["tok_s"]],

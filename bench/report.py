@@ -33,3 +33,12 @@ def columns(header: list[str], rows: list[list], first_width: int = 15) -> list[
     widths[0] = max(widths[0], first_width)
     return [" ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
             for row in cells]
+
+
+def kernel_isa() -> str:
+    """The instruction set ponder's int4 kernel runs in this process ("none" where it cannot run), to
+    name beside every CPU figure (`model.cpu_isa = "avx2"` keeps an AVX512 CPU on the AVX2 path)."""
+    from runtime.kernels.cpu_kernels import describe_isa, q4_unavailable
+
+    return describe_isa() if q4_unavailable() is None else "none"
+

@@ -13,6 +13,7 @@ from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_f
 from runtime.engine import Engine, EngineConfig
 from storage.kv_cache import kv_shape_of
 from runtime.kv.kv_split import KVSplitter, default_workload, device_peaks, model_cost
+from runtime.kernels.cpu_kernels import use_isa
 from runtime.model.cached_model import load_quantized_model
 from runtime.model.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.startup_cache import file_identity
@@ -32,6 +33,8 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     device = pick_device(options.device)
     dtype = pick_dtype(options.dtype, device)
     check_mode(options.quantize)  # an unknown mode fails before anything loads
+    if options.cpu_isa != "auto" and device.type == "cpu":
+        log.info("the int4 kernel keeps to %s (model.cpu_isa = %s)", use_isa(options.cpu_isa), options.cpu_isa)
     log.info("loading tokenizer from %s", source.directory)
     started = time.perf_counter()
     tokenizer = load_tokenizer(source, options.trust_remote_code)

@@ -42,6 +42,9 @@ class ModelSettings(_Section):
     # Weight-only quantization of the generator's linear layers on a CPU (runtime.model.quantize); auto keeps
     # a GGUF's own 4-bit blocks as int4 on a CPU and float weights otherwise.
     quantize: Literal["auto", "none", "int8", "int4"] = "auto"
+    # The int4 kernel's instruction set on an x86-64 CPU: auto runs AVX512-VNNI where the CPU has it; avx2
+    # keeps to the AVX2 path most desktop CPUs run (to time it on a server CPU). The same bits either way.
+    cpu_isa: Literal["auto", "avx2"] = "auto"
 
 
 class CacheSettings(_Section):
@@ -160,7 +163,8 @@ class Settings(BaseSettings):
         return RuntimeOptions(
             model=self.model.path, served_model_name=self.model.served_name, device=self.model.device,
             dtype=self.model.dtype, max_model_len=self.model.max_model_len,
-            trust_remote_code=self.model.trust_remote_code, quantize=self.model.quantize, block_size=self.cache.block_size,
+            trust_remote_code=self.model.trust_remote_code, quantize=self.model.quantize, cpu_isa=self.model.cpu_isa,
+            block_size=self.cache.block_size,
             kv_memory_bytes=int((self.cache.compute_memory_gib or 2.0) * (1 << 30)), num_blocks=self.cache.num_blocks,
             gpu_memory_fraction=self.cache.gpu_memory_fraction if self.cache.compute_memory_gib is None else None,
             verifier_kv_memory_bytes=int(self.cache.verifier_memory_gib * (1 << 30)),

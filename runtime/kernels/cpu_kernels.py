@@ -141,3 +141,19 @@ def q4_unavailable() -> str | None:
 
 def describe_isa() -> str:
     return {0: "AVX2", 1: "AVX512-VNNI"}.get(torch.ops.ponder.q4_best_isa(), "none")
+
+
+ISAS = ("auto", "avx2")
+
+
+def use_isa(name: str) -> str:
+    """Keep the int4 kernel at or below instruction set `name` for this process (the `model.cpu_isa`
+    setting): `auto` runs AVX512-VNNI where the CPU has it, `avx2` the AVX2 path most desktop CPUs run,
+    to time it on a server CPU. The bits are the same either way. Returns the instruction set the
+    kernel now runs ("none" where it cannot run here)."""
+    if name not in ISAS:
+        raise ValueError(f"model.cpu_isa = {name!r} is not one of {', '.join(ISAS)}")
+    if _load() is not None:
+        return "none"
+    torch.ops.ponder.q4_limit_isa(0 if name == "avx2" else 1)
+    return describe_isa()

@@ -336,6 +336,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int | None = None
     trust_remote_code: bool = False
     quantize: str = "auto"  # auto | none | int8 | int4: the generator's linear layers (runtime.model.quantize)
+    cpu_isa: str = "auto"  # auto | avx2: the int4 kernel's instruction set (runtime.kernels.cpu_kernels.use_isa)
     block_size: int = 16
     kv_memory_bytes: int = 2 << 30
     num_blocks: int | None = None  # overrides kv_memory_bytes

@@ -161,6 +161,23 @@ def test_the_engine_serves_the_same_tokens_from_the_cache(gguf, cache_dir):
 
 
 @needs_kernel
+def test_the_avx2_path_serves_the_same_tokens(gguf, cache_dir):
+    """`model.cpu_isa = "avx2"` keeps the int4 kernel on the AVX2 path for the process: same tokens."""
+    from runtime.kernels.cpu_kernels import describe_isa, use_isa
+
+    requests = lambda: [request(str(i), p, max_tokens=10) for i, p in enumerate(PROMPTS)]  # noqa: E731
+    best = describe_isa()
+    auto = run(engine_for(gguf), requests())
+    try:
+        avx2 = run(engine_for(gguf, cpu_isa="avx2"), requests())
+        assert describe_isa() == "AVX2"
+    finally:
+        use_isa("auto")
+    assert describe_isa() == best
+    assert {k: v["choices"] for k, v in avx2.items()} == {k: v["choices"] for k, v in auto.items()}
+
+
+@needs_kernel
 def test_a_corrupt_tensor_file_is_rebuilt_from_the_gguf(gguf, cache_dir, caplog):
     cold, _ = load(gguf)
     [name] = entries(cache_dir, "int4")

@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -73,7 +74,17 @@ bool has_vnni() {
   return has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
 }
 
-int64_t best_isa() { return has_vnni() ? 1 : has_avx2() ? 0 : -1; }
+// The highest instruction set `isa = -1` may pick (q4_limit_isa): 1 lets it run AVX512-VNNI where the CPU has it,
+// 0 keeps it on the AVX2 path most desktop CPUs run. Both give the same bits.
+std::atomic<int64_t> isa_limit{1};
+
+int64_t best_isa() { return has_vnni() && isa_limit.load() >= 1 ? 1 : has_avx2() ? 0 : -1; }
+
+int64_t limit_isa(int64_t limit) {
+  TORCH_CHECK(limit == 0 || limit == 1, "q4_limit_isa: 0 (AVX2) or 1 (AVX512-VNNI where present), not ", limit);
+  isa_limit.store(limit);
+  return best_isa();
+}
 
 void check_half(const c10::optional<at::Tensor>& t, int64_t count, const char* what) {
   TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == count,
@@ -142,5 +153,6 @@ TORCH_LIBRARY(ponder, m) {
   m.def("q4_linear(Tensor x, Tensor codes, Tensor d, Tensor? m, int n, Tensor? norm_weight=None, float eps=0.0, "
         "Tensor? residual=None, int isa=-1) -> Tensor");
   m.def("q4_best_isa() -> int", &best_isa);
+  m.def("q4_limit_isa(int limit) -> int", &limit_isa);
 }
 TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("q4_linear", &ponder::q4_linear); }

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.kernels.cpu_kernels import q4_kernel, q4_unavailable
+from runtime.kernels.cpu_kernels import describe_isa, q4_kernel, q4_unavailable, use_isa
 from runtime.model.quantize import Int4Linear
 
 pytestmark = pytest.mark.skipif(q4_unavailable() is not None, reason="ponder's int4 kernel needs an x86-64 CPU with AVX2")
@@ -69,6 +69,24 @@ def test_a_row_gets_the_same_bits_alone_in_any_batch_and_in_both_instruction_set
         assert torch.equal(layer(x), full)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_cpu_isa_setting_keeps_the_kernel_on_avx2_with_the_same_bits():
+    layer, *_ = random_layer(out_features=50, in_features=128)
+    x = torch.randn(11, 128, generator=torch.Generator().manual_seed(2))
+    best = describe_isa()
+    full = layer(x)
+    try:
+        assert use_isa("avx2") == "AVX2" == describe_isa()
+        assert torch.equal(layer(x), full)
+        assert torch.ops.ponder.q4_best_isa() == 0
+    finally:
+        assert use_isa("auto") == best
+    assert torch.ops.ponder.q4_best_isa() == {"AVX2": 0, "AVX512-VNNI": 1}[best]
+    with pytest.raises(ValueError, match="cpu_isa = 'avx512' is not one of auto, avx2"):
+        use_isa("avx512")
+    with pytest.raises(RuntimeError, match="0 .AVX2. or 1"):
+        torch.ops.ponder.q4_limit_isa(2)
 
 
 def test_the_norm_before_and_the_residual_after_are_the_layers_own():
