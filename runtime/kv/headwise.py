@@ -14,7 +14,6 @@ refused (admission) only when even those cannot hold it.
 Per forward, per layer, per KV-head group (a slice): the slice's pieces are loaded into a staging
 buffer (the next slice's load runs while this one computes), the query heads of that group attend
 the slice's whole context, and the new full blocks are written back (or kept, if resident).
-
 Exactness: each head attends its full context with one softmax, through SDPA's math backend, whose
 per-head result does not depend on which heads share the call (the fused CPU and CUDA kernels split
 work by head count, which changes the last bits). So the logits do not depend on the budget, the
@@ -93,11 +92,9 @@ class HeadwiseResidency:
                            budget_pieces=self.budget_pieces, prefetch=True)
 
     def _tier_bytes(self) -> tuple[int, int]:
-        chain = self.chain
-        if chain is None:
-            return 0, 0
-        return (chain.host.capacity_bytes if chain.host is not None else 0,
-                chain.disk.capacity_bytes if chain.disk is not None and chain.disk.is_enabled else 0)
+        host, disk = (chain.host, chain.disk) if (chain := self.chain) is not None else (None, None)
+        return (host.capacity_bytes if host is not None else 0,
+                disk.capacity_bytes if disk is not None and disk.is_enabled else 0)
 
     def fits(self, num_tokens: int) -> bool:
         try:

@@ -9,6 +9,9 @@ depend on the others (see runtime.model.row_padding): results never depend on wh
 Prompt tokens then attend like generated ones too, one query at a time against the paged KV
 (runtime.model.attention), so a token's bits do not depend on how its prompt was chunked or how much of
 it came from the prefix cache either.
+
+A residency holding a step's KV itself (head-wise, runtime.kv.headwise) says so first
+(`StepResidency.attention`): the step's one sequence holds no block, goes unpadded, and it attends.
 """
 
 from __future__ import annotations
