@@ -32,7 +32,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections import deque
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,7 @@ class HeadwiseResidency:
         return ScheduledSequence(seq, min(self.prefill_chunk, prompt - done) if done < prompt else 1)
 
     # ---- a step of the streamed request --------------------------------------------------------
-    def attention(self, scheduled: Seq[ScheduledSequence]):
+    def attention(self, scheduled: Seq[ScheduledSequence]) -> Callable[..., torch.Tensor] | None:
         """For a step of the streamed request (its KV is here, in no pool block): its blocks are named
         and this residency attends every layer (`_attend`). None for any other step."""
         if self.seq is None or len(scheduled) != 1 or scheduled[0].seq is not self.seq:
