@@ -190,7 +190,7 @@ class HeadwiseResidency:
         cache = self.host.cache
         self.host.pool.reset_prefix_cache()  # the compute tier is lent whole: nothing cached survives
         self.drain()
-        plan = self.plan(len(seq.token_ids) + seq.owner.request.max_tokens - 1)
+        plan = self.plan(seq.num_prompt_tokens + seq.owner.request.max_tokens - 1)  # a rebuild's too
         host_bytes, disk_bytes = self._tier_bytes()
         chain = self.chain
         needed = plan.total_pieces * self.piece_bytes
