@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
-from runtime.kv.layer_offload import BlockLost, LayerwiseResidency, logical_blocks, recompute_lost
+from runtime.kv.layer_offload import LayerwiseResidency, logical_blocks
 from runtime.kv.residency import Residency
 from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
@@ -28,10 +28,11 @@ from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep,
 from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer
 from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.sequence import Sequence
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache, KVShape, kv_shape_of
+from storage.piece_transfers import PieceLost
 
 
 log = logging.getLogger("ponder.runtime")
@@ -46,7 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.kv.beam_groups)
-    kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.streamed)
+    kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.headwise)
     speculative_extension: bool = True
     batch_invariant: bool | str = "auto"  # pad steps so each row's bits are its own (row_padding.padding_for)
     invariance_cache: dict | None = None  # the model's identity: the probe's verdict is kept in the start-up cache
@@ -76,7 +77,8 @@ class Engine:
                                    max_model_len=config.max_model_len, block_size=config.block_size,
                                    cache=config.invariance_cache)
         self._build_pool(config.num_blocks)
-        self.streamed = check_granularity(self, model, config, model_key)
+        self.streamed = self.residency = check_granularity(self, config, model_key)  # head-wise, or None
+        self.runner.use_residency(self.residency)
         self.quantized = quantized or Quantized("none", "none", 0, "float weights")
         self.kv_split = kv_split
         self.kv_caps = None  # its batch caps for the search load now
@@ -90,12 +92,10 @@ class Engine:
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
             log.warning("the judge verifier is unavailable for this model: %s", exc)
         self.verifier_stores: list = []
-        self.residency: Residency | None = None  # where the KV below compute lives, once tiers are attached
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
-        self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {},
-                      "search_paths": 0, "search_steps": 0, "preemptions": 0,
-                      "speculative_tokens": {}}
+        self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
+                      "search_steps": 0, "preemptions": 0, "speculative_tokens": {}}
 
     # -- requests -------------------------------------------------------------------------------
     @property
@@ -126,14 +126,15 @@ class Engine:
         return shape[1:] if self.config.policy == "token" else shape
 
     def attach_tiers(self, chain) -> None:
-        """Put host and disk tiers below the compute pool, before any request: the prefix cache
-        extends over them (runtime.kv.kv_tiers), or under `token` the paths' KV may outgrow the compute
-        budget, its layers over the budget reloaded for every token (runtime.kv.layer_offload)."""
+        """Put host and disk tiers below the compute pool, before any request: the prefix cache extends over
+        them (runtime.kv.kv_tiers), or under `token` the paths' KV may outgrow the compute budget, its layers
+        over it reloaded for every token (runtime.kv.layer_offload); the head-wise residency owns them."""
         if self.config.policy == "token":
             self._build_pool(logical_blocks(chain, self.cache, self.kv, self.config))
-            self.residency = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
+            tiers = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
         else:
-            self.residency = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+            tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
+        self.residency: Residency = tiers if self.streamed is None else self.streamed.own(tiers)
         self.runner.use_residency(self.residency)
 
     def close(self) -> None:
@@ -276,23 +277,8 @@ class Engine:
         for controller in list(self.searches.values()):
             controller.check_deadline()  # a search past its deadline answers now, verified or not
             self._carry_out(controller)
-        if self.streamed is not None and self.streamed.step():  # it has the compute tier to itself
-            return self._drain()
-        token_cap = self.pacer.token_cap(self.searches.values())  # a search's deadline: shorter steps
-        for store in (store for store in self.verifier_stores if store.has_work):
-            for score in store.step(token_cap):  # each goes to its search, in the order read
-                score.deliver()
-                self._carry_out(self.searches.get(score.request_id))
-        if self.scheduler.waiting:  # speculation only fills slots nothing else wants
-            for controller in list(self.searches.values()):
-                controller.stop_speculation()
-                self._carry_out(controller)
-        if self.residency is not None:
-            room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
-            for seq in list(self.scheduler.waiting)[:min(room, 8)]:
-                self.residency.promote_prefix(seq)
         try:
-            plan = self.scheduler.schedule(token_cap)
+            plan = self._schedule()
         except MemoryError as exc:
             return self._fail_blocked(str(exc))
         self.stats["preemptions"] += len(plan.preempted) + len(plan.released)
@@ -303,10 +289,11 @@ class Engine:
         try:
             started = time.perf_counter()
             logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
-            self.pacer.observe(plan.num_tokens, time.perf_counter() - started)
-        except BlockLost as lost:  # nothing was computed from it: its holders recompute it
+            if self.streamed is None or self.streamed.seq is None:  # a streamed step's time is its transfers'
+                self.pacer.observe(plan.num_tokens, time.perf_counter() - started)
+        except PieceLost as lost:  # nothing was computed from it: its KV is made whole again
             log.warning("%s; recomputing it", lost)
-            recompute_lost(lost, self.residency, self.pool, self.scheduler)
+            self.residency.recover(lost, self.scheduler)
             return self._drain()
         if scored:
             self.plain.on_prompt_logits(plan.scheduled, scored, logits[len(sampled):])
@@ -335,6 +322,25 @@ class Engine:
             search.advance()
             self._carry_out(search)
         return self._drain()
+
+    def _schedule(self) -> SchedulerOutput:
+        """A streamed request's next forward while it has the compute tier to itself, else the scheduler's plan."""
+        if self.streamed is not None and (plan := self.streamed.schedule()) is not None:
+            return plan
+        token_cap = self.pacer.token_cap(self.searches.values())  # a search's deadline: shorter steps
+        for store in (store for store in self.verifier_stores if store.has_work):
+            for score in store.step(token_cap):  # each goes to its search, in the order read
+                score.deliver()
+                self._carry_out(self.searches.get(score.request_id))
+        if self.scheduler.waiting:  # speculation only fills slots nothing else wants
+            for controller in list(self.searches.values()):
+                controller.stop_speculation()
+                self._carry_out(controller)
+        if self.residency is not None:
+            room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+            for seq in list(self.scheduler.waiting)[:min(room, 8)]:
+                self.residency.promote_prefix(seq)
+        return self.scheduler.schedule(token_cap)
 
     def _drain(self) -> list[FromRuntime]:
         messages, self.outbox = self.plain.emit() + self.outbox, []
@@ -366,8 +372,7 @@ class Engine:
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_cached=self.plain.tokens_cached,
-            tokens_generated=self.stats["tokens_generated"] + (self.streamed.tokens_generated if self.streamed else 0),
-            **{key: self.stats[key] for key in ("tokens_prompt", "search_paths", "search_steps")},
+            **{key: self.stats[key] for key in ("tokens_prompt", "tokens_generated", "search_paths", "search_steps")},
             search_requests=dict(self.stats["search_requests"]),
             speculative_tokens=dict(self.stats["speculative_tokens"]),
             verifier_seconds=tuple(self.verifier_samples),
@@ -377,15 +382,11 @@ class Engine:
 
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
-        moved = self.residency.bytes_moved() if self.residency is not None else {}
-        for pair, n in (self.streamed.bytes_moved() if self.streamed is not None else {}).items():
-            moved[pair] = moved.get(pair, 0) + n
-        return moved
+        return self.residency.bytes_moved() if self.residency is not None else {}
 
     def transfer_stall_seconds(self) -> float:
         """Seconds the engine loop was blocked on transfers between tiers."""
-        seconds = self.residency.stall_seconds() if self.residency is not None else 0.0
-        return seconds + (self.streamed.stall_seconds if self.streamed is not None else 0.0)
+        return self.residency.stall_seconds() if self.residency is not None else 0.0
 
     def check_integrity(self) -> None:
         """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""

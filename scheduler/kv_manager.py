@@ -119,7 +119,7 @@ class KVManager:
     def commit_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Record that KV up to `num_computed_tokens` is written and name the newly full blocks."""
         seq.num_computed_tokens = num_computed_tokens
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or not seq.block_table:  # no pool block: its KV is elsewhere (head-wise)
             return
         num_full = num_computed_tokens // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -126,6 +126,7 @@ class HeadwiseStore:
         self.block_names: list[BlockHash] = []  # chained names of the full blocks, in order
         self.num_loaded = 0
         self.num_written = 0
+        self.loads_per_forward: list[int] = []  # what the plan says each forward loads
         self.writeback_seconds = 0.0
         self._token_ids: list[int] = []
         self._futures: dict[int, Future] = {}
@@ -146,6 +147,7 @@ class HeadwiseStore:
                               f"{self.plan.max_tokens}")
         self._token_ids.extend(token_ids)
         self._start = start
+        self.loads_per_forward.append(self.plan.loads(start))
         bs = self.plan.block_size
         parent = self.block_names[-1] if self.block_names else None
         for j in range(len(self.block_names), len(self._token_ids) // bs):

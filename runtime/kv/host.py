@@ -1,8 +1,8 @@
 """What the KV room's long-lived parts ask of the engine (their ports); the engine satisfies them.
 
-The engine builds its compute pool (KV tensor, block pool, KV manager, scheduler) anew when tiers
-are attached under `token`, attaches the tiers after it is made, and re-chooses the batch caps as
-its search load changes: those are read through these ports at each use. What stays fixed (the
+The engine builds its compute pool (KV tensor, block pool, KV manager, scheduler, runner) anew when
+tiers are attached under `token`, attaches the tiers after it is made, and re-chooses the batch caps
+as its search load changes: those are read through these ports at each use. What stays fixed (the
 model, the settings) is handed over when the part is made.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Protocol
 
 from runtime.kv.residency import Residency
+from runtime.model.model_runner import ModelRunner
 from scheduler.kv_manager import KVManager
 from scheduler.roofline import BatchCaps
 from scheduler.scheduler import Scheduler
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache
-from storage.tiers import TierChain
 
 
 class PoolHost(Protocol):
@@ -43,11 +43,11 @@ class PlannerHost(PoolHost, Protocol):
 
 
 class StreamHost(PoolHost, Protocol):
-    """For `runtime.kv.streamed.StreamedRequests`: the compute tier it borrows whole, and the tiers
-    below it its own tiers are sized by."""
+    """For `runtime.kv.headwise.HeadwiseResidency`: the compute tier it borrows whole, and the runner
+    that runs a streamed request's forwards again when its KV is rebuilt."""
 
     @property
     def cache(self) -> KVCache: ...
 
     @property
-    def tier_chain(self) -> TierChain | None: ...
+    def runner(self) -> ModelRunner: ...

@@ -28,6 +28,7 @@ from scheduler.sequence import Sequence
 from storage.block_hash import hash_blocks
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache
+from storage.piece_transfers import PieceLost
 from storage.tiers import TierChain, TransferEngine
 
 log = logging.getLogger("ponder.runtime")
@@ -50,6 +51,9 @@ class TieredPrefixCache:
         self.chain.check_integrity()
 
     # ---- a step: whole blocks move before admission, never around a layer ---------------------
+    def attention(self, scheduled) -> None:
+        return None
+
     def begin_step(self, scheduled, copies) -> bool:
         return False
 
@@ -61,6 +65,9 @@ class TieredPrefixCache:
 
     def end_step(self) -> None:
         pass
+
+    def recover(self, lost: PieceLost, scheduler) -> None:
+        raise lost  # a step never reads below compute: its blocks came back before admission
 
     def bytes_moved(self) -> dict[str, int]:
         return self.chain.bytes_moved  # a copy

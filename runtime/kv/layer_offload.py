@@ -21,7 +21,7 @@ no result can come from anywhere but a reload, and Eq. 1 charges only the reside
 A piece is named `piece_key(name, layer, 0)` with a name minted per incarnation of a block (the
 pool's generation), so a copy below compute of a dead block is never served as a new one. A piece
 that is gone or fails its disk checksum raises `PieceLost` before anything reads it; the engine
-then gives up every path holding that block and recomputes it (`recompute_lost`).
+then gives up every path holding that block and recomputes it (`recover`).
 
 It is a residency (runtime.kv.residency): the runner settles a step's blocks through `begin_step`,
 and the attention calls `before_layer` and `after_layer` around each layer (its `LayerStep`).
@@ -112,6 +112,9 @@ class LayerwiseResidency:
         return rec if rec is not None and rec.generation == self.pool.generations[block_id] else None
 
     # ---- one step ------------------------------------------------------------------------------
+    def attention(self, scheduled) -> None:
+        return None  # every step's KV is in the pool's blocks, their layers reloaded around each layer
+
     def begin_step(self, scheduled, copies) -> bool:
         """Settle the blocks the step reads to this step's L; whether its layers reload (not when
         every layer is resident and nothing below compute is read)."""
@@ -191,6 +194,15 @@ class LayerwiseResidency:
         if rec is not None:
             self.pipeline.discard([piece_key(rec.name, layer, 0)
                                    for layer in range(rec.below, self.num_layers)])
+
+    def recover(self, lost: BlockLost, scheduler: Scheduler) -> None:
+        """A block whose KV is gone: every path holding it gives its blocks up and is recomputed, and
+        the block's name is forgotten, so no prefix lookup serves it."""
+        self.forget(lost.block_id)
+        self.pool.forget_name(lost.block_id)
+        for seq in list(scheduler.running) + list(scheduler.parked):
+            if lost.block_id in seq.block_table:
+                scheduler.give_up_blocks(seq)
 
     def close(self) -> None:
         self.pipeline.close()
@@ -299,13 +311,3 @@ def logical_blocks(chain: TierChain, cache: KVCache, kv: KVManager, config) -> i
         below += chain.host.num_slots // cache.shape.num_layers
     most = config.max_num_seqs * kv.num_blocks_for(config.max_model_len)
     return max(config.num_blocks, min(below, most))
-
-
-def recompute_lost(lost: BlockLost, layers: LayerwiseResidency, pool: BlockPool, scheduler: Scheduler) -> None:
-    """A block whose KV is gone: every path holding it gives its blocks up and is recomputed, and
-    the block's name is forgotten, so no prefix lookup serves it."""
-    layers.forget(lost.block_id)
-    pool.forget_name(lost.block_id)
-    for seq in list(scheduler.running) + list(scheduler.parked):
-        if lost.block_id in seq.block_table:
-            scheduler.give_up_blocks(seq)

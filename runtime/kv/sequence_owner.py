@@ -1,8 +1,8 @@
 """Whom a sequence's logits go to: the one protocol every `Sequence.owner` meets.
 
 Owners are a plain request's choices, a search's paths, look-aheads and prompt, and the judge's
-questions; the engine's step and the head-wise server hand them their logits and sampled tokens.
-It lives in the lowest room that calls it (`runtime.kv.streamed`), so every room above may name it.
+questions; the engine's step hands them their logits and sampled tokens. It lives in the KV room,
+below every room whose parts are owners, so each may name it.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ token gets the KV it had).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -102,6 +103,9 @@ class AttentionMetadata:
     decode_only: bool = False  # one decode group holding every row of the step, in order
     layers: LayerHooks | None = None  # None: every layer of every block the step reads is resident
     decode_rows: DecodeRows | None = None  # instead of decode_groups, where the CPU kernel runs
+    # The residency's own attention of each layer (layer, queries, keys, values, scaling) -> output, when it
+    # holds the step's KV itself (head-wise, runtime.kv.headwise): nothing of the step is in the cache.
+    attention: Callable[..., torch.Tensor] | None = None
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -117,6 +121,8 @@ def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: tor
     """Write the step's new keys and values `[T, KVH, D]` of `layer` and attend its queries `[T, H, D]`;
     returns `[T, H, D]`. `softcap`: scores become softcap * tanh(score / softcap); `window`: a query at
     position p attends to positions p - window + 1 .. p only (transformers' sliding window)."""
+    if meta.attention is not None:
+        return meta.attention(layer, queries, keys, values, scaling)
     if meta.layers is not None:
         meta.layers.before_layer(layer)
     out = _attend(meta, layer, queries, keys, values, scaling, softcap or None, window or None)
@@ -213,9 +219,8 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-def register(name: str = ATTENTION_NAME, function=paged_attention) -> str:
-    """Register an attention function (this module's by default) under `name`, with no mask: each
-    builds its own from the positions it is given."""
-    AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, _no_mask)
-    return name
+def register() -> str:
+    """Register `paged_attention` with no mask (it builds its own from the positions it is given)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME

@@ -9,11 +9,14 @@ depend on the others (see runtime.model.row_padding): results never depend on wh
 Prompt tokens then attend like generated ones too, one query at a time against the paged KV
 (runtime.model.attention), so a token's bits do not depend on how its prompt was chunked or how much of
 it came from the prefix cache either.
+
+A residency holding a step's KV itself (head-wise, runtime.kv.headwise) says so first
+(`StepResidency.attention`): the step's one sequence holds no block, goes unpadded, and it attends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,6 +45,10 @@ def _attention_kernel(cache: KVCache):
 
 class StepResidency(LayerHooks, Protocol):
     """What the runner asks of where the KV lives below compute (runtime.kv.residency.Residency)."""
+
+    def attention(self, scheduled: Seq[ScheduledSequence]) -> Callable[..., torch.Tensor] | None:
+        """Asked first: its own attention of every layer when it holds the step's KV itself, else None."""
+        ...
 
     def begin_step(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> bool:
         """Called with a step's plan after its copies: settle the blocks it reads, and say whether
@@ -81,7 +88,7 @@ class ModelRunner:
         self.decoder = LeanDecoder.build(model)
         self.attention_kernel = _attention_kernel(cache)
 
-    def use_residency(self, residency: StepResidency) -> None:
+    def use_residency(self, residency: StepResidency | None) -> None:
         """Run every step from the next one on through `residency`'s hooks."""
         self.residency = residency
 
@@ -140,6 +147,13 @@ class ModelRunner:
     def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> "StepInputs":
         """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""
         self.cache.copy_blocks(list(copies))
+        attention = self.residency.attention(scheduled) if self.residency is not None else None
+        if attention is not None:  # one sequence's tokens and positions, unpadded: the residency attends
+            (entry,) = scheduled
+            start, end = entry.seq.num_computed_tokens, entry.seq.num_computed_tokens + entry.num_new_tokens
+            meta = AttentionMetadata(self.cache, torch.empty(0), [], [], attention=attention)
+            return StepInputs(torch.tensor([entry.seq.token_ids[start:end]], device=self.device),
+                              torch.arange(start, end, device=self.device)[None], meta, [end - start - 1], [0])
         bs = self.block_size
         input_ids: list[int] = []
         tables: list[int] = []  # every entry's block table, one after another

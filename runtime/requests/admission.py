@@ -14,13 +14,13 @@ from scheduler.kv_manager import KVManager
 
 if TYPE_CHECKING:
     from runtime.kv.host import StreamHost
-    from runtime.kv.streamed import StreamedRequests
+    from runtime.kv.headwise import HeadwiseResidency
 
 GRANULARITIES = ("block", "head")
 
 
 def admit(request: GenerateRequest, running: tuple[Container[str], ...], tokenizer, vocab_size: int, config,
-          kv: KVManager, streamed: StreamedRequests | None, *,
+          kv: KVManager, streamed: HeadwiseResidency | None, *,
           verifiers: Collection[str]) -> tuple[list[int], int]:
     """The prompt's token ids and the output tokens allowed, or `InvalidRequest` naming the field.
     `running`: the ids of the requests under way; `config`: the engine's settings (`max_model_len`,
@@ -70,7 +70,7 @@ def _check_search(request: GenerateRequest, verifiers: Collection[str]) -> None:
 
 
 def _check_streamed(request: GenerateRequest, num_tokens: int, held: int,
-                    streamed: StreamedRequests | None) -> None:
+                    streamed: HeadwiseResidency | None) -> None:
     """A request over the compute pool (which holds `held` tokens) may stream head-wise (one choice,
     no search) if the host and disk tiers hold its KV; otherwise it is refused, saying how many
     tokens would fit."""
@@ -104,10 +104,10 @@ def check_budget(shape, num_blocks: int, max_model_len: int, granularity: str) -
                                f"stream one sequence of max_model_len {max_model_len} tokens: {exc}") from None
 
 
-def check_granularity(host: StreamHost, model, config, model_key: bytes) -> StreamedRequests | None:
-    """The head-wise server of requests over the compute pool when `kv_granularity = head`, after
+def check_granularity(host: StreamHost, config, model_key: bytes) -> HeadwiseResidency | None:
+    """The head-wise residency of requests over the compute pool when `kv_granularity = head`, after
     `check_budget` (`config`: the engine's settings)."""
-    from runtime.kv.streamed import StreamedRequests  # the model side: start-up's settings check needs none of it
+    from runtime.kv.headwise import HeadwiseResidency  # the model side: start-up's settings check needs none of it
 
     check_budget(host.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)
-    return StreamedRequests(host, model, config, model_key) if config.kv_granularity == "head" else None
+    return HeadwiseResidency(host, config, model_key) if config.kv_granularity == "head" else None

@@ -2,7 +2,7 @@
 
 Only the compute pool's queues and KV manager are read through it: the engine builds them anew when
 tiers are attached under `token`, so they are asked for at each use. What stays fixed (the
-tokenizer, the limits, the head-wise server) is handed over when plain requests are made.
+tokenizer, the limits, the head-wise residency) is handed over when plain requests are made.
 """
 
 from __future__ import annotations

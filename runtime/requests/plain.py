@@ -20,7 +20,7 @@ from scheduler.sequence import Sequence
 class PlainRequests:
     def __init__(self, host: RequestsHost, tokenizer, eos_ids: frozenset[int], device, max_model_len: int,
                  streamed) -> None:
-        """`streamed`: the head-wise server (runtime.kv.streamed), or None."""
+        """`streamed`: the head-wise residency (runtime.kv.headwise), or None."""
         self.host = host
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -32,7 +32,7 @@ class PlainRequests:
         self.tokens_cached = 0  # prompt tokens the prefix cache served, over every request
 
     def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, streamed: bool = False) -> RequestState:
-        """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.kv.streamed)."""
+        """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.kv.headwise)."""
         params = request.sampling
         if streamed and (params.prompt_logprobs is not None or max_tokens == 0):
             raise InvalidRequest("prompt logprobs and max_tokens 0 are not served for a request whose KV "

@@ -2,21 +2,28 @@
 
 The models are tiny llama and qwen2 models with 8 layers and 4 KV heads (32 slices): a slice's
 context must fit a staging buffer, so a compute tier of 1/8 of the KV needs more than the shared
-fixtures' 4 slices. (The engine's use of it, `kv_granularity = "head"`, is tested in test_streamed.)
+fixtures' 4 slices. Each sequence runs through the runner with a head-wise residency over a plan and a
+tier chain of the test's own. (The engine's use of it, `kv_granularity = "head"`, is tested in
+test_streamed.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from runtime.model import attention
-from runtime.kv.head_pieces import plan_pieces
-from runtime.kv.headwise import HeadwiseDecoder, attend
+from runtime.kv.head_pieces import HeadwiseStore, plan_pieces
+from runtime.kv.headwise import HeadwiseResidency, attend
 from runtime.model.loader import ModelSource, load_causal_lm
+from runtime.model.model_runner import ModelRunner
+from scheduler.scheduler import ScheduledSequence
+from scheduler.sequence import Sequence
+from storage.kv_cache import KVCache, kv_shape_of
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
 from storage.tiers import TierChain
@@ -64,12 +71,12 @@ def prompt():
 @dataclass
 class Report:
     tokens: list[int]
-    decoder: HeadwiseDecoder
+    store: HeadwiseStore
     logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def bytes_moved(self) -> dict[str, int]:
-        return self.decoder.chain.bytes_moved
+        return self.store.pipeline.chain.bytes_moved
 
 
 def generate_headwise(model, prompt, new, *, budget_pieces=BUDGET, group_heads=1, prefetch=True,
@@ -83,16 +90,30 @@ def generate_headwise(model, prompt, new, *, budget_pieces=BUDGET, group_heads=1
     host = HostTier(piece, torch.float32, host_bytes, name="host") if host_bytes else None
     disk = DiskTier(disk_dir, "headwise-test", disk_bytes, name="disk") if disk_dir else None
     chain = TierChain(host, disk, compute_name="compute", promote_disk_hits=False)
-    arena = torch.empty(budget_pieces * PIECE_BYTES * group_heads // 4)
-    decoder = HeadwiseDecoder(model, plan, chain, arena, b"test")
+    # The compute tier the residency borrows whole: the budget's pieces, in blocks of every slice.
+    cache = KVCache(kv_shape_of(model.config, BLOCK), -(-budget_pieces * group_heads // (LAYERS * KV_HEADS)),
+                    torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, cache)
+    config = SimpleNamespace(max_model_len=len(prompt) + new, num_blocks=cache.num_blocks, max_num_batched_tokens=CHUNK)
+    residency = HeadwiseResidency(SimpleNamespace(cache=cache, runner=runner), config, b"test")
+    runner.use_residency(residency)
+    seq = Sequence(prompt)
+    residency.stream(seq, plan, chain)
+
+    def forward(num_tokens: int) -> torch.Tensor:
+        logits = runner.execute([ScheduledSequence(seq, num_tokens)], [], [0])[0]
+        seq.num_computed_tokens += num_tokens
+        return logits
+
     generator = torch.Generator().manual_seed(seed)
-    report = Report([], decoder)
+    report = Report([], residency.store)
     try:
         for c in range(0, len(prompt), CHUNK):
-            logits = decoder.forward(prompt[c:c + CHUNK])
+            logits = forward(len(prompt[c:c + CHUNK]))
         for i in range(new):
             if i:
-                logits = decoder.forward([report.tokens[-1]])
+                seq.append_token(report.tokens[-1])
+                logits = forward(1)
             report.logits.append(logits)
             if temperature <= 0:
                 report.tokens.append(int(torch.argmax(logits)))
@@ -100,8 +121,8 @@ def generate_headwise(model, prompt, new, *, budget_pieces=BUDGET, group_heads=1
                 probs = torch.softmax(logits / temperature, dim=-1)
                 report.tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
     finally:
-        decoder.close()
-    decoder.store.check_integrity()
+        report.store.pipeline.close()
+    report.store.check_integrity()
     chain.check_integrity()
     return report
 
@@ -151,24 +172,24 @@ def test_greedy_tokens_equal_generate_within_an_eighth_of_the_kv(models, prompt,
     model = models[arch]
     report = generate_headwise(model, prompt, NEW)
     assert report.tokens == hf_greedy(model, prompt, "sdpa") == hf_greedy(model, prompt, "eager")
-    plan = report.decoder.plan
+    plan = report.store.plan
     assert plan.total_pieces == TOTAL_PIECES and plan.budget_pieces * 8 <= TOTAL_PIECES
     # The compute tier's KV tensors: resident pieces, one tail per slice, two staging buffers.
     assert plan.resident_pieces == BUDGET - LAYERS * KV_HEADS - 2 * STAGING == 46
-    assert report.decoder.store.compute_bytes == BUDGET * PIECE_BYTES
+    assert report.store.compute_bytes == BUDGET * PIECE_BYTES
     assert model.config._attn_implementation == attention.ATTENTION_NAME  # restored
 
 
 def test_bytes_are_the_pieces_the_budget_leaves_out(models, prompt):
     report = generate_headwise(models["llama"], prompt, NEW)
     loads = [expected_loads(BUDGET, s) for s in FORWARD_STARTS]
-    assert report.decoder.loads_per_forward == loads
+    assert report.store.loads_per_forward == loads
     # A decoded token reads the 37 (then 38) full blocks of 32 slices less the resident ones:
     # slice 0 wholly (37, then 38) and 8 blocks of slice 1.
     assert loads[len(range(0, PROMPT_LEN, CHUNK)):] == [32 * 37 - 37 - 8] * 4 + [32 * 38 - 46] * 3
     full_pieces = LAYERS * KV_HEADS * (MAX_TOKENS // BLOCK)
-    assert report.decoder.store.num_loaded == sum(loads)
-    assert report.decoder.store.num_written == full_pieces - 46
+    assert report.store.num_loaded == sum(loads)
+    assert report.store.num_written == full_pieces - 46
     assert {k: v for k, v in report.bytes_moved.items() if v} == {
         "host/compute": sum(loads) * PIECE_BYTES,
         "compute/host": (full_pieces - 46) * PIECE_BYTES}
@@ -179,7 +200,7 @@ def test_logits_do_not_depend_on_budget_group_size_or_prefetch(models, prompt):
     small = generate_headwise(model, prompt, NEW)
     whole = generate_headwise(model, prompt, NEW, budget_pieces=10 * TOTAL_PIECES // KV_HEADS,
                               group_heads=KV_HEADS, prefetch=False)
-    assert whole.decoder.store.num_loaded == 0 and whole.bytes_moved["host/compute"] == 0
+    assert whole.store.num_loaded == 0 and whole.bytes_moved["host/compute"] == 0
     assert all(torch.equal(a, b) for a, b in zip(small.logits, whole.logits, strict=True))
 
 
@@ -188,7 +209,7 @@ def test_seeded_sampling_is_the_same_over_any_budget(models, prompt):
     runs = [generate_headwise(model, prompt, NEW, budget_pieces=b, temperature=1.0, seed=5)
             for b in (BUDGET, 4 * BUDGET)]
     assert runs[0].tokens == runs[1].tokens
-    assert runs[0].decoder.store.num_loaded > runs[1].decoder.store.num_loaded
+    assert runs[0].store.num_loaded > runs[1].store.num_loaded
 
 
 def test_a_budget_below_one_slice_of_staging_is_refused(models, prompt):
@@ -206,7 +227,7 @@ def test_disk_tier_carries_what_the_host_tier_cannot(models, prompt, tmp_path):
     loaded = sum(expected_loads(BUDGET, s) for s in FORWARD_STARTS)
     assert moved["host/compute"] + moved["disk/compute"] == loaded * PIECE_BYTES
     assert moved["disk/compute"] > moved["host/compute"] > 0
-    written = report.decoder.store.num_written
+    written = report.store.num_written
     assert moved["compute/host"] == written * PIECE_BYTES
     # Everything the host tier evicted went to disk, once: all but what it still holds.
     assert moved["host/disk"] == (written - host_pieces) * PIECE_BYTES

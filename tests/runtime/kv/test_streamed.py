@@ -53,8 +53,8 @@ def test_pieces_from_the_disk_tier_and_a_corrupt_one_rebuilt(deep_llama, residen
         for message in engine.step():
             tokens += getattr(message, "token_ids", ())
         streamed = engine.streamed
-        if not corrupted and streamed.decoder is not None and len(tokens) > 4:
-            disk = streamed.decoder.chain.disk
+        if not corrupted and streamed.store is not None and len(tokens) > 4:
+            disk = streamed.store.pipeline.chain.disk
             disk.flush()
             for path in disk.path.glob("*.kvg"):  # every piece written so far fails its checksum
                 data = bytearray(path.read_bytes())
