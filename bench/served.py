@@ -22,6 +22,7 @@ from runtime.model import attention
 from runtime.bootstrap import tier_chain
 from runtime.engine import Engine, EngineConfig
 from runtime.kv.kv_tiers import TieredPrefixCache
+from runtime.kv.residency import tier_payload
 from storage.kv_cache import kv_shape_of
 from runtime.model.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
@@ -111,12 +112,13 @@ def make_engine(loaded: Loaded, *, policy: str, num_blocks: int, block_size: int
                           max_num_batched_tokens=max(2048, block_size), policy=policy,
                           speculative_extension=speculative_extension, batch_invariant=batch_invariant,
                           kv_granularity=kv_granularity)
-    engine = Engine(loaded.model, loaded.tokenizer, config, loaded.key)
+    chain = None
     if tiers is not None:
-        engine.attach_tiers(tier_chain(engine.tier_payload_shape, engine.cache.dtype, engine.device, loaded.key,
-                                       tiers.host_bytes, tiers.disk_dir, tiers.disk_bytes,
-                                       uncached_reads=tiers.uncached_reads))
-    return engine
+        parameter = next(loaded.model.parameters())
+        chain = tier_chain(tier_payload(kv_shape_of(loaded.model.config, block_size), policy), parameter.dtype,
+                           parameter.device, loaded.key, tiers.host_bytes, tiers.disk_dir, tiers.disk_bytes,
+                           uncached_reads=tiers.uncached_reads)
+    return Engine(loaded.model, loaded.tokenizer, config, loaded.key, tiers=chain)
 
 
 def moved_bytes(run: "Run", compute: str) -> dict[str, int]:

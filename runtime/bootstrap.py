@@ -12,6 +12,7 @@ from runtime.model.decoder import LeanDecoder
 from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig
 from storage.kv_cache import kv_shape_of
+from runtime.kv.residency import tier_payload
 from runtime.kv.kv_split import KVSplitter, default_workload, device_peaks, model_cost
 from runtime.kernels.cpu_kernels import use_isa
 from runtime.model.cached_model import load_quantized_model
@@ -73,9 +74,9 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                                             "key": model_key.decode(errors="replace")})
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
-    engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter)
-    if options.host_kv_memory_bytes > 0 or options.disk_kv_dir:
-        engine.attach_tiers(_tier_chain(options, engine.tier_payload_shape, engine.cache.dtype, engine.device, model_key))
+    tiers = _tier_chain(options, tier_payload(shape, config.policy), next(model.parameters()).dtype, device, model_key) \
+        if options.host_kv_memory_bytes > 0 or options.disk_kv_dir else None
+    engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter, tiers=tiers)
     for name, verifier in verifiers.items():
         if name in engine.scorers:
             raise ValueError(f"verifier name {name!r} is built in; choose another name")
@@ -172,7 +173,7 @@ def _tier_chain(options: RuntimeOptions, payload: tuple[int, ...], dtype: torch.
 def tier_chain(payload: tuple[int, ...], dtype: torch.dtype, device: torch.device, model_key: bytes,
                host_bytes: int, disk_dir: str | None, disk_bytes: int, uncached_reads: bool = False) -> TierChain:
     """The host and disk tiers to attach below an engine's compute pool on `device`, holding its
-    policy's `payload` (`Engine.tier_payload_shape`: a block, or under `token` one layer of one) of
+    policy's `payload` (`runtime.kv.residency.tier_payload`: a block, or under `token` one layer of one) of
     `dtype`; no host tier for 0 bytes, no disk tier without a dir."""
     compute = "gpu" if device.type == "cuda" else "cpu"
     host = None

@@ -33,6 +33,7 @@ from scheduler.sequence import Sequence
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache, KVShape, kv_shape_of
 from storage.piece_transfers import PieceLost
+from storage.tiers import TierChain
 
 
 log = logging.getLogger("ponder.runtime")
@@ -60,9 +61,13 @@ class Engine:
     search asks for every change in its plan (runtime.search.plan), which the engine carries out."""
 
     def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"", *,
-                 quantized: Quantized | None = None, kv_split=None) -> None:
+                 quantized: Quantized | None = None, kv_split=None, tiers: TierChain | None = None) -> None:
         """`quantized`: what the `quantize` setting made of the model's layers (float weights when
-        not given); `kv_split`: the roofline KV split (runtime.kv.kv_split), or None for a static one."""
+        not given); `kv_split`: the roofline KV split (runtime.kv.kv_split), or None for a static one;
+        `tiers`: host and disk tiers below the compute pool (their payload: runtime.kv.residency.tier_payload),
+        over which the prefix cache extends (runtime.kv.kv_tiers), or under `token` the paths' KV may
+        outgrow the compute budget, its layers over it reloaded for every token (runtime.kv.layer_offload);
+        the head-wise residency owns them."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -76,8 +81,14 @@ class Engine:
         self.padding = padding_for(model, config.batch_invariant, config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len=config.max_model_len, block_size=config.block_size,
                                    cache=config.invariance_cache)
-        self._build_pool(config.num_blocks)
-        self.streamed = self.residency = check_granularity(self, config, model_key)  # head-wise, or None
+        dtype = next(model.parameters()).dtype
+        shape = kv_shape_of(model.config, config.block_size)
+        self._build_pool(shape, dtype, config.num_blocks if tiers is None or config.policy != "token"
+                         else logical_blocks(tiers, shape, dtype, config))
+        self.streamed = check_granularity(self, config, model_key)  # head-wise, or None
+        below = None if tiers is None else LayerwiseResidency(self.cache, self.pool, tiers, config.num_blocks, model_key) \
+            if config.policy == "token" else TieredPrefixCache(self.pool, self.cache, tiers, self.kv.extra_key)
+        self.residency: Residency | None = below if self.streamed is None else self.streamed.own(below)
         self.runner.use_residency(self.residency)
         self.quantized = quantized or Quantized("none", "none", 0, "float weights")
         self.kv_split = kv_split
@@ -103,11 +114,10 @@ class Engine:
         return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores) \
             or (self.streamed is not None and self.streamed.has_work)
 
-    def _build_pool(self, num_blocks: int) -> None:
+    def _build_pool(self, shape: KVShape, dtype, num_blocks: int) -> None:
         """The compute tensor, the block pool over it, and what allocates from and runs on them."""
         config = self.config
-        shape = kv_shape_of(self.model.config, config.block_size)
-        self.cache = KVCache(shape, num_blocks, next(self.model.parameters()).dtype, self.device, scratch=True)
+        self.cache = KVCache(shape, num_blocks, dtype, self.device, scratch=True)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -117,25 +127,6 @@ class Engine:
     def tier_chain(self):
         """The host and disk tiers attached below the compute pool, or None."""
         return self.residency.chain if self.residency is not None else None
-
-    @property
-    def tier_payload_shape(self) -> tuple[int, ...]:
-        """The shape the host tier must hold under this policy: a whole block, or (token) one layer
-        of one."""
-        shape = self.cache.shape.block_shape
-        return shape[1:] if self.config.policy == "token" else shape
-
-    def attach_tiers(self, chain) -> None:
-        """Put host and disk tiers below the compute pool, before any request: the prefix cache extends over
-        them (runtime.kv.kv_tiers), or under `token` the paths' KV may outgrow the compute budget, its layers
-        over it reloaded for every token (runtime.kv.layer_offload); the head-wise residency owns them."""
-        if self.config.policy == "token":
-            self._build_pool(logical_blocks(chain, self.cache, self.kv, self.config))
-            tiers = LayerwiseResidency(self.cache, self.pool, chain, self.config.num_blocks, self.model_key)
-        else:
-            tiers = TieredPrefixCache(self.pool, self.cache, chain, self.kv.extra_key)
-        self.residency: Residency = tiers if self.streamed is None else self.streamed.own(tiers)
-        self.runner.use_residency(self.residency)
 
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""

@@ -232,7 +232,7 @@ class HeadwiseResidency:
 
     # ---- every other step and the prefix cache: the tiers attached below the pool, if any -------
     def own(self, tiers: Residency) -> HeadwiseResidency:
-        """Take the tiers attached below the compute pool (`Engine.attach_tiers`): it is their residency."""
+        """Take the tiers attached below the compute pool (given to the engine at construction): it is their residency."""
         self.tiers = tiers
         return self
 

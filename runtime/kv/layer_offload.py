@@ -39,7 +39,7 @@ from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler
 from storage.block_hash import BlockHash, hash_block
 from storage.block_pool import BlockPool
-from storage.kv_cache import KVCache
+from storage.kv_cache import KVCache, KVShape
 from storage.piece_transfers import PieceLost, PiecePipeline
 from storage.tiers import TierChain, piece_key
 
@@ -299,15 +299,15 @@ class LayerStep:
         self._futures[layer] = res.pipeline.load(pieces)
 
 
-def logical_blocks(chain: TierChain, cache: KVCache, kv: KVManager, config) -> int:
+def logical_blocks(chain: TierChain, shape: KVShape, dtype: torch.dtype, config) -> int:
     """Blocks the paths may hold under `token`: as many as the tiers below compute hold every layer
     of (at least the compute budget, `config.num_blocks`), and no more than `max_num_seqs` sequences
     of `max_model_len` tokens could ever use."""
-    below = chain.disk.capacity_bytes // cache.bytes_per_block if chain.disk is not None else 0
+    below = chain.disk.capacity_bytes // shape.bytes_per_block(dtype) if chain.disk is not None else 0
     if chain.host is not None:
-        if chain.host.block_shape != cache.shape.block_shape[1:]:
+        if chain.host.block_shape != shape.block_shape[1:]:
             raise ValueError(f"under policy token the host tier holds one layer of a block, shape "
-                             f"{cache.shape.block_shape[1:]}, not {chain.host.block_shape}")
-        below += chain.host.num_slots // cache.shape.num_layers
-    most = config.max_num_seqs * kv.num_blocks_for(config.max_model_len)
+                             f"{shape.block_shape[1:]}, not {chain.host.block_shape}")
+        below += chain.host.num_slots // shape.num_layers
+    most = config.max_num_seqs * -(-config.max_model_len // config.block_size)
     return max(config.num_blocks, min(below, most))

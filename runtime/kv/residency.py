@@ -22,6 +22,7 @@ from runtime.model.model_runner import StepResidency
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from storage.piece_transfers import PieceLost
+from storage.kv_cache import KVShape
 from storage.tiers import TierChain
 
 
@@ -64,3 +65,10 @@ class Residency(StepResidency, Protocol):
     def close(self) -> None:
         """Keep what can outlive the process, then stop its transfers."""
         ...
+
+
+def tier_payload(shape: KVShape, policy: str) -> tuple[int, ...]:
+    """What one slot of a host tier below the compute pool holds under `policy`: a whole block, or
+    (`token`, layer by layer) one layer of one."""
+    return shape.block_shape[1:] if policy == "token" else shape.block_shape
+
