@@ -20,7 +20,6 @@ from runtime.model.loader import ModelSource, SettingError, load_tokenizer, pick
 from runtime.startup_cache import file_identity
 from runtime.wire.protocol import RuntimeOptions
 from runtime.model.quantize import check_mode
-from runtime.verify.verifier_store import VerifierStore
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
 from storage.tiers import TierChain
@@ -76,20 +75,12 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
     tiers = _tier_chain(options, tier_payload(shape, config.policy), next(model.parameters()).dtype, device, model_key) \
         if options.host_kv_memory_bytes > 0 or options.disk_kv_dir else None
-    engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter, tiers=tiers)
-    for name, verifier in verifiers.items():
-        if name in engine.scorers:
-            raise ValueError(f"verifier name {name!r} is built in; choose another name")
-        vshape = kv_shape_of(verifier.model.config, options.block_size)
-        if splitter is not None:
-            num_verifier_blocks = splitter.verifier_blocks[name]
-        else:
-            num_verifier_blocks = max(1, options.verifier_kv_memory_bytes // vshape.bytes_per_block(dtype))
-        engine.add_verifier_store(VerifierStore(name, verifier, vshape, num_verifier_blocks,
-                                                config.max_num_batched_tokens, engine,
-                                                max_model_len=config.max_model_len,
-                                                # where the generator is served without padding, so is its reward model
-                                                batch_invariant=config.batch_invariant if engine.padding else False))
+    reward_models = {name: (verifier, splitter.verifier_blocks[name] if splitter is not None else
+                            max(1, options.verifier_kv_memory_bytes
+                                // kv_shape_of(verifier.model.config, options.block_size).bytes_per_block(dtype)))
+                     for name, verifier in verifiers.items()}
+    engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter, tiers=tiers,
+                    reward_models=reward_models)
     return engine, source
 
 

@@ -26,6 +26,7 @@ from runtime.search.controller import SearchController
 from runtime.search.pacing import StepPacer
 from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep, Park, Prefetch, Release, Resume, Verify
 from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer
+from runtime.verify.verifier_store import VerifierStore
 from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler, SchedulerOutput
@@ -61,13 +62,15 @@ class Engine:
     search asks for every change in its plan (runtime.search.plan), which the engine carries out."""
 
     def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"", *,
-                 quantized: Quantized | None = None, kv_split=None, tiers: TierChain | None = None) -> None:
+                 quantized: Quantized | None = None, kv_split=None, tiers: TierChain | None = None,
+                 reward_models: dict[str, tuple[object, int]] | None = None) -> None:
         """`quantized`: what the `quantize` setting made of the model's layers (float weights when
         not given); `kv_split`: the roofline KV split (runtime.kv.kv_split), or None for a static one;
         `tiers`: host and disk tiers below the compute pool (their payload: runtime.kv.residency.tier_payload),
         over which the prefix cache extends (runtime.kv.kv_tiers), or under `token` the paths' KV may
         outgrow the compute budget, its layers over it reloaded for every token (runtime.kv.layer_offload);
-        the head-wise residency owns them."""
+        the head-wise residency owns them; `reward_models`: name -> (a loaded reward-model verifier, the
+        blocks of its own KV store), each usable as `search.verifier = name`."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -102,7 +105,16 @@ class Engine:
             self.scorers["judge"] = JudgeScorer(self, JudgeVerifier(model, tokenizer))
         except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
             log.warning("the judge verifier is unavailable for this model: %s", exc)
-        self.verifier_stores: list = []
+        self.verifier_stores: list[VerifierStore] = []
+        for name, (verifier, num_blocks) in (reward_models or {}).items():
+            if name in self.scorers:
+                raise ValueError(f"verifier name {name!r} is built in; choose another name")
+            # where the generator is served without padding, so is its reward model
+            store = VerifierStore(name, verifier, kv_shape_of(verifier.model.config, config.block_size), num_blocks,
+                                  config.max_num_batched_tokens, self, max_model_len=config.max_model_len,
+                                  batch_invariant=config.batch_invariant if self.padding else False)
+            self.scorers[name] = store
+            self.verifier_stores.append(store)
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
@@ -132,10 +144,6 @@ class Engine:
         """Keep what can outlive the process: every named block goes to the disk tier."""
         if self.residency is not None:
             self.residency.close()
-
-    def add_verifier_store(self, store) -> None:
-        self.scorers[store.name] = store
-        self.verifier_stores.append(store)
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
         try:
