@@ -74,7 +74,7 @@ def room(module: str) -> str:
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert "runtime.kv.residency" in graph["runtime.engine"]  # at the top of the module
-    assert "runtime.kv.streamed" in graph["runtime.requests.admission"]  # under TYPE_CHECKING and in a function
+    assert "runtime.kv.headwise" in graph["runtime.requests.admission"]  # under TYPE_CHECKING and in a function
     assert "runtime.startup_cache" in graph["runtime.kernels.cpu_kernels"]  # in a function
     assert "runtime.wire.protocol" in graph["server.app"]
 
