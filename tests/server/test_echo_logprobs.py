@@ -239,7 +239,7 @@ def test_continuous_usage_stats_on_every_chunk(server, path, body):
     assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt + k
                for c, k in zip(chunks[:-1], seen))
     # Without continuous_usage_stats, only the last chunk counts.
-    chunks = sse(server, path, {**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = sse(server, path, {**body, "max_tokens": 2, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 2
 
 
