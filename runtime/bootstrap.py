@@ -73,8 +73,10 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                                             "key": model_key.decode(errors="replace")})
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
              num_blocks * shape.bytes_per_block(dtype) / 2**20)
-    tiers = _tier_chain(options, tier_payload(shape, config.policy), next(model.parameters()).dtype, device, model_key) \
-        if options.host_kv_memory_bytes > 0 or options.disk_kv_dir else None
+    tiers = None
+    if options.host_kv_memory_bytes > 0 or options.disk_kv_dir:
+        tiers = _tier_chain(options, tier_payload(shape, config.policy), next(model.parameters()).dtype, device,
+                            model_key)
     reward_models = {name: (verifier, splitter.verifier_blocks[name] if splitter is not None else
                             max(1, options.verifier_kv_memory_bytes
                                 // kv_shape_of(verifier.model.config, options.block_size).bytes_per_block(dtype)))

@@ -89,8 +89,10 @@ class Engine:
         self._build_pool(shape, dtype, config.num_blocks if tiers is None or config.policy != "token"
                          else logical_blocks(tiers, shape, dtype, config))
         self.streamed = check_granularity(self, config, model_key)  # head-wise, or None
-        below = None if tiers is None else LayerwiseResidency(self.cache, self.pool, tiers, config.num_blocks, model_key) \
-            if config.policy == "token" else TieredPrefixCache(self.pool, self.cache, tiers, self.kv.extra_key)
+        below: Residency | None = None  # the tiers' residency (a head-wise one owns it)
+        if tiers is not None:
+            below = LayerwiseResidency(self.cache, self.pool, tiers, config.num_blocks, model_key) \
+                if config.policy == "token" else TieredPrefixCache(self.pool, self.cache, tiers, self.kv.extra_key)
         self.residency: Residency | None = below if self.streamed is None else self.streamed.own(below)
         self.runner.use_residency(self.residency)
         self.quantized = quantized or Quantized("none", "none", 0, "float weights")

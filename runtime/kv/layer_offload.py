@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler
 from storage.block_hash import BlockHash, hash_block
 from storage.block_pool import BlockPool
