@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
+from runtime.grammar.compiler import GrammarCompiler, GrammarError
+from runtime.grammar.matcher import Grammar, allowed_tokens
+from runtime.grammar.tools import tool_format_of
 from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import LayerwiseResidency, logical_blocks
@@ -117,6 +121,10 @@ class Engine:
                                   batch_invariant=config.batch_invariant if self.padding else False)
             self.scorers[name] = store
             self.verifier_stores.append(store)
+        self.tool_format, _ = tool_format_of(getattr(tokenizer, "chat_template", None))
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids, self.tool_format)
+        self.compiling: dict[str, tuple[GenerateRequest, str, Future]] = {}  # request id -> (it, grammar, compiling)
+        self.admitted: list[FromRuntime] = []  # Accepted (or the 400) of requests held for their grammar
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
@@ -126,7 +134,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores) \
-            or (self.streamed is not None and self.streamed.has_work)
+            or (self.streamed is not None and self.streamed.has_work) or bool(self.compiling)
 
     def _build_pool(self, shape: KVShape, dtype, num_blocks: int) -> None:
         """The compute tensor, the block pool over it, and what allocates from and runs on them."""
@@ -144,28 +152,59 @@ class Engine:
 
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
+        self.grammars.close()
         if self.residency is not None:
             self.residency.close()
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
+        """Admit `request`, or hold it while its grammar compiles on the compiler's thread (answered
+        from a later step, so a heavy schema never stalls the other requests' tokens)."""
+        if request.constraint is None and request.tools is None:
+            return self._admit(request, None)
+        try:
+            text, param = self.grammars.key(request.constraint, request.tools)
+        except GrammarError as err:
+            return [InvalidRequest(str(err), err.param).to_message(request.request_id)]
+        compiled = self.grammars.get(text)
+        if compiled is not None:
+            return self._admit(request, Grammar(compiled, self.grammars.num_words))
+        self.compiling[request.request_id] = (request, text, self.grammars.submit(text, param))
+        return []
+
+    def _admit_compiled(self) -> None:
+        """Admit the held requests whose grammar is compiled; a grammar that does not compile is a 400."""
+        if self.compiling and not self.scheduler.has_work:  # nothing else to do: wait a little for one
+            wait([future for _, _, future in self.compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        for request_id, (request, text, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                compiled = self.grammars.store(text, future)
+            except GrammarError as err:
+                self.admitted.append(InvalidRequest(str(err), err.param).to_message(request_id))
+                continue
+            self.admitted.extend(self._admit(request, Grammar(compiled, self.grammars.num_words)))
+
+    def _admit(self, request: GenerateRequest, grammar: Grammar | None) -> list[FromRuntime]:
         try:
             ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
                                     self.config, self.kv, self.streamed, verifiers=self.scorers)
             if request.search is not None:
-                self._add_search(request, ids, max_tokens)
+                self._add_search(request, ids, max_tokens, grammar)
             else:
-                self.plain.add(request, ids, max_tokens,
+                self.plain.add(request, ids, max_tokens, grammar,
                                streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks)
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
         self.stats["tokens_prompt"] += len(ids)
         return [Accepted(request_id=request.request_id, prompt_tokens=len(ids))]
 
-    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int) -> None:
+    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None) -> None:
         search = request.search
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
-                                          question_of(request), max_tokens, self.scorers[search.verifier])
+                                          question_of(request), max_tokens, self.scorers[search.verifier], grammar)
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1
@@ -173,6 +212,7 @@ class Engine:
         self.scheduler.add(controller.root)
 
     def abort(self, request_id: str) -> None:
+        self.compiling.pop(request_id, None)
         self.plain.abort(request_id)
         controller = self.searches.pop(request_id, None)
         if controller is not None:
@@ -275,6 +315,8 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
+        if self.compiling:
+            self._admit_compiled()
         for controller in list(self.searches.values()):
             controller.check_deadline()  # a search past its deadline answers now, verified or not
             self._carry_out(controller)
@@ -311,9 +353,15 @@ class Engine:
             self._carry_out(self.searches.get(seq.owner.request_id))  # a search's prompt, a judge's question
         ended: list[SearchController] = []  # searches whose running group these tokens ended, in order
         if seqs:
-            samples = sample(logits[rows], [s.owner.sampling for s in seqs],
-                             [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs])
-            for seq, out in zip(seqs, samples):
+            states = [s.owner.sampling for s in seqs]
+            masked = [i for i, state in enumerate(states) if state.constraint is not None]
+            allowed = (masked, allowed_tokens([states[i].constraint for i in masked], self.vocab_size,
+                                              self.device)) if masked else None
+            samples = sample(logits[rows], states,
+                             [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs], allowed)
+            for seq, state, out in zip(seqs, states, samples):
+                if state.constraint is not None:
+                    state.constraint.consume(out.token_id)
                 seq.append_token(out.token_id)
                 self.stats["tokens_generated"] += 1
                 seq.owner.on_sampled(seq, out)
@@ -344,7 +392,8 @@ class Engine:
         return self.scheduler.schedule(token_cap)
 
     def _drain(self) -> list[FromRuntime]:
-        messages, self.outbox = self.plain.emit() + self.outbox, []
+        # A request's Accepted precedes its first Delta, which this step may carry
+        messages, self.admitted, self.outbox = self.admitted + self.plain.emit() + self.outbox, [], []
         return messages
 
     def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:

@@ -16,7 +16,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.wire.client import READY, RuntimeClient, RuntimeUnavailable, SpawnedRuntime
-from runtime.wire.protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
+from runtime.wire.protocol import (
+    Constraint, DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest, ToolCalling,
+)
 from server import errors
 from server.config import Settings
 from server.errors import APIError
@@ -25,6 +27,7 @@ from server.http_edge import EdgeMetrics, quiet_probe_access_log
 from server.metrics import Metrics
 from server.responses import PromptAsks
 from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
+from server.tool_output import ToolCalls
 from server.trees import SearchTrees
 from server.ui import install as install_ui
 
@@ -162,6 +165,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         _check_limits(settings, body, client.info.max_model_len if client.info else None)
         _check_verifier(body, client.info.verifiers if client.info else ())
         _check_prompt_asks(body)
+        constraint, tools = _output_shape(body)
         options = body.stream_options
         include_events = bool(options and options.include_search_events)
         sampling = body.to_sampling()
@@ -171,12 +175,14 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         if search is not None and trees.is_enabled:
             search = msgspec.structs.replace(search, include_tree=True)  # for the page at /ui
         wires = [GenerateRequest(request_id=uuid.uuid4().hex, endpoint=endpoint, sampling=sampling, search=search,
-                                 **prompt) for prompt in prompts]
+                                 constraint=constraint, tools=tools, **prompt) for prompt in prompts]
         asks = PromptAsks(echo_logprobs=getattr(body, "echo_logprobs", None), prompt_logprobs=body.prompt_logprobs,
                           continuous_usage=bool(options and options.continuous_usage_stats))
+        calls = ToolCalls(client.info.tool_call_format if client.info else "hermes",
+                          legacy=getattr(body, "uses_functions", False)) if tools is not None else None
         return await Generation(client, metrics, request, model, endpoint, wires, body.n, body.stream,
                                 bool(options and options.include_usage), include_events,
-                                settings.server.sse_keepalive_s, trees, asks).run()
+                                settings.server.sse_keepalive_s, trees, asks, calls).run()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -216,6 +222,28 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         install_ui(app, trees, api_key, settings.server.sse_keepalive_s)
 
     return app
+
+
+def _output_shape(body) -> tuple[Constraint | None, ToolCalling | None]:
+    """The request's constraint and tools, or a 400 naming the field that cannot be obeyed."""
+    refused = body.refused_field() if isinstance(body, ChatCompletionRequest) else None
+    if refused is not None:
+        raise APIError(400, f"{refused[0]}: {refused[1]}", refused[0])
+    try:
+        constraint = body.constraint()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "response_format") from None
+    tools = None
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            tools = body.tool_calling()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "functions" if body.functions is not None else
+                           "tool_choice" if "tool_choice" in str(exc) else "tools") from None
+    if tools is not None and constraint is not None:
+        raise APIError(400, "tools that may be called cannot be combined with a response_format or "
+                            "structured_outputs (set tool_choice to none, or leave the format out)", "response_format")
+    return constraint, tools
 
 
 def _check_verifier(body, verifiers: tuple[str, ...]) -> None:

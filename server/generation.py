@@ -22,6 +22,7 @@ from server.responses import (
     ChoiceText, ChunkWriter, PromptAsks, chat_logprobs, completion_logprobs, prompt_logprobs_field, search_field,
     summary_field, usage,
 )
+from server.tool_output import ToolCalls
 from server.trees import CANCELLED, FAILED, FINISHED, SearchTrees
 
 log = logging.getLogger("ponder.requests")
@@ -44,7 +45,7 @@ class Generation:
     def __init__(self, client: RuntimeClient, metrics: Metrics, http: Request, model: str, endpoint: str,
                  requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
                  include_search_events: bool, keepalive_s: float, trees: SearchTrees | None = None,
-                 asks: PromptAsks = PromptAsks()) -> None:
+                 asks: PromptAsks = PromptAsks(), tool_calls: ToolCalls | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.http = http
@@ -59,6 +60,7 @@ class Generation:
         self.keepalive_s = keepalive_s
         self.trees = trees  # where the page at /ui watches each search's tree
         self.asks = asks  # echoed and prompt logprobs, continuous usage
+        self.tool_calls = tool_calls  # the request offered tools: the text is parsed for calls
         self.prompt_tokens = 0  # of every admitted prompt (Accepted), for continuous usage
         self.is_search = any(r.search is not None for r in requests)
         prefix = "chatcmpl-" if self.is_chat else "cmpl-"
@@ -200,9 +202,11 @@ class Generation:
         asks = self.asks
         for index, c in enumerate(choices):
             if self.is_chat:
-                item = {"index": index, "message": {"role": "assistant", "content": c.text},
+                message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) \
+                    if self.tool_calls is None else self.tool_calls.message(c.text, c.finish_reason)
+                item = {"index": index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
-                        "finish_reason": c.finish_reason}
+                        "finish_reason": reason}
             else:
                 echoed = c.prompt_logprobs if asks.echo_logprobs is not None else ()
                 item = {"index": index, "text": c.text,
@@ -241,7 +245,7 @@ class Generation:
                     if isinstance(message, Delta):
                         returned += len(message.token_ids)
                         writer.completion_tokens = returned
-                        yield writer.delta_chunk(message, text_offsets.get(message.index, 0))
+                        yield writer.delta_chunk(message, text_offsets.get(message.index, 0), self.tool_calls)
                         text_offsets[message.index] = text_offsets.get(message.index, 0) + len(message.text) + \
                             len(message.prompt_text or "")
                     elif isinstance(message, SearchEvent) and self.include_search_events:

@@ -139,7 +139,8 @@ class ChunkWriter:
         return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}])
 
-    def delta_chunk(self, delta: Delta, text_offset: int = 0) -> bytes:
+    def delta_chunk(self, delta: Delta, text_offset: int = 0, tool_calls=None) -> bytes:
+        """`tool_calls`: a `server.tool_output.ToolCalls` when the request offered tools."""
         logprobs = None
         asks = self.asks
         echoed = delta.prompt_logprobs if asks.echo_logprobs is not None and delta.prompt_logprobs else ()
@@ -148,7 +149,9 @@ class ChunkWriter:
                         else completion_logprobs(list(delta.logprobs or ()), text_offset, echoed,
                                                  asks.echo_logprobs or 0))
         choice: dict = {"index": delta.index, "logprobs": logprobs, "finish_reason": delta.finish_reason}
-        if self.is_chat:
+        if self.is_chat and tool_calls is not None:
+            choice["delta"], choice["finish_reason"] = tool_calls.delta(delta.index, delta.text, delta.finish_reason)
+        elif self.is_chat:
             choice["delta"] = {"content": delta.text} if delta.text else {}
         else:
             choice["text"] = (delta.prompt_text or "") + delta.text

@@ -9,7 +9,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime.wire.protocol import SamplingParams, SearchParams
+from runtime.wire.protocol import Constraint, SamplingParams, SearchParams, ToolCalling
+from server.structured import (
+    FunctionDefinition, NamedFunction, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolChoice,
+    constraint_of, tool_calling_of,
+)
 
 
 class _Wire(BaseModel):
@@ -46,10 +50,25 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": the deprecated function-calling API's result message (treated as a tool's)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    function_call: CalledFunction | None = None  # deprecated: an assistant's one call
 
     def text(self) -> str:
         if self.content is None:
@@ -57,6 +76,21 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def wire(self) -> dict[str, Any]:
+        """The message as the runtime's chat template takes it (OpenAI's shape, calls included)."""
+        role = "tool" if self.role == "function" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        calls = [c.model_dump() for c in self.tool_calls or []]
+        if self.function_call is not None:
+            calls.append({"id": "call_0", "type": "function", "function": self.function_call.model_dump()})
+        if calls:
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            out["name"] = self.name
+        return out
 
 
 class StreamOptions(_Body):
@@ -118,6 +152,37 @@ class _Generation(_Body):
     # vLLM: each prompt token's logprob, rank and this many most likely tokens at its position
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     search: SearchRequest | None = None
+    # What the output must match (server.structured): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # Accepted and ignored: metadata for OpenAI's own storage and billing.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value):
+        if value is None:
+            return value
+        for key in value:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids (integers as strings), not {key!r}")
+        return value
+
+    def constraint(self) -> Constraint | None:
+        """The one constraint on the output (ValueError if several are given)."""
+        return constraint_of(self.response_format, self.structured_outputs,
+                             {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                              "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar})
 
     @field_validator("stop")
     @classmethod
@@ -144,7 +209,19 @@ class _Generation(_Body):
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(self.stop_list()),
             stop_token_ids=tuple(self.stop_token_ids), include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs, n=self.n, echo=echo,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items())))
+
+
+# OpenAI chat fields ponder cannot obey: a 400 naming the field, never ignored.
+REFUSED_CHAT_FIELDS = {
+    "audio": "audio output is not supported (this server generates text)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning_effort is not supported: ask for more thought with the `search` extension "
+                        "(its n, beam_width and max_steps are the budget)",
+    "verbosity": "verbosity is not supported",
+}
 
 
 class ChatCompletionRequest(_Generation):
@@ -152,6 +229,42 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[FunctionDefinition] | None = None  # deprecated spelling of tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # ... and of tool_choice
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, why) for the first field set that this server cannot obey."""
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", "only the text modality is supported"
+        for name, why in REFUSED_CHAT_FIELDS.items():
+            if getattr(self, name) is not None:
+                return name, why
+        return None
+
+    @property
+    def uses_functions(self) -> bool:
+        """The deprecated function-calling API: answered as `function_call`, not `tool_calls`."""
+        return self.functions is not None
+
+    def tool_calling(self) -> ToolCalling | None:
+        """ValueError naming what is wrong; tools and functions are one or the other."""
+        if self.functions is not None or self.function_call is not None:
+            if self.tools is not None or self.tool_choice is not None:
+                raise ValueError("give tools and tool_choice, or the deprecated functions and function_call, not both")
+            tools = [Tool(type="function", function=f) for f in self.functions or []]
+            choice = NamedToolChoice(type="function", function=self.function_call) \
+                if isinstance(self.function_call, NamedFunction) else self.function_call
+            return tool_calling_of(tools, choice, parallel=False)
+        return tool_calling_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -163,8 +276,8 @@ class ChatCompletionRequest(_Generation):
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs)
 
-    def wire_messages(self) -> tuple[dict[str, str], ...]:
-        return tuple({"role": m.role, "content": m.text()} for m in self.messages)
+    def wire_messages(self) -> tuple[dict[str, Any], ...]:
+        return tuple(m.wire() for m in self.messages)
 
 
 class CompletionRequest(_Generation):
@@ -222,10 +335,10 @@ class TokenizeBody(_Body):
             raise ValueError("send exactly one of prompt and messages")
         return self
 
-    def wire_messages(self) -> tuple[dict[str, str], ...] | None:
+    def wire_messages(self) -> tuple[dict[str, Any], ...] | None:
         if self.messages is None:
             return None
-        return tuple({"role": m.role, "content": m.text()} for m in self.messages)
+        return tuple(m.wire() for m in self.messages)
 
 
 class DetokenizeBody(_Body):

@@ -22,7 +22,7 @@ RANKS = {
     "runtime.engine": 7,
     "runtime.requests": 6, "runtime.search": 6, "runtime.verify": 6,
     "runtime.kv": 5,
-    "runtime.model": 4,
+    "runtime.model": 4, "runtime.grammar": 4,
     "runtime.kernels": 3, "runtime.wire": 3,
     "runtime.startup_cache": 2,  # the ground of runtime/: kernels and model keep what they build in it
     "scheduler": 1,

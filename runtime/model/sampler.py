@@ -45,6 +45,9 @@ class SamplingState:
         self.generator.manual_seed(seed)
         # Report the sampled token's log-probability even when the client did not ask (search scoring).
         self.wants_logprob = params.logprobs or track_logprobs
+        # Its grammar's place (runtime.grammar.matcher.TokenConstraint), or None: the engine turns it into
+        # the `allowed` mask `sample` takes and hands it each sampled token; the sampler never reads it.
+        self.constraint = None
 
 
 def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
@@ -83,10 +86,14 @@ def _uniform(state: SamplingState, dtype: torch.dtype) -> torch.Tensor:
     return torch.rand((), generator=state.generator, device=state.generator.device, dtype=dtype)
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: list[tuple[list[int], list[int]]]) -> list[SampleOutput]:
+def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: list[tuple[list[int], list[int]]],
+           allowed: tuple[list[int], torch.Tensor] | None = None) -> list[SampleOutput]:
     """Sample one token per row of `logits` `[S, vocab]` (float32).
 
-    `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties. Rows are processed
+    `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties. `allowed`: (rows,
+    [len(rows), vocab] booleans) the tokens each of those rows' grammar allows; the others become -inf
+    after the penalties and logit bias, so a greedy row takes the best allowed token and a sampled row
+    draws among them (log-probabilities stay the model's own). Rows are processed
     together; each sampled row takes exactly one uniform draw from its own generator and inverts
     its cumulative distribution, so a row's token does not depend on the other rows. Tokens,
     log-probabilities and top log-probabilities of every row come to the host in one transfer.
@@ -96,10 +103,17 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     x = logits
     penalised = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0
                  or s.params.presence_penalty or s.params.frequency_penalty]
-    if penalised:
+    biased = [i for i, s in enumerate(states) if s.params.logit_bias]
+    if penalised or biased or allowed is not None:
         x = logits.clone()
         for row in penalised:
             x[row] = _apply_penalties(x[row], states[row].params, *token_histories[row])
+        for row in biased:
+            ids, bias = zip(*states[row].params.logit_bias)
+            x[row, list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
+        if allowed is not None:
+            masked, mask = allowed
+            x[masked] = x[masked].masked_fill(~mask[:, :x.shape[-1]], float("-inf"))
     rows = [i for i, s in enumerate(states) if not s.params.is_greedy and s.params.temperature >= MIN_TEMPERATURE]
     # Greedy rows take the argmax; when every row samples, the sampled tokens fill `tokens` below.
     tokens = torch.argmax(x, dim=-1) if len(rows) < len(states) else torch.empty(len(states), dtype=torch.long,
@@ -107,7 +121,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     if rows:
         temperatures = torch.tensor([states[i].params.temperature for i in rows], dtype=x.dtype, device=device)
         y = (x if len(rows) == len(states) else x[rows]) / temperatures[:, None]
-        if penalised:  # finite logits over a temperature >= MIN_TEMPERATURE cannot overflow without them
+        if penalised or biased:  # finite logits over a temperature >= MIN_TEMPERATURE cannot overflow without them
             # Overflowed (a tiny repetition penalty): in the limit those tokens hold all the mass.
             overflow = torch.isposinf(y)
             hit = overflow.any(dim=-1, keepdim=True)

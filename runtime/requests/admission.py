@@ -51,6 +51,8 @@ def admit(request: GenerateRequest, running: tuple[Container[str], ...], tokeniz
         _check_streamed(request, len(ids) + max_tokens, num_blocks * config.block_size, streamed)
     if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
+    if any(not 0 <= t < vocab_size for t, _ in params.logit_bias):
+        raise InvalidRequest(f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias")
     if params.top_logprobs > 20:
         raise InvalidRequest("top_logprobs must be at most 20", "top_logprobs")
     if request.search is not None:

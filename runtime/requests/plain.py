@@ -8,6 +8,7 @@ its prompt is prefilled. With max_tokens 0 nothing is sampled: the request ends 
 
 from __future__ import annotations
 
+from runtime.grammar.matcher import Grammar
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.requests.host import RequestsHost
 from runtime.wire.protocol import Delta, Finished, FromRuntime, GenerateRequest
@@ -31,8 +32,10 @@ class PlainRequests:
         self.touched: dict[str, RequestState] = {}
         self.tokens_cached = 0  # prompt tokens the prefix cache served, over every request
 
-    def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, streamed: bool = False) -> RequestState:
-        """`streamed`: its KV outgrows the compute pool and streams head-wise (runtime.kv.headwise)."""
+    def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None = None,
+            streamed: bool = False) -> RequestState:
+        """`grammar`: what every choice's output must match; `streamed`: its KV outgrows the compute pool
+        and streams head-wise (runtime.kv.headwise)."""
         params = request.sampling
         if streamed and (params.prompt_logprobs is not None or max_tokens == 0):
             raise InvalidRequest("prompt logprobs and max_tokens 0 are not served for a request whose KV "
@@ -44,6 +47,7 @@ class PlainRequests:
             state.prompt_scores = [None] * len(ids)
         for index in range(params.n):
             sampling = SamplingState(params, derive_seed(params.seed, index), self.device)
+            sampling.constraint = grammar.start() if grammar is not None else None
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
             state.choices.append(ChoiceState(state, index, sampling, detok, self))
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from runtime.grammar.tools import template_inputs, tool_format_of
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.wire.protocol import (
     DetokenizeRequest, Detokenized, GenerateRequest, PromptLogprob, RankedLogprob, RequestError, SamplingParams,
@@ -115,8 +116,10 @@ def prompt_token_ids(request: GenerateRequest, tokenizer) -> list[int]:
     if request.messages is not None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+        _, renders_tools = tool_format_of(tokenizer.chat_template)
+        messages, tools = template_inputs(list(request.messages), request.tools, renders_tools)
         try:
-            text = tokenizer.apply_chat_template(list(request.messages), add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
             raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -130,7 +133,7 @@ def prompt_token_ids(request: GenerateRequest, tokenizer) -> list[int]:
 def question_of(request: GenerateRequest) -> str:
     """The problem a verifier is shown: the last user message, or the prompt text."""
     if request.messages is not None:
-        users = [m.get("content", "") for m in request.messages if m.get("role") == "user"]
+        users = [m.get("content") or "" for m in request.messages if m.get("role") == "user"]
         return users[-1] if users else ""
     return request.prompt or ""
 
@@ -154,8 +157,10 @@ def tokenize(request: TokenizeRequest, tokenizer, max_model_len: int) -> Tokeniz
         if request.messages is not None:
             if getattr(tokenizer, "chat_template", None) is None:
                 raise InvalidRequest("this model has no chat template", "messages")
+            _, renders_tools = tool_format_of(tokenizer.chat_template)
             try:
-                text = tokenizer.apply_chat_template(list(request.messages), tokenize=False,
+                text = tokenizer.apply_chat_template(template_inputs(list(request.messages), None, renders_tools)[0],
+                                                     tokenize=False,
                                                      add_generation_prompt=request.add_generation_prompt)
             except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
                 raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None

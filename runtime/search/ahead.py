@@ -55,8 +55,10 @@ class DecodingAhead:
     def _start_lookahead(self, path: SearchPath) -> None:
         seq = self.plan.fork(path.seq, path.step_end)
         greedy = msgspec.structs.replace(self.params, temperature=0.0)
-        run = Lookahead(path, seq, SamplingState(greedy, 0, self.host.device, track_logprobs=True),
-                        len(seq.token_ids), self.search.lookahead, len(seq.token_ids))
+        sampling = SamplingState(greedy, 0, self.host.device, track_logprobs=True)
+        if path.sampling.constraint is not None:  # the look-ahead keeps to the grammar from the step's end
+            sampling.constraint = path.sampling.constraint.fork(path.step_end - len(self.prompt_ids))
+        run = Lookahead(path, seq, sampling, len(seq.token_ids), self.search.lookahead, len(seq.token_ids))
         seq.owner = run
         self.lookaheads.add(run)
         self.plan.resume(seq)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from runtime.grammar.matcher import Grammar
 from runtime.model.detokenizer import StepText
 from runtime.wire.protocol import SamplingParams, SearchParams
 from runtime.model.sampler import SamplingState, derive_seed
@@ -36,8 +37,10 @@ from scheduler.sequence import Sequence
 
 class SearchController(DecodingAhead, SearchOutput):
     def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
-                 prompt_ids: list[int], question: str, max_tokens: int, verifier) -> None:
+                 prompt_ids: list[int], question: str, max_tokens: int, verifier, grammar: Grammar | None = None) -> None:
+        """`grammar`: what every path's output must match (its constraint forks with the path)."""
         self.host = host
+        self.grammar = grammar
         self.request_id = request_id
         self.params = params
         self.search = search
@@ -104,12 +107,17 @@ class SearchController(DecodingAhead, SearchOutput):
         self._settle()
 
     # -- paths ----------------------------------------------------------------------------------
-    def _new_path(self, seq: Sequence, subtree: int) -> SearchPath:
+    def _new_path(self, seq: Sequence, subtree: int, parent: SearchPath | None = None) -> SearchPath:
+        """A path on `seq`: a first one, or a child forked from `parent` at its step's end."""
         uid = self.next_uid
         self.next_uid += 1
         self.stats["paths_explored"] += 1
         sampling = SamplingState(self.params, derive_seed(self.params.seed, uid), self.host.device,
                                  track_logprobs=True)
+        if parent is not None and parent.sampling.constraint is not None:  # not its speculative tokens
+            sampling.constraint = parent.sampling.constraint.fork(parent.step_end - len(self.prompt_ids))
+        elif self.grammar is not None:
+            sampling.constraint = self.grammar.start()
         path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=len(seq.token_ids),
                           step_end=len(seq.token_ids), chunk_start=len(seq.token_ids))
         seq.owner = path
@@ -380,7 +388,7 @@ class SearchController(DecodingAhead, SearchOutput):
         for uid, count in zip(expansion.parents, expansion.children):
             parent = by_uid.pop(uid)
             for _ in range(count - 1):
-                child = self._new_path(self.plan.fork(parent.seq, parent.step_end), parent.subtree)
+                child = self._new_path(self.plan.fork(parent.seq, parent.step_end), parent.subtree, parent)
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
                 child.node = parent.node  # its first step's node hangs under the parent's last one

@@ -7,7 +7,7 @@ config objects. The module imports nothing of ours and no torch, so the server m
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -37,6 +37,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # k: each prompt token's log-probability given the tokens before it, with the k most likely tokens
     # there (`prompt_logprobs` on each choice's first Delta). None: not computed (no cost).
     prompt_logprobs: int | None = None
+    # OpenAI's logit_bias: (token id, bias added to its logit before sampling), bias in [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -61,6 +63,30 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float | None = None  # past this, running steps end at their next token and the best path answers
 
 
+class Constraint(msgspec.Struct, frozen=True, kw_only=True):
+    """What every token of the output must keep matching (runtime.grammar compiles it).
+
+    kind: json_object | json_schema | regex | choice | grammar; `spec` is the schema as JSON text, the
+    regex, the choices as a JSON list, or the grammar (Lark or GBNF); `param` is the request field it
+    came from, named in the 400 when it does not compile."""
+
+    kind: str
+    spec: str = ""
+    param: str = "response_format"
+
+
+class ToolCalling(msgspec.Struct, frozen=True, kw_only=True):
+    """The request's tools as OpenAI defines them, and how the model may call them.
+
+    choice: auto (the model chooses; a call it starts is constrained to a valid call), required (at
+    least one call), function (the one named by `name`); tool_choice none sends no ToolCalling."""
+
+    tools: tuple[dict[str, Any], ...]
+    choice: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+
+
 # ---------------------------------------------------------------------------------------------
 # Server -> runtime
 
@@ -70,11 +96,14 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw
     endpoint: str  # "chat" | "completion"
     # Exactly one of these is set: chat messages (rendered with the chat template in the runtime),
     # a prompt text, or prompt token ids.
-    messages: tuple[dict[str, str], ...] | None = None
+    # A message is OpenAI's: role and content, and an assistant's `tool_calls` or a tool's `tool_call_id`.
+    messages: tuple[dict[str, Any], ...] | None = None
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = SamplingParams()
     search: SearchParams | None = None
+    constraint: Constraint | None = None  # response_format, structured_outputs
+    tools: ToolCalling | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
@@ -82,7 +111,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw
 
     request_id: str
     prompt: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -115,6 +144,8 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     block_size: int
     verifiers: tuple[str, ...] = ()
     quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
+    # How the model writes a tool call (runtime.grammar.tools): hermes | llama3_json | mistral.
+    tool_call_format: str = "hermes"
 
 
 class SettingsChecked(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
