@@ -76,10 +76,16 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int], tool_format: ToolFormat) -> None:
         # The mask covers the model's logits (a padded head has more columns than the tokenizer has tokens).
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
-                                                      eos_token=sorted(eos_ids) or None)
+        # llguidance reads a fast tokenizer whose tokens are byte strings (BPE, byte-level or SentencePiece);
+        # for another (WordPiece joins tokens with spaces) a constrained request is a 400 saying why.
+        self.unavailable: str | None = None
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
+                                                          eos_token=sorted(eos_ids) or None)
+        except (ValueError, TypeError) as exc:
+            self.unavailable = f"constrained decoding cannot read this model's tokenizer ({exc})"
         self.vocab_size = vocab_size
-        self.num_words = (self.tokenizer.vocab_size + 31) // 32
+        self.num_words = (self.tokenizer.vocab_size + 31) // 32 if self.unavailable is None else 0
         self.tool_format = tool_format
         self.cache: OrderedDict[str, LLMatcher] = OrderedDict()
         self.pending: dict[str, Future] = {}
@@ -89,6 +95,8 @@ class GrammarCompiler:
     def key(self, constraint: Constraint | None, tools: ToolCalling | None) -> tuple[str, str]:
         """(grammar text, the request field it came from); GrammarError for what cannot become a grammar."""
         param = "tools" if tools is not None else constraint.param  # type: ignore[union-attr]
+        if self.unavailable is not None:
+            raise GrammarError(self.unavailable, param)
         return grammar_text(constraint, tools, self.tool_format), param
 
     def get(self, text: str) -> LLMatcher | None:
