@@ -24,7 +24,7 @@ from runtime.requests.admission import admit, check_granularity
 from runtime.requests.plain import PlainRequests
 from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.model.row_padding import padding_for
-from runtime.requests.state import InvalidRequest, RequestState, question_of
+from runtime.requests.state import InvalidRequest, RequestState, answer_form_of, question_of
 from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
 from runtime.search.pacing import StepPacer
@@ -204,7 +204,8 @@ class Engine:
         search = request.search
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
-                                          question_of(request), max_tokens, self.scorers[search.verifier], grammar)
+                                          question_of(request), max_tokens, self.scorers[search.verifier], grammar,
+                                          answer_form_of(request, self.tool_format))
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1

@@ -138,6 +138,16 @@ def question_of(request: GenerateRequest) -> str:
     return request.prompt or ""
 
 
+def answer_form_of(request: GenerateRequest, tool_format: str) -> str | None:
+    """How a search's answers to `request` compare (runtime.search.answers.structured_answer): as JSON,
+    as tool calls, as plain text (a regex, a choice, a grammar), or None: as mathematical answers."""
+    if request.tools is not None:
+        return f"tools:{tool_format}"
+    if request.constraint is None:
+        return None
+    return "json" if request.constraint.kind in ("json_object", "json_schema") else "text"
+
+
 def token_logprob(tokenizer, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> TokenLogprob:
     def entry(tid: int) -> tuple[str, tuple[int, ...]]:
         text = tokenizer.decode([tid])

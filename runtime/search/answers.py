@@ -9,11 +9,14 @@ answers are the same only when their stripped texts are equal.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from runtime.wire.tool_calls import parse_tool_calls
 
 SELECTIONS = ("best", "majority", "weighted_majority")
 
@@ -68,6 +71,24 @@ def extract_answer(text: str, pattern: str | re.Pattern[str] | None = None) -> s
     if numbers:
         return numbers[-1].replace(",", "")
     return None
+
+
+def structured_answer(text: str, form: str) -> str | None:
+    """The answer of a path whose output a grammar shaped, in a form where equal answers are equal texts:
+    `json`: the value in canonical JSON (keys sorted, no spaces), so texts that differ only in key order
+    or spacing vote together; `tools:<format>`: the calls (name and arguments, canonical), or the text
+    when the model answered without one; `text` (a regex, a choice, a grammar): the stripped text."""
+    if form == "json":
+        try:
+            return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        except ValueError:
+            return None  # cut short by max_tokens: not an answer
+    if form.startswith("tools:"):
+        content, calls = parse_tool_calls(text, form.removeprefix("tools:"))
+        if calls:
+            return "[" + ",".join(call.canonical() for call in calls) + "]"
+        return (content or "").strip() or None
+    return text.strip() or None
 
 
 def _extract_by_pattern(text: str, pattern: str | re.Pattern[str]) -> str | None:

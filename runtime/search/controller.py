@@ -37,10 +37,13 @@ from scheduler.sequence import Sequence
 
 class SearchController(DecodingAhead, SearchOutput):
     def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
-                 prompt_ids: list[int], question: str, max_tokens: int, verifier, grammar: Grammar | None = None) -> None:
-        """`grammar`: what every path's output must match (its constraint forks with the path)."""
+                 prompt_ids: list[int], question: str, max_tokens: int, verifier, grammar: Grammar | None = None,
+                 answer_form: str | None = None) -> None:
+        """`grammar`: what every path's output must match (its constraint forks with the path);
+        `answer_form`: how its answers compare (`runtime.search.answers.structured_answer`), None: as math."""
         self.host = host
         self.grammar = grammar
+        self.answer_form = answer_form
         self.request_id = request_id
         self.params = params
         self.search = search

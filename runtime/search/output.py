@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from runtime.wire.protocol import Delta, Finished, SearchEvent, SearchSummary, StepScore
-from runtime.search.answers import Candidate, extract_answer, select
+from runtime.search.answers import Candidate, extract_answer, select, structured_answer
 from runtime.search.paths import SearchPath
 
 
@@ -25,8 +25,10 @@ class SearchOutput:
 
     def _finish(self) -> None:
         self.is_finished = True
-        candidates = [Candidate(extract_answer(p.text, self.pattern), p.score) for p in self.final]
-        order = select(candidates, self.search.select, compare_as_text=self.pattern is not None)
+        form = self.answer_form  # a grammar shaped the output: its answers compare as their canonical texts
+        candidates = [Candidate(structured_answer(p.text, form) if form else extract_answer(p.text, self.pattern),
+                                p.score) for p in self.final]
+        order = select(candidates, self.search.select, compare_as_text=self.pattern is not None or form is not None)
         chosen = [self.final[i] for i in order[:self.params.n]]
         returned = 0
         for index, path in enumerate(chosen):
