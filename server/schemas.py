@@ -167,6 +167,8 @@ class _Generation(_Body):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    prompt_cache_retention: str | None = None  # ponder keeps every prefix it can (its prefix cache)
+    prompt_cache_options: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -221,6 +223,7 @@ REFUSED_CHAT_FIELDS = {
     "reasoning_effort": "reasoning_effort is not supported: ask for more thought with the `search` extension "
                         "(its n, beam_width and max_steps are the budget)",
     "verbosity": "verbosity is not supported",
+    "moderation": "moderation is not supported",
 }
 
 
@@ -240,6 +243,7 @@ class ChatCompletionRequest(_Generation):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    moderation: Any = None
 
     def refused_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set that this server cannot obey."""
