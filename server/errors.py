@@ -31,8 +31,19 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+# Parts of a pydantic error location that name a member of a union, not a field: `literal['a','b']`,
+# `function-after[...]`, a model's class name, a type's name.
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_field(part) -> bool:
+    if isinstance(part, int):
+        return True
+    return not ("[" in part or "(" in part or part[:1].isupper() or part in _UNION_TAGS)
+
+
 def _describe(error: dict) -> tuple[str, str | None]:
-    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in error.get("loc", ()) if p != "body" and _is_field(p)]
     param = ".".join(loc) or None
     if error.get("type") == "json_invalid":
         return "the request body is not valid JSON: " + str(error.get("ctx", {}).get("error", error.get("msg"))), None
