@@ -113,7 +113,10 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
             x[row, list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
         if allowed is not None:
             masked, mask = allowed
-            x[masked] = x[masked].masked_fill(~mask[:, :x.shape[-1]], float("-inf"))
+            if len(masked) == len(states):  # every row: in place
+                x.masked_fill_(~mask[:, :x.shape[-1]], float("-inf"))
+            else:
+                x[masked] = x[masked].masked_fill(~mask[:, :x.shape[-1]], float("-inf"))
     rows = [i for i, s in enumerate(states) if not s.params.is_greedy and s.params.temperature >= MIN_TEMPERATURE]
     # Greedy rows take the argmax; when every row samples, the sampled tokens fill `tokens` below.
     tokens = torch.argmax(x, dim=-1) if len(rows) < len(states) else torch.empty(len(states), dtype=torch.long,
