@@ -58,7 +58,7 @@ def decode_rate(engine, prompt_ids: list[int], n: int, tokens: int, constrained:
 
 
 def compile_seconds(engine, repeats: int = 20) -> dict:
-    grammars = engine.grammars
+    grammars = engine.gate.grammars
     cold, cached = [], []
     for i in range(repeats):
         schema = {**PERSON, "properties": {**PERSON["properties"], f"field_{time.monotonic_ns()}_{i}": {"type": "string"}}}

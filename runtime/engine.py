@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from runtime.grammar.compiler import GrammarCompiler, GrammarError
-from runtime.grammar.matcher import Grammar, allowed_tokens
-from runtime.grammar.tools import tool_format_of
+from runtime.grammar.matcher import Grammar, advance, step_masks
 from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import LayerwiseResidency, logical_blocks
@@ -21,6 +18,7 @@ from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.model.quantize import Quantized
 from runtime.requests.admission import admit, check_granularity
+from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
 from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
 from runtime.model.row_padding import padding_for
@@ -29,9 +27,7 @@ from runtime.model.sampler import sample
 from runtime.search.controller import SearchController
 from runtime.search.pacing import StepPacer
 from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep, Park, Prefetch, Release, Resume, Verify
-from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer
-from runtime.verify.verifier_store import VerifierStore
-from runtime.verify.verifiers.judge import JudgeVerifier
+from runtime.verify.verifier_store import VerifierStore, build_scorers
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.sequence import Sequence
@@ -106,25 +102,9 @@ class Engine:
         self.requests: dict[str, RequestState] = self.plain.requests
         self.searches: dict[str, SearchController] = {}
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
-        self.scorers: dict[str, object] = {"confidence": ConfidenceScorer(), "calculator": CalculatorScorer()}
-        try:
-            self.scorers["judge"] = JudgeScorer(self, JudgeVerifier(model, tokenizer))
-        except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
-            log.warning("the judge verifier is unavailable for this model: %s", exc)
-        self.verifier_stores: list[VerifierStore] = []
-        for name, (verifier, num_blocks) in (reward_models or {}).items():
-            if name in self.scorers:
-                raise ValueError(f"verifier name {name!r} is built in; choose another name")
-            # where the generator is served without padding, so is its reward model
-            store = VerifierStore(name, verifier, kv_shape_of(verifier.model.config, config.block_size), num_blocks,
-                                  config.max_num_batched_tokens, self, max_model_len=config.max_model_len,
-                                  batch_invariant=config.batch_invariant if self.padding else False)
-            self.scorers[name] = store
-            self.verifier_stores.append(store)
-        self.tool_format, _ = tool_format_of(getattr(tokenizer, "chat_template", None))
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids, self.tool_format)
-        self.compiling: dict[str, tuple[GenerateRequest, str, Future]] = {}  # request id -> (it, grammar, compiling)
-        self.admitted: list[FromRuntime] = []  # Accepted (or the 400) of requests held for their grammar
+        self.scorers, self.verifier_stores = build_scorers(self, model, tokenizer, config, reward_models or {},
+                                                           self.padding)
+        self.gate = GrammarGate(tokenizer, self.vocab_size, self.eos_ids, self._admit)
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
@@ -134,7 +114,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores) \
-            or (self.streamed is not None and self.streamed.has_work) or bool(self.compiling)
+            or (self.streamed is not None and self.streamed.has_work) or self.gate.has_work
 
     def _build_pool(self, shape: KVShape, dtype, num_blocks: int) -> None:
         """The compute tensor, the block pool over it, and what allocates from and runs on them."""
@@ -152,39 +132,13 @@ class Engine:
 
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
-        self.grammars.close()
+        self.gate.close()
         if self.residency is not None:
             self.residency.close()
 
     def add_request(self, request: GenerateRequest) -> list[FromRuntime]:
-        """Admit `request`, or hold it while its grammar compiles on the compiler's thread (answered
-        from a later step, so a heavy schema never stalls the other requests' tokens)."""
-        if request.constraint is None and request.tools is None:
-            return self._admit(request, None)
-        try:
-            text, param = self.grammars.key(request.constraint, request.tools)
-        except GrammarError as err:
-            return [InvalidRequest(str(err), err.param).to_message(request.request_id)]
-        compiled = self.grammars.get(text)
-        if compiled is not None:
-            return self._admit(request, Grammar(compiled, self.grammars.num_words))
-        self.compiling[request.request_id] = (request, text, self.grammars.submit(text, param))
-        return []
-
-    def _admit_compiled(self) -> None:
-        """Admit the held requests whose grammar is compiled; a grammar that does not compile is a 400."""
-        if self.compiling and not self.scheduler.has_work:  # nothing else to do: wait a little for one
-            wait([future for _, _, future in self.compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
-        for request_id, (request, text, future) in list(self.compiling.items()):
-            if not future.done():
-                continue
-            del self.compiling[request_id]
-            try:
-                compiled = self.grammars.store(text, future)
-            except GrammarError as err:
-                self.admitted.append(InvalidRequest(str(err), err.param).to_message(request_id))
-                continue
-            self.admitted.extend(self._admit(request, Grammar(compiled, self.grammars.num_words)))
+        """Accepted (or its error) now, or from a later step once its grammar compiled (runtime.requests.grammar_gate)."""
+        return self.gate.add(request)
 
     def _admit(self, request: GenerateRequest, grammar: Grammar | None) -> list[FromRuntime]:
         try:
@@ -205,7 +159,7 @@ class Engine:
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
                                           question_of(request), max_tokens, self.scorers[search.verifier], grammar,
-                                          answer_form_of(request, self.tool_format))
+                                          answer_form_of(request, self.gate.tool_format))
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1
@@ -213,7 +167,7 @@ class Engine:
         self.scheduler.add(controller.root)
 
     def abort(self, request_id: str) -> None:
-        self.compiling.pop(request_id, None)
+        self.gate.abort(request_id)
         self.plain.abort(request_id)
         controller = self.searches.pop(request_id, None)
         if controller is not None:
@@ -316,8 +270,7 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[FromRuntime]:
-        if self.compiling:
-            self._admit_compiled()
+        self.gate.poll(is_idle=not self.scheduler.has_work)
         for controller in list(self.searches.values()):
             controller.check_deadline()  # a search past its deadline answers now, verified or not
             self._carry_out(controller)
@@ -354,15 +307,11 @@ class Engine:
             self._carry_out(self.searches.get(seq.owner.request_id))  # a search's prompt, a judge's question
         ended: list[SearchController] = []  # searches whose running group these tokens ended, in order
         if seqs:
-            states = [s.owner.sampling for s in seqs]
-            masked = [i for i, state in enumerate(states) if state.constraint is not None]
-            allowed = (masked, allowed_tokens([states[i].constraint for i in masked], self.vocab_size,
-                                              self.device)) if masked else None
-            samples = sample(logits[rows], states,
-                             [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs], allowed)
-            for seq, state, out in zip(seqs, states, samples):
-                if state.constraint is not None:
-                    state.constraint.consume(out.token_id)
+            states = [s.owner.sampling for s in seqs]  # a grammar's rows sample under its mask
+            samples = sample(logits[rows], states, [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
+                                                    for s in seqs], step_masks(states, self.vocab_size, self.device))
+            advance(states, samples)
+            for seq, out in zip(seqs, samples):
                 seq.append_token(out.token_id)
                 self.stats["tokens_generated"] += 1
                 seq.owner.on_sampled(seq, out)
@@ -394,7 +343,7 @@ class Engine:
 
     def _drain(self) -> list[FromRuntime]:
         # A request's Accepted precedes its first Delta, which this step may carry
-        messages, self.admitted, self.outbox = self.admitted + self.plain.emit() + self.outbox, [], []
+        messages, self.outbox = self.gate.take_admitted() + self.plain.emit() + self.outbox, []
         return messages
 
     def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:

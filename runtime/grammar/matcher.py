@@ -49,6 +49,20 @@ class TokenConstraint:
         self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
 
 
+def step_masks(states, vocab_size: int, device) -> tuple[list[int], torch.Tensor] | None:
+    """The `allowed` argument of `runtime.model.sampler.sample` for a step's sampling states: the rows
+    with a constraint and their masks, or None when no row has one."""
+    rows = [i for i, state in enumerate(states) if state.constraint is not None]
+    return (rows, allowed_tokens([states[i].constraint for i in rows], vocab_size, device)) if rows else None
+
+
+def advance(states, samples) -> None:
+    """Each constrained row consumes the token it sampled."""
+    for state, out in zip(states, samples):
+        if state.constraint is not None:
+            state.constraint.consume(out.token_id)
+
+
 def allowed_tokens(constraints: list[TokenConstraint], vocab_size: int, device) -> torch.Tensor:
     """[len(constraints), vocab_size] booleans: True where the row's grammar allows the token."""
     bits = np.zeros((len(constraints), constraints[0].num_words), dtype=np.int32)

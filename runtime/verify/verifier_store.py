@@ -11,6 +11,7 @@ Jobs from every search are batched into one forward pass per engine step, within
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,12 +21,15 @@ import torch
 from runtime.model.model_runner import ModelRunner
 from runtime.model.row_padding import padding_for
 from runtime.verify.host import VerifierHost
-from runtime.verify.scoring import ScoreBatch
+from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer, ScoreBatch
+from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence
 from scheduler.sequence import Sequence
 from storage.block_pool import BlockPool
-from storage.kv_cache import KVCache, KVShape
+from storage.kv_cache import KVCache, KVShape, kv_shape_of
+
+log = logging.getLogger("ponder.runtime")
 
 
 @dataclass(eq=False)
@@ -178,3 +182,27 @@ class VerifierStore:
 
     def abort(self, controller) -> None:
         self.queue = deque(job for job in self.queue if job.controller is not controller)
+
+
+def build_scorers(host, model, tokenizer, config, reward_models: dict[str, tuple[object, int]],
+                  padding) -> tuple[dict[str, object], list[VerifierStore]]:
+    """Every verifier a search may name: the free ones, the judge (where the tokenizer has distinct
+    Yes/No tokens) and each reward model with its own KV store of `blocks` blocks, as
+    ({name: scorer}, [the stores]). `host` is the engine; `padding`: whether the generator is served
+    padded for batch invariance (its reward models are served likewise)."""
+
+    scorers: dict[str, object] = {"confidence": ConfidenceScorer(), "calculator": CalculatorScorer()}
+    try:
+        scorers["judge"] = JudgeScorer(host, JudgeVerifier(model, tokenizer))
+    except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge
+        log.warning("the judge verifier is unavailable for this model: %s", exc)
+    stores = []
+    for name, (verifier, num_blocks) in reward_models.items():
+        if name in scorers:
+            raise ValueError(f"verifier name {name!r} is built in; choose another name")
+        store = VerifierStore(name, verifier, kv_shape_of(verifier.model.config, config.block_size), num_blocks,
+                              config.max_num_batched_tokens, host, max_model_len=config.max_model_len,
+                              batch_invariant=config.batch_invariant if padding else False)
+        scorers[name] = store
+        stores.append(store)
+    return scorers, stores

@@ -100,7 +100,7 @@ def reference_greedy(model, tokenizer, grammar: str, prompt: list[int], max_toke
 def test_greedy_masked_tokens_equal_the_library_s_mask_on_transformers_logits(engine, hf_model, smollm_tokenizer,
                                                                                    constraint):
     tokens = collect(engine, [constrained("ref", constraint)])["ref"][0]
-    text, _ = engine.grammars.key(constraint, None)
+    text, _ = engine.gate.grammars.key(constraint, None)
     expected = reference_greedy(hf_model, smollm_tokenizer, text, PROMPT, 48, 2)
     assert tokens == expected  # the EOS it stops on included, as in every Delta
     assert tokens  # the model wrote something under the mask
