@@ -11,6 +11,10 @@ so every step computes a real mask). The two cases alternate, each repeat; each 
 of `--repeats` (default 3). Compile: a schema never seen (cold; a property name changes each time)
 and the same schema again (cached: the compiled grammar is looked up), median of 20.
 
+`--libraries`: llguidance (ponder's) against xgrammar, where it is importable (`pip install --no-deps
+xgrammar apache-tvm-ffi`), on the model's tokenizer: compiling the person schema cold, and a mask plus a
+token per token over a valid output (median of 5 passes).
+
 `--anchor NAME=URL`: an OpenAI-compatible server (llama.cpp's llama-server, vLLM's CPU build, or a
 ponder) asked the same schema request (chat, `response_format` json_schema with a small person
 schema, 8 requests): how many outputs validate and the tokens/s it streamed them at.
@@ -74,6 +78,53 @@ def compile_seconds(engine, repeats: int = 20) -> dict:
     return {"cold_ms": statistics.median(cold) * 1e3, "cached_ms": statistics.median(cached) * 1e3}
 
 
+def libraries(tokenizer) -> dict:
+    """Compile and per-token mask times of llguidance and (where installed) xgrammar, same schema and text."""
+    import llguidance.hf
+    import llguidance.torch as llg_torch
+    from llguidance import LLMatcher
+
+    text = '{"name": "Alec Smith", "age": 20}'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    out = {}
+    llg = llguidance.hf.from_tokenizer(tokenizer)
+    grammar = LLMatcher.grammar_from_json_schema(PERSON)
+    start = time.perf_counter()
+    LLMatcher(llg, grammar)
+    compile_ms = (time.perf_counter() - start) * 1e3
+    bits = llg_torch.allocate_token_bitmask(1, llg.vocab_size)
+
+    def llg_pass() -> float:
+        matcher, start = LLMatcher(llg, grammar), time.perf_counter()
+        for token in ids:
+            llg_torch.fill_next_token_bitmask(matcher, bits, 0)
+            matcher.consume_token(token)
+        return (time.perf_counter() - start) / len(ids) * 1e6
+
+    out["llguidance"] = {"compile_ms": compile_ms, "mask_us": statistics.median(llg_pass() for _ in range(5))}
+    try:
+        import xgrammar
+    except ImportError as exc:
+        out["xgrammar"] = {"skipped": f"not importable: {exc}"}
+        return out
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiler = xgrammar.GrammarCompiler(info)
+    start = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(PERSON))
+    compile_ms = (time.perf_counter() - start) * 1e3
+    xbits = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+
+    def xgr_pass() -> float:
+        matcher, start = xgrammar.GrammarMatcher(compiled), time.perf_counter()
+        for token in ids:
+            matcher.fill_next_token_bitmask(xbits, 0)
+            matcher.accept_token(token)
+        return (time.perf_counter() - start) / len(ids) * 1e6
+
+    out["xgrammar"] = {"compile_ms": compile_ms, "mask_us": statistics.median(xgr_pass() for _ in range(5))}
+    return out
+
+
 def anchor(name: str, url: str, model: str | None, count: int = 8) -> dict:
     """The person-schema request against an OpenAI-compatible server: valid outputs and tokens/s."""
     import httpx
@@ -103,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--parallel", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--libraries", action="store_true", help="time llguidance against xgrammar too")
     parser.add_argument("--anchor", action="append", default=[], metavar="NAME=URL")
     parser.add_argument("--anchor-model", default=None, help="the model name the anchors serve")
     parser.add_argument("--json", default=None)
@@ -120,12 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {"model": source.name, "kernel_isa": kernel_isa(), "tokens": args.tokens, "decode": rows,
                "compile": compile_seconds(engine), "anchors": [anchor(*a.split("=", 1), args.anchor_model)
                                                                for a in args.anchor]}
+    if args.libraries:
+        results["libraries"] = libraries(engine.tokenizer)
     lines = [f"ponder bench structured: {source.name}, int4 kernel {results['kernel_isa']}, {args.tokens} tokens",
              f"{'streams':>8} {'plain tok/s':>12} {'schema tok/s':>13} {'ratio':>6}"]
     lines += [f"{r['streams']:>8} {r['plain_tokens_per_s']:>12.1f} {r['schema_tokens_per_s']:>13.1f} {r['ratio']:>6.2f}"
               for r in rows]
     lines.append(f"compile a schema: cold {results['compile']['cold_ms']:.2f} ms, cached "
                  f"{results['compile']['cached_ms']:.3f} ms")
+    lines += [f"{name}: " + (", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+              for name, row in results.get("libraries", {}).items()]
     lines += [f"anchor {a['name']}: {a['valid']}/{a['requests']} valid, {a['tokens_per_s']:.1f} tok/s"
               for a in results["anchors"]]
     emit(results, "\n".join(lines), args.json)

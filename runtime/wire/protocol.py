@@ -64,11 +64,10 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Constraint(msgspec.Struct, frozen=True, kw_only=True):
-    """What every token of the output must keep matching (runtime.grammar compiles it).
-
-    kind: json_object | json_schema | regex | choice | grammar; `spec` is the schema as JSON text, the
-    regex, the choices as a JSON list, or the grammar (Lark or GBNF); `param` is the request field it
-    came from, named in the 400 when it does not compile."""
+    """What every token of the output must keep matching (runtime.grammar compiles it). kind: json_object
+    | json_schema | regex | choice | grammar; `spec` is the schema as JSON text, the regex, the choices as
+    a JSON list, or the grammar (Lark or GBNF); `param` is the request field it came from, named in the 400
+    when it does not compile."""
 
     kind: str
     spec: str = ""

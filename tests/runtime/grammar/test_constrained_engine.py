@@ -168,3 +168,42 @@ def test_tools_required_give_a_valid_call(engine, smollm_tokenizer):
 
 def test_json_style_is_what_the_compiler_writes():
     assert JSON_STYLE == {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+def test_a_compiling_grammar_holds_its_request_and_no_other(engine):
+    """While a grammar compiles (a future the test holds), other requests run to the end; the held one
+    is admitted, Accepted before its first token, once its grammar is there; an abort forgets it."""
+    from concurrent.futures import Future
+
+    constraint = Constraint(kind="regex", spec="(held|kept) [0-9]{4}")
+    text, param = engine.gate.grammars.key(constraint, None)
+    engine.gate.grammars.cache.pop(text, None)
+    pending: Future = Future()
+    submitted = []
+    real_submit = engine.gate.grammars.submit
+    engine.gate.grammars.submit = lambda t, p: submitted.append(t) or pending
+    try:
+        assert engine.add_request(constrained("held", constraint)) == []
+        assert engine.add_request(constrained("gone", Constraint(kind="regex", spec="x+y"))) == []
+        engine.abort("gone")
+        assert isinstance(engine.add_request(constrained("other", None, max_tokens=5))[0], Accepted)
+        other, ended = [], False
+        while not ended:  # the engine has work all along: the held request
+            for message in engine.step():
+                assert message.request_id == "other"
+                other += list(getattr(message, "token_ids", ()))
+                ended = ended or getattr(message, "finish_reason", None) is not None
+        assert len(other) == 5 and submitted == [text, engine.gate.grammars.key(
+            Constraint(kind="regex", spec="x+y"), None)[0]]
+        assert engine.has_work and "held" not in engine.requests
+        pending.set_result(engine.gate.grammars._compile(text, param))
+        first = engine.step()
+        assert isinstance(first[0], Accepted) and first[0].request_id == "held"
+        tokens = list(first[1].token_ids) if len(first) > 1 else []
+        while engine.has_work:
+            for message in engine.step():
+                assert getattr(message, "request_id", "held") == "held"  # "gone" never comes back
+                tokens += list(getattr(message, "token_ids", ()))
+        assert engine.tokenizer.decode(tokens, skip_special_tokens=True).split(" ")[0] in ("held", "kept")
+    finally:
+        engine.gate.grammars.submit = real_submit
