@@ -5,6 +5,7 @@ README stays a front page."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,16 @@ def test_the_site_builds_strictly_with_the_generated_configuration_reference(tmp
     assert all(f"<code>{key.env}</code>" in page for key in keys())
     assert (tmp_path / "site" / "ui.png").is_file()
     assert (tmp_path / "site" / "results" / "accuracy-embedded-n8.json").is_file()
+    # The README is outside the site: its links into docs/ are checked against the built pages here.
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#([^)]+))?\)", (ROOT / "README.md").read_text())
+    assert len(links) >= 15
+    missing = []
+    for path, anchor in links:
+        page = tmp_path / "site" / ("" if path == "docs/index.md" else path.removeprefix("docs/").removesuffix(".md"))
+        html = (page / "index.html").read_text() if (page / "index.html").is_file() else None
+        if html is None or (anchor and f'id="{anchor}"' not in html):
+            missing.append(f"{path}#{anchor}")
+    assert missing == []
 
 
 def test_a_broken_anchor_fails_the_strict_build(tmp_path):
