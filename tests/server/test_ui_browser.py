@@ -162,13 +162,14 @@ def test_the_tree_opens_fitted_at_a_desktop_and_a_phone_size_and_a_zoom_keeps_th
     WebDriverWait(browser, 5).until(lambda d: not d.find_element(By.ID, "searches").is_displayed())
 
     # A zoom is the user's: the page stops fitting; Fit takes the view back.
-    scale = float(browser.find_element(By.ID, "tree").get_attribute("data-scale"))
+    scale = [float(v) for v in browser.find_element(By.ID, "tree").get_attribute("data-scale").split()]
     browser.execute_script("""
         const box = document.getElementById('tree'), r = box.getBoundingClientRect();
         box.dispatchEvent(new WheelEvent('wheel', {deltaY: -800, clientX: r.left + 40, clientY: r.top + r.height / 2,
                                                    bubbles: true, cancelable: true}));""")
     WebDriverWait(browser, 5, poll_frequency=0.1).until(lambda d: not_in_view(d)["fitted"] == "false")
-    assert float(browser.find_element(By.ID, "tree").get_attribute("data-scale")) > scale
+    zoomed = [float(v) for v in browser.find_element(By.ID, "tree").get_attribute("data-scale").split()]
+    assert zoomed[0] / scale[0] == pytest.approx(zoomed[1] / scale[1], rel=1e-3) and zoomed[1] > 2 * scale[1]
     assert not in_view(not_in_view(browser))
     browser.find_element(By.ID, "fit").click()
     WebDriverWait(browser, 5, poll_frequency=0.1).until(lambda d: in_view(not_in_view(d)))
