@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# The CPU build of PyTorch. On an NVIDIA machine use the CUDA build (README "Installing by hand, and
-# with CUDA"): make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# PyPI's torch==2.13.0 wheel, built for CUDA 13.0 (it brings its CUDA libraries; a GPU needs an NVIDIA
+# driver 580 or newer; it runs on a CPU too), the wheel the Dockerfile installs. A CPU-only machine can
+# leave the CUDA libraries out (docs/getting-started.md, "Which PyTorch"):
+#   make install TORCH_SPEC="torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install run test test-gpu lint bench clean
+.PHONY: install run test test-gpu lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +29,11 @@ run: install
 lint: install
 	$(VENV)/bin/lint-imports
 
-test: install lint
+# The documentation site (mkdocs.yml, docs/): strict, so a broken link or anchor fails it.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: install lint docs
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # The checks that need a CUDA GPU (tests marked `cuda`); `make test` skips them where there is none.

@@ -1,10 +1,11 @@
-"""The README's search example, timed in-process on the engine `ponder serve` builds.
+"""The search example of docs/benchmarks.md, timed in-process on the engine `ponder serve` builds.
 
     ponder bench example [--model PATH] [--quick] [--deterministic] [--verifier NAME] [--max-tokens N]
                          [--json PATH]
 
-The request is the one the README's performance section times: a chat completion with a beam search
-(n 16, beam width 4, the `judge` verifier), `max_tokens` 512, OpenAI `n` 2, seed 42, temperature 0.8.
+The request is the one docs/benchmarks.md times ("search at the engine's speed"): a chat completion
+with a beam search (n 16, beam width 4, the `judge` verifier), `max_tokens` 512, OpenAI `n` 2, seed 42,
+temperature 0.8.
 It goes through the server's own request schema (so every default the server fills in is filled in
 the same way) and runs on an engine built from the server's default settings, driven as the runtime
 process drives it: `add_request`, then `step` until idle. The model load is not timed.

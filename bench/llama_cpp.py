@@ -19,7 +19,7 @@ def unavailable() -> str | None:
         import llama_cpp  # noqa: F401
     except ImportError as exc:
         return (f"llama-cpp-python is not installed ({exc}); install the `bench` extra "
-                "(see README, Benchmarks)")
+                "(see docs/benchmarks.md, decode)")
     return None
 
 

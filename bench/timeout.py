@@ -1,4 +1,4 @@
-"""Whether a search's time budget is met: the README's search example cut by `timeout_s`.
+"""Whether a search's time budget is met: the search example of docs/benchmarks.md cut by `timeout_s`.
 
     ponder bench timeout [--model PATH] [--budgets 2,5] [--max-tokens 512] [--json PATH]
 
@@ -35,7 +35,7 @@ CONFIGS = {
 
 
 def bound(budget: float) -> float:
-    """The latest a search with `timeout_s = budget` may answer (README, *Verifier-guided search*)."""
+    """The latest a search with `timeout_s = budget` may answer (docs/search.md, "The `search` object")."""
     return budget * 1.1 + 0.5
 
 

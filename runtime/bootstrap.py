@@ -89,7 +89,7 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
 def speculates(setting: bool | str, device) -> bool:
     """Whether search paths decode ahead in idle slots. `auto`: on a GPU only. There a decode step
     reads the weights once for every row, so an extra row is nearly free; on a CPU each row costs
-    compute (the README search example: a step took ~22 ms plus ~7.5 ms a row; 29 % of its decode rows
+    compute (the search example of docs/benchmarks.md: a step took ~22 ms plus ~7.5 ms a row; 29 % of its decode rows
     were speculative, and 53 % of those were discarded with their pruned paths)."""
     if setting == "auto":
         return device.type == "cuda"

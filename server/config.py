@@ -80,7 +80,7 @@ class SchedulerSettings(_Section):
     # A result is the same bits whatever shares its steps, however its prompt was chunked or found in the
     # prefix cache (runtime.model.row_padding). auto: wherever the start-up probe shows the device
     # computes each row on its own, else one warning and served without; true: refuse to start instead
-    # (`ponder serve --deterministic`); false: opt out (`--no-deterministic`; README "Seeds").
+    # (`ponder serve --deterministic`); false: opt out (`--no-deterministic`; docs/serving.md "Seeds").
     batch_invariant: bool | Literal["auto"] = "auto"
 
 

@@ -1,5 +1,5 @@
-"""The search-example benchmark on a tiny random model: it runs the README's request shape through
-the server's schema on a default-settings engine and accounts for every model step."""
+"""The search-example benchmark on a tiny random model: it runs the documented search example's request
+shape through the server's schema on a default-settings engine and accounts for every model step."""
 
 from __future__ import annotations
 
