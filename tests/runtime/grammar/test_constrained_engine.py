@@ -207,3 +207,16 @@ def test_a_compiling_grammar_holds_its_request_and_no_other(engine):
         assert engine.tokenizer.decode(tokens, skip_special_tokens=True).split(" ")[0] in ("held", "kept")
     finally:
         engine.gate.grammars.submit = real_submit
+
+
+def test_preemption_keeps_each_choice_s_place_in_its_grammar(engine, bpe_llama, smollm_tokenizer):
+    """A pool too small for three choices at once preempts and recomputes them; the tokens (and so each
+    matcher's place) are the same as in a pool that holds them all."""
+    long = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                       "minItems": 40}}, "required": ["notes"]}
+    constraint = Constraint(kind="json_schema", spec=json.dumps(long))  # cannot end within 80 tokens
+    roomy = collect(engine, [constrained("roomy", constraint, n=3, temperature=1.0, seed=9, max_tokens=80)])["roomy"]
+    small = engine_for(bpe_llama, num_blocks=12, block_size=16, max_model_len=1024)
+    tight = collect(small, [constrained("tight", constraint, n=3, temperature=1.0, seed=9, max_tokens=80)])["tight"]
+    assert small.stats["preemptions"] > 0
+    assert tight == roomy
