@@ -12,8 +12,9 @@ from gguf.quants import quantize
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 2, 4, 2, 128
 
 
-def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0) -> Path:
-    """`directory`/tiny.gguf with every projection stored as `kind` (Q4_0 or Q4_1)."""
+def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: dict[str, str] | None = None) -> Path:
+    """`directory`/tiny.gguf with every projection stored as `kind` (a type gguf quantizes), but those
+    named in `kinds` (e.g. {"attn_v": "Q8_0", "ffn_down": "F16"}), as llama-quantize mixes them."""
     rng = np.random.default_rng(seed)
     path = directory / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
@@ -33,13 +34,16 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0) -> Path:
     writer.add_eos_token_id(2)
 
     def blocks(name: str, shape: tuple[int, int], qtype: GGMLQuantizationType) -> None:
-        data = quantize((rng.standard_normal(shape) * 0.2).astype(np.float32), qtype)
+        weights = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, weights.astype(np.float16))
+            return
+        data = quantize(weights, qtype)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
     def floats(name: str) -> None:
         writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
 
-    qtype = GGMLQuantizationType[kind]
     blocks("token_embd.weight", (VOCAB, HIDDEN), GGMLQuantizationType.Q8_0)
     floats("output_norm.weight")
     head_dim = HIDDEN // HEADS
@@ -49,7 +53,7 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0) -> Path:
         for name, shape in [("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (KV_HEADS * head_dim, HIDDEN)),
                             ("attn_v", (KV_HEADS * head_dim, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
                             ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))]:
-            blocks(f"blk.{i}.{name}.weight", shape, qtype)
+            blocks(f"blk.{i}.{name}.weight", shape, GGMLQuantizationType[(kinds or {}).get(name, kind)])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -38,6 +38,30 @@ def _read(file, tensor) -> np.ndarray:
     return raw
 
 
+_SLAB_ROWS = 512  # rows decoded and packed at a time: a multiple of the kernel's 8 columns
+
+
+def _int_layer(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Int4Linear:
+    """An int layer of `raw` [out, bytes] blocks, decoded and packed a slab of rows at a time into its
+    buffers (the codes as bytes and their layout's copies would otherwise hold several times the
+    tensor's size at once)."""
+    out_features, in_features = shape
+    weight = d = m = None
+    for start in range(0, out_features, _SLAB_ROWS):
+        slab = Int4Linear.from_blocks(decode(kind, raw[start:start + _SLAB_ROWS]))
+        if weight is None:
+            blocks = -(-out_features // 8)
+            weight = slab.weight.new_empty((blocks, *slab.weight.shape[1:]))
+            d = slab.d.new_empty((blocks, *slab.d.shape[1:]))
+            m = None if slab.m is None else slab.m.new_empty((blocks, *slab.m.shape[1:]))
+        first = start // 8
+        weight[first:first + slab.weight.shape[0]] = slab.weight
+        d[first:first + slab.d.shape[0]] = slab.d
+        if m is not None:
+            m[first:first + slab.m.shape[0]] = slab.m
+    return Int4Linear.from_packed(in_features, out_features, weight, d, m)
+
+
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     parent_name, _, attribute = name.rpartition(".")
     parent = model.get_submodule(parent_name)
@@ -107,15 +131,15 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                 kinds[kind] = kinds.get(kind, 0) + 1
             raw = _read(file, tensor)
             if (is_linear or stands_for_head) and kind in SUPPORTED:
-                blocks = decode(kind, raw)
-                blocks = blocks.rows(row_order(processor, tensor.name, blocks.codes.shape[0], names))
                 layer_name = head_name if stands_for_head else module_name
                 layer = modules[layer_name]
-                if tuple(blocks.codes.shape) != (layer.out_features, layer.in_features):
-                    raise CheckpointMismatch(f"{source.path}: {tensor.name} is {tuple(blocks.codes.shape)}, "
+                shape = tuple(int(n) for n in reversed(tensor.shape))
+                if shape != (layer.out_features, layer.in_features):
+                    raise CheckpointMismatch(f"{source.path}: {tensor.name} is {shape}, "
                                              f"{layer_name} wants {(layer.out_features, layer.in_features)}")
+                order = row_order(processor, tensor.name, shape[0], names).numpy()
                 parent_name, _, attribute = layer_name.rpartition(".")
-                setattr(model.get_submodule(parent_name), attribute, Int4Linear.from_blocks(blocks))
+                setattr(model.get_submodule(parent_name), attribute, _int_layer(kind, raw[order], shape))
                 kept[kind] = kept.get(kind, 0) + 1
                 if is_linear:
                     continue  # (the embedding standing for the head goes on to its float rows below)
