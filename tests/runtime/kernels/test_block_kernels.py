@@ -9,32 +9,16 @@ for is defined by `gguf.dequantize` (checked bit for bit against ponder's decodi
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from runtime.kernels.cpu_kernels import q4_unavailable
 from runtime.model.gguf_blocks import SUPPORTED, Blocks, decode
 from runtime.model.quantize import Int4Linear
+from tests.gguf_model import SCALE_OFFSETS as _SCALE_OFFSETS
+from tests.gguf_model import blocks_of
 
 pytestmark = pytest.mark.skipif(q4_unavailable() is not None, reason="ponder's int kernel needs an x86-64 CPU with AVX2")
-
-# Where each type's float16 super-block scale(s) sit in its block (the rest may be any bytes).
-_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
-
-
-def blocks_of(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """`kind` data for a [rows, cols] tensor: gguf's quantizer where it has one, else random valid blocks."""
-    rng = np.random.default_rng(seed)
-    qtype = GGMLQuantizationType[kind]
-    if kind not in _SCALE_OFFSETS:
-        return quantize((rng.standard_normal((rows, cols)) * 0.3).astype(np.float32), qtype)
-    block, size = GGML_QUANT_SIZES[qtype]
-    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for offset in _SCALE_OFFSETS[kind]:
-        scale = (rng.random((rows, cols // block)) * 0.01 + 0.001).astype(np.float16)
-        data[..., offset:offset + 2] = scale.view(np.uint8).reshape(rows, -1, 2)
-    return data.reshape(rows, -1)
-
 
 def test_gguf_quantizes_every_type_it_can():
     # The types the helper fills with random blocks are exactly those gguf cannot quantize.

@@ -19,10 +19,13 @@ from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.loader import load_causal_lm, resolve_model
 from runtime.model.quantize import Int4Linear, apply_quantize
 from tests.gguf_model import write_tiny_gguf
+from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
 pytestmark = pytest.mark.skipif(q4_unavailable() is not None, reason="int layers need ponder's CPU kernel")
 
 MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_down": "Q8_0"}
+# As llama-quantize's Q4_K_M mixes them (plus the other K and IQ4 types), on 256-wide rows.
+K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_output": "Q5_K", "ffn_up": "IQ4_XS", "attn_k": "IQ4_NL"}
 
 
 def both_ways(path):
@@ -33,9 +36,11 @@ def both_ways(path):
     return reference, expected, model, quantized
 
 
-@pytest.mark.parametrize("kind,kinds", [("Q4_1", None), ("Q8_0", None), ("Q5_1", MIXED)])
-def test_the_streamed_model_is_transformers_model_with_its_blocks_kept_bit_for_bit(tmp_path, kind, kinds):
-    reference, expected, model, quantized = both_ways(write_tiny_gguf(tmp_path, kind, kinds=kinds))
+@pytest.mark.parametrize("kind,kinds,hidden", [("Q4_1", None, 64), ("Q8_0", None, 64), ("Q5_1", MIXED, 64),
+                                                ("Q4_K", K_MIXED, 256)])
+def test_the_streamed_model_is_transformers_model_with_its_blocks_kept_bit_for_bit(tmp_path, kind, kinds, hidden):
+    reference, expected, model, quantized = both_ways(write_tiny_gguf(tmp_path, kind, kinds=kinds, hidden=hidden,
+                                                                      ffn=2 * hidden))
     assert quantized == expected and quantized.mode == "int4" and quantized.layers == 15
     a, b = _tensors(reference), _tensors(model)
     assert a.keys() == b.keys()
@@ -45,6 +50,20 @@ def test_the_streamed_model_is_transformers_model_with_its_blocks_kept_bit_for_b
     ids = torch.tensor([[1, 5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_a_k_quant_file_serves_the_tokens_generate_gives_on_the_same_int_layers(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_K", kinds=K_MIXED, hidden=256, ffn=512)
+    engine = engine_for(path, batch_invariant=False)  # quantize left at its default, auto
+    assert engine.quantized.describe() == (
+        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, "
+        "4 Q6_K, 1 Q8_0); linear tensors in the file: 2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, 4 Q6_K, 1 Q8_0)")
+    reference = load_causal_lm(resolve_model(str(path)), torch.device("cpu"), torch.float32, "sdpa")
+    apply_quantize(reference, "auto", str(path))
+    prompts = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
+    results = run(engine, [request(str(i), p, max_tokens=10) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 10)
 
 
 def test_the_mixed_file_s_start_up_line_names_every_type_kept(tmp_path):
