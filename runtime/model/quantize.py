@@ -2,10 +2,11 @@
 
 `int8` and `int4` replace every `nn.Linear` (the output head too: a head tied to the input embedding
 gets a quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
-quantized weight and calls one kernel. `auto` (the default) does the same with int4 on a CPU that can
-run ponder's int4 kernel (x86-64 with AVX2) for a GGUF whose linear layers are stored as 4-bit
-blocks, taking those very blocks (runtime.model.gguf_blocks) rather than quantizing the dequantized floats
-again; otherwise it keeps float weights. `apply_quantize` says what a setting became (`Quantized`).
+quantized weight and calls one kernel. `auto` (the default), on a CPU that can run ponder's int kernel
+(x86-64 with AVX2), keeps a GGUF's linear layers stored in any block type the kernel runs
+(runtime.model.gguf_blocks.SUPPORTED) as those very blocks rather than quantizing the dequantized
+floats again (runtime.model.gguf_load does so while loading; `apply_quantize` on a loaded float model);
+a layer of another type, and any other model, keeps float weights. `apply_quantize` says what a setting became (`Quantized`).
 
 - int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`, weight-only: the
   activations enter the kernel rounded to bfloat16 (vectorized on a CPU with AVX512-BF16).
@@ -304,10 +305,9 @@ class Quantized:
 
 @torch.no_grad()
 def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None) -> Quantized:
-    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU that runs the int4 kernel, a model
-    loaded from a GGUF whose linear layers are stored as 4-bit blocks keeps those very blocks as int4
-    layers (any other linear layer, e.g. a head tied to a Q8_0 embedding, is quantized to int4 from
-    its loaded weights); anything else keeps its float weights."""
+    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU that runs the int kernel, a model
+    loaded from a GGUF keeps every linear layer stored in a supported block type as those very blocks
+    (a head tied to the embedding keeps the embedding's); any other layer or model keeps float weights."""
     check_mode(setting)
     if setting != "auto":
         layers = quantize_model(model, setting)
