@@ -172,11 +172,17 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def concatenated(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
-        """As `Int8Linear.concatenated`; None when some layers have a zero point and some do not, or
-        when a layer other than the last does not fill its last block of columns."""
-        if len({(l.m is None, l.bits, l.d.dtype, l.d.shape[1]) for l in layers}) > 1 \
-                or any(l.out_features % INT4_BLOCK_COLUMNS for l in layers[:-1]):
+        """As `Int8Linear.concatenated`; None when a layer other than the last does not fill its last block
+        of columns, or when some layers have a scale per 16 inputs and some per 32. Layers of different
+        formats (a mixed file's Q5_0 q and k beside a Q8_0 v) are first widened to one that holds each
+        exactly (`widen`), which leaves every output's bits as they were."""
+        if any(l.out_features % INT4_BLOCK_COLUMNS for l in layers[:-1]) or len({l.d.shape[1] for l in layers}) > 1:
             return None
+        if len({(l.m is None, l.bits, l.d.dtype) for l in layers}) > 1:
+            dtype = torch.float32 if any(l.d.dtype == torch.float32 for l in layers) else torch.float16
+            zero_points = any(l.m is not None for l in layers)
+            for layer in layers:
+                layer.widen(dtype, zero_points)
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.kernel, fused.group_size = layers[0].kernel, INT4_GROUP_SIZE
@@ -187,6 +193,18 @@ class Int4Linear(QuantizedLinear):
         fused.bias = _cat_bias(layers)
         _share_rows(layers, fused, ("weight", "d", "m"))
         return fused
+
+    @torch.no_grad()
+    def widen(self, dtype: torch.dtype, zero_points: bool) -> None:
+        """Hold the same weights as signed 8-bit codes with `dtype` scales (and zero points, 0 where the
+        layer had none): every integer sum the kernel forms and every float operation after it stay
+        the same, so the outputs keep their bits (tested)."""
+        d, m = self.group_scales()
+        if zero_points and m is None:
+            m = torch.zeros_like(d)
+        self.weight = pack_codes(self.codes().to(torch.int8), 8)
+        self.d = pack_scales(d, dtype)
+        self.m = None if m is None else pack_scales(m, dtype)
 
     @property
     def bits(self) -> int:

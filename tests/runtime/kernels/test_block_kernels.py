@@ -87,10 +87,20 @@ def test_the_largest_sums_do_not_saturate(code, kind, sign):
         assert torch.equal(layer.kernel(x, layer.weight, layer.d, layer.m, out, None, 0.0, None, isa).double(), exact)
 
 
-def test_layers_of_different_formats_are_not_fused():
-    q8 = Int4Linear.from_blocks(decode("Q8_0", blocks_of("Q8_0", 16, 64)))
-    q4 = Int4Linear.from_blocks(decode("Q4_1", blocks_of("Q4_1", 16, 64)))
-    assert Int4Linear.concatenated([q8, q4]) is None
-    fused = Int4Linear.concatenated([q8, Int4Linear.from_blocks(decode("Q8_0", blocks_of("Q8_0", 8, 64, seed=4)))])
-    x = torch.randn(2, 64)
-    assert torch.equal(fused(x)[:, :16], q8(x))
+@pytest.mark.parametrize("kinds", [("Q5_0", "Q5_1", "Q8_0"), ("Q4_0", "Q8_0"), ("Q4_K", "Q5_K", "IQ4_NL", "Q4_1"),
+                                   ("Q6_K", "Q6_K")])
+def test_layers_of_different_formats_fuse_with_every_output_s_bits_kept(kinds):
+    layers = [Int4Linear.from_blocks(decode(kind, blocks_of(kind, 16 * (i + 1), 256, seed=i))) for i, kind in enumerate(kinds)]
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
+    alone = [layer(x) for layer in layers]
+    fused = Int4Linear.concatenated(layers)
+    assert torch.equal(fused(x), torch.cat(alone, dim=-1))
+    for layer, y in zip(layers, alone):  # each layer, now a view of the fused buffers, gives its bits too
+        assert torch.equal(layer(x), y)
+    assert all(layer.weight.data_ptr() >= fused.weight.data_ptr() for layer in layers)
+
+
+def test_scales_per_16_and_per_32_are_not_fused():
+    q6 = Int4Linear.from_blocks(decode("Q6_K", blocks_of("Q6_K", 16, 256)))
+    q4 = Int4Linear.from_blocks(decode("Q4_K", blocks_of("Q4_K", 16, 256)))
+    assert Int4Linear.concatenated([q6, q4]) is None

@@ -66,6 +66,19 @@ def test_a_k_quant_file_serves_the_tokens_generate_gives_on_the_same_int_layers(
         assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 10)
 
 
+def test_a_mixed_file_runs_the_whole_stack_kernel_and_serves_the_tokens_generate_gives(tmp_path):
+    # q Q5_0, k Q5_1 and v Q8_0 fuse (widened to 8-bit codes), so every layer is the int kernel's.
+    path = write_tiny_gguf(tmp_path, "Q5_1", kinds=MIXED)
+    engine = engine_for(path, batch_invariant=False)
+    assert engine.runner.decoder.int4
+    reference = load_causal_lm(resolve_model(str(path)), torch.device("cpu"), torch.float32, "sdpa")
+    apply_quantize(reference, "auto", str(path))
+    prompts = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
+    results = run(engine, [request(str(i), p, max_tokens=10) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 10)
+
+
 def test_the_mixed_file_s_start_up_line_names_every_type_kept(tmp_path):
     _, _, _, quantized = both_ways(write_tiny_gguf(tmp_path, "Q5_1", kinds=MIXED))
     assert quantized.describe() == (
