@@ -8,7 +8,9 @@ zero columns.
   bit 8t + 2c + h that of code 8c + 4h + t: [blocks, 5 * in].
 - 8-bit codes (signed): chunk c's 64 bytes give column j 4 bytes of codes 8c + t in the first 32 and
   of codes 8c + 4 + t in the second 32: [blocks, 8 * in].
-- d and m: [blocks, in / 32 (or in / 16), 8], float16 or float32.
+- d and m: [blocks, in / 32 (or in / 16), 8], float16 or float32; or a K-quant's own form,
+  [blocks, in / 256, 16 + 8 * n] bytes: a super-block's 8 float16 scales, then its n sub-scales x 8
+  columns as int8 (a scale is their product, exact in float32).
 """
 
 from __future__ import annotations
@@ -87,5 +89,27 @@ def unpack_codes(packed: torch.Tensor, bits: int, out_features: int, in_features
 
 
 def unpack_scales(v: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`pack_scales`' inverse, as float32 [out, groups]."""
+    """`pack_scales`' (or `pack_compact`'s) inverse, as float32 [out, groups]."""
+    if v.dtype == torch.uint8:
+        return unpack_compact(v, out_features)
     return v.permute(0, 2, 1).reshape(-1, v.shape[1])[:out_features].float()
+
+
+def pack_compact(super_scales: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+    """A K-quant's scales, `super_scales` [out, in / 256] (float16 values) and `sub` [out, groups] int8,
+    in the kernel's form [blocks, in / 256, 16 + 8 * n] uint8."""
+    blocks, pad = _blocks(super_scales.shape[0])
+    supers = super_scales.shape[1]
+    head = pack_scales(super_scales, torch.float16).view(torch.uint8)  # blocks, supers, 16
+    s = F.pad(sub.to(torch.int8), (0, 0, 0, pad)).reshape(blocks, BLOCK_COLUMNS, supers, -1)
+    tail = s.permute(0, 2, 3, 1).reshape(blocks, supers, -1).view(torch.uint8)
+    return torch.cat([head, tail], dim=-1).contiguous()
+
+
+def unpack_compact(v: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`pack_compact`'s scales as their products, float32 [out, groups]."""
+    blocks, supers = v.shape[0], v.shape[1]
+    head = v[..., :16].contiguous().view(torch.float16).float()  # blocks, supers, 8
+    sub = v[..., 16:].contiguous().view(torch.int8).reshape(blocks, supers, -1, BLOCK_COLUMNS).float()
+    products = head[:, :, None, :] * sub  # blocks, supers, n, column
+    return products.permute(0, 3, 1, 2).reshape(blocks * BLOCK_COLUMNS, -1)[:out_features]

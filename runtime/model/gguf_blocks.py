@@ -47,6 +47,9 @@ class Blocks:
     codes: torch.Tensor  # [out, in] uint8 (0..15 or 0..31) or int8 (Q8_0, Q6_K)
     d: torch.Tensor  # [out, in / 32] float32 ([out, in / 16] for Q6_K)
     m: torch.Tensor | None  # [out, in / 32] float32, or None
+    # A K-quant's scales as the file holds them: (super-block d [out, in / 256] float32 of float16 values,
+    # sub-scales [out, groups] int8, and the same for m (sub-scales negated) or None), d and m their products.
+    compact: tuple | None = None
 
     @property
     def bits(self) -> int:
@@ -67,7 +70,8 @@ class Blocks:
         return w.reshape(self.codes.shape)
 
     def rows(self, order: torch.Tensor) -> "Blocks":
-        return Blocks(self.kind, self.codes[order], self.d[order], None if self.m is None else self.m[order])
+        compact = None if self.compact is None else tuple(None if t is None else t[order] for t in self.compact)
+        return Blocks(self.kind, self.codes[order], self.d[order], None if self.m is None else self.m[order], compact)
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -102,7 +106,7 @@ def decode(kind: str, data: np.ndarray) -> Blocks:
         raise ValueError(f"no int kernel for {kind}")
     rows = data.shape[0]
     b = np.ascontiguousarray(data).reshape(rows, -1, _BLOCK_BYTES[kind])
-    m = None
+    m = compact = None
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         head = 4 if kind.endswith("_1") else 2
         d = _half(b[..., 0:2])
@@ -121,7 +125,9 @@ def decode(kind: str, data: np.ndarray) -> Blocks:
         dd = _half(b[..., 0:2])
         high = b[..., 2:4].copy().view(np.uint16)[..., 0:1] >> (2 * np.arange(8, dtype=np.uint16)) & 3
         low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F
-        d = (dd[..., None] * ((low.reshape(rows, -1, 8) | (high << 4)).astype(np.float32) - 32)).reshape(rows, -1)
+        sub = (low.reshape(rows, -1, 8) | (high << 4)).astype(np.int8) - 32
+        d = (dd[..., None] * sub.astype(np.float32)).reshape(rows, -1)
+        compact = (dd, sub.reshape(rows, -1), None, None)
         codes = _IQ4_VALUES[_nibbles(b[..., 8:].reshape(rows, -1, 8, 16))]
     elif kind == "Q8_0":
         d = _half(b[..., 0:2])
@@ -131,6 +137,7 @@ def decode(kind: str, data: np.ndarray) -> Blocks:
         sc, mn = _k_scales(b[..., 4:16])
         d = (dd[..., None] * sc).reshape(rows, -1)
         m = -(dmin[..., None] * mn).reshape(rows, -1)
+        compact = (dd, sc.astype(np.int8).reshape(rows, -1), dmin, (-mn).astype(np.int8).reshape(rows, -1))
         qs = b[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes, each two groups (low then high nibbles)
         codes = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # super-block, chunk, nibble, 32
         if kind == "Q5_K":
@@ -138,17 +145,19 @@ def decode(kind: str, data: np.ndarray) -> Blocks:
             codes = codes | (np.moveaxis(high, -1, -2).reshape(rows, -1, 4, 2, 32) << 4)
     else:  # Q6_K: ql[128], qh[64], 16 int8 scales, d
         dd = _half(b[..., 208:210])
-        sc = b[..., 192:208].view(np.int8).astype(np.float32)
-        d = (dd[..., None] * sc).reshape(rows, -1)
+        sc = b[..., 192:208].view(np.int8)
+        d = (dd[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+        compact = (dd, sc.reshape(rows, -1), None, None)
         ql = b[..., 0:128].reshape(rows, -1, 2, 2, 32)  # half, quarter, 32
         qh = b[..., 128:192].reshape(rows, -1, 2, 32)
         low = np.stack([ql & 0x0F, ql >> 4], axis=-3)  # half, nibble, quarter, 32: weights 64 nibble + 32 quarter
         shifts = np.array([0, 2, 4, 6], np.uint8).reshape(2, 2, 1)  # nibble, quarter
         high = (qh[..., None, None, :] >> shifts) & 3
         codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
-    return Blocks(kind, torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
-                  torch.from_numpy(np.ascontiguousarray(d).reshape(rows, -1)),
-                  None if m is None else torch.from_numpy(np.ascontiguousarray(m).reshape(rows, -1)))
+    def tensor(a):
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
+
+    return Blocks(kind, tensor(codes), tensor(d), tensor(m), None if compact is None else tuple(map(tensor, compact)))
 
 
 def row_order(processor, name: str, rows: int, names: dict[str, str]) -> torch.Tensor:

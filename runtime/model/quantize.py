@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
-from runtime.model.block_pack import pack_codes, pack_nibbles, pack_scales, unpack_codes, unpack_scales
+from runtime.model.block_pack import (pack_codes, pack_compact, pack_nibbles, pack_scales, unpack_codes,
+                                      unpack_scales)
 from runtime.model.loader import SettingError
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
@@ -144,10 +145,14 @@ class Int4Linear(QuantizedLinear):
         codes at their width (4, 5 or 8 bits), its scales in float16 where they are the file's own and
         float32 where they are products (K-quants)."""
         out_features, in_features = blocks.codes.shape
+        codes = pack_codes(blocks.codes, blocks.bits)
+        if blocks.compact is not None:  # a K-quant's scales as the file holds them
+            super_d, sub_d, super_m, sub_m = blocks.compact
+            m = None if super_m is None else pack_compact(super_m, sub_m)
+            return cls.from_packed(in_features, out_features, codes, pack_compact(super_d, sub_d), m, bias)
         dtype = torch.float32 if blocks.float_scales else torch.float16
         m = None if blocks.m is None else pack_scales(blocks.m, dtype)
-        return cls.from_packed(in_features, out_features, pack_codes(blocks.codes, blocks.bits),
-                               pack_scales(blocks.d, dtype), m, bias)
+        return cls.from_packed(in_features, out_features, codes, pack_scales(blocks.d, dtype), m, bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
@@ -176,10 +181,10 @@ class Int4Linear(QuantizedLinear):
         of columns, or when some layers have a scale per 16 inputs and some per 32. Layers of different
         formats (a mixed file's Q5_0 q and k beside a Q8_0 v) are first widened to one that holds each
         exactly (`widen`), which leaves every output's bits as they were."""
-        if any(l.out_features % INT4_BLOCK_COLUMNS for l in layers[:-1]) or len({l.d.shape[1] for l in layers}) > 1:
+        if any(l.out_features % INT4_BLOCK_COLUMNS for l in layers[:-1]) or len({l.scale_groups for l in layers}) > 1:
             return None
-        if len({(l.m is None, l.bits, l.d.dtype) for l in layers}) > 1:
-            dtype = torch.float32 if any(l.d.dtype == torch.float32 for l in layers) else torch.float16
+        if len({(l.m is None, l.bits, l.d.dtype, l.d.shape[1:]) for l in layers}) > 1:
+            dtype = torch.float16 if all(l.d.dtype == torch.float16 for l in layers) else torch.float32
             zero_points = any(l.m is not None for l in layers)
             for layer in layers:
                 layer.widen(dtype, zero_points)
@@ -205,6 +210,11 @@ class Int4Linear(QuantizedLinear):
         self.weight = pack_codes(self.codes().to(torch.int8), 8)
         self.d = pack_scales(d, dtype)
         self.m = None if m is None else pack_scales(m, dtype)
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales a row: in / 32, or in / 16 (Q6_K)."""
+        return self.d.shape[1] * ((self.d.shape[2] - 16) // 8 if self.d.dtype == torch.uint8 else 1)
 
     @property
     def bits(self) -> int:

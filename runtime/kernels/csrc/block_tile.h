@@ -6,7 +6,8 @@
 // and Q_ROWS. Every integer sum is exact, so both instruction sets give the same bits.
 //
 // A format is (bits, scales, split): a weight w = d * q + m, with a d (and m) per group of 32 input
-// features (per 16 with `split`, which has no m), float16 or float32 (`float_scales`), the codes q
+// features (per 16 with `split`, which has no m), float16, float32 or a K-quant's own form (see
+// `load_scales`), the codes q
 //   bits 4: 0..15, a group 128 bytes in q4_tile.h's nibble layout;
 //   bits 5: 0..31, the low 4 bits as bits 4 plus 32 bytes, lane j's uint32 holding the fifth bits:
 //           bit 8t + 2c + h is that of code 8c + 4h + t (chunk c, nibble h, byte t);
@@ -18,15 +19,26 @@ namespace Q4_NAMESPACE {
 
 constexpr int64_t group_bytes(int bits) { return bits == 4 ? 128 : bits == 5 ? 160 : 256; }
 
-template <bool FLOAT>
+// Scales: 0 float16 and 1 float32 [groups, 8]; 2 a K-quant's own form, per super-block of 256 inputs
+// 8 float16 super-scales then SUB x 8 int8 sub-scales, a scale being their product (exact in float32:
+// an 11-bit significand times at most 7 bits), so the same float32 values as form 1 in fewer bytes.
+template <int SCALES, int SUB>
 inline __m256 load_scales(const void* p, int64_t i) {
-  if constexpr (FLOAT) return _mm256_loadu_ps(static_cast<const float*>(p) + 8 * i);
-  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + 8 * i)));
+  if constexpr (SCALES == 1) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + 8 * i);
+  } else if constexpr (SCALES == 2) {
+    const uint8_t* base = static_cast<const uint8_t*>(p) + (i / SUB) * (16 + 8 * SUB);
+    const __m256 super = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base)));
+    const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + 16 + 8 * (i % SUB)));
+    return _mm256_mul_ps(super, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + 8 * i)));
+  }
 }
 
 // As q4_tile.h's `tile`, for the formats above: out[r * ldo + j] = sum over groups (and halves with
 // `split`), in order, of d[., j] * (xscale[r, g] * <codes, xq>), plus m[g, j] * xsum[r, g] after each group.
-template <int TR, int BITS, bool FLOAT, bool SPLIT>
+template <int TR, int BITS, int SCALES, bool SPLIT>
 void block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G, const uint8_t* codes,
                 const void* d, const void* m, const float* res, float* out, int64_t ldo, int64_t width) {
   constexpr int span = Q_SPAN(BITS);
@@ -80,20 +92,20 @@ void block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_
       }
     }
     if constexpr (SPLIT) {
-      const __m256 d0 = load_scales<FLOAT>(d, 2 * g), d1 = load_scales<FLOAT>(d, 2 * g + 1);
+      const __m256 d0 = load_scales<SCALES, 16>(d, 2 * g), d1 = load_scales<SCALES, 16>(d, 2 * g + 1);
       for (int r = 0; r < TR; ++r) {
         const __m256 s = _mm256_set1_ps(xscale[r * G + g]);
         acc[r] = _mm256_fmadd_ps(d0, _mm256_mul_ps(_mm256_cvtepi32_ps(first[r]), s), acc[r]);
         acc[r] = _mm256_fmadd_ps(d1, _mm256_mul_ps(_mm256_cvtepi32_ps(total[r]), s), acc[r]);
       }
     } else {
-      const __m256 dg = load_scales<FLOAT>(d, g);
+      const __m256 dg = load_scales<SCALES, 8>(d, g);
       for (int r = 0; r < TR; ++r) {
         const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(total[r]), _mm256_set1_ps(xscale[r * G + g]));
         acc[r] = _mm256_fmadd_ps(dg, s, acc[r]);
       }
       if (m != nullptr) {
-        const __m256 mg = load_scales<FLOAT>(m, g);
+        const __m256 mg = load_scales<SCALES, 8>(m, g);
         for (int r = 0; r < TR; ++r) acc[r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(xsum[r * G + g]), acc[r]);
       }
     }
@@ -106,21 +118,22 @@ void block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_
 }
 
 // Column blocks [b0, b1) of out [R, N] for one format, rows in tiles of up to Q_ROWS.
-template <int BITS, bool FLOAT, bool SPLIT>
+template <int BITS, int SCALES, bool SPLIT>
 void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K, const uint8_t* codes,
                    const void* d, const void* m, const float* res, float* out, int64_t N, int64_t b0, int64_t b1) {
-  const int64_t G = K / 32, scales = 8 * G * (SPLIT ? 2 : 1), size = FLOAT ? 4 : 2;
+  const int64_t G = K / 32, groups = G * (SPLIT ? 2 : 1);
+  const int64_t stride = SCALES == 2 ? (K / 256) * (16 + groups / (K / 256) * 8) : 8 * groups * (SCALES == 1 ? 4 : 2);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* c = codes + b * G * group_bytes(BITS);
-    const void* db = static_cast<const uint8_t*>(d) + b * scales * size;
-    const void* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b * scales * size;
+    const void* db = static_cast<const uint8_t*>(d) + b * stride;
+    const void* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b * (SCALES == 2 ? (K / 256) * 80 : stride);
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
     for (int64_t r = 0; r < R;) {
       const int64_t rows = std::min<int64_t>(Q_ROWS, R - r);
       const int8_t* x = xq + r * K;
       const float* rr = res == nullptr ? nullptr : res + r * N + n;
       float* o = out + r * N + n;
-#define Q_TILE(T) block_tile<T, BITS, FLOAT, SPLIT>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width)
+#define Q_TILE(T) block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width)
       switch (rows) {
         case Q_ROWS: Q_TILE(Q_ROWS); break;
         case 3: Q_TILE(3); break;
@@ -138,15 +151,19 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
 inline void any_blocks(int format, const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K,
                        const uint8_t* codes, const void* d, const void* m, const float* res, float* out, int64_t N,
                        int64_t b0, int64_t b1) {
-#define Q_CASE(F, BITS, FLOAT, SPLIT) \
-  case F: format_blocks<BITS, FLOAT, SPLIT>(xq, xscale, xsum, R, K, codes, d, m, res, out, N, b0, b1); break;
+#define Q_CASE(F, BITS, SCALES, SPLIT) \
+  case F: format_blocks<BITS, SCALES, SPLIT>(xq, xscale, xsum, R, K, codes, d, m, res, out, N, b0, b1); break;
   switch (format) {
-    Q_CASE(1, 5, false, false)
-    Q_CASE(2, 8, false, false)
-    Q_CASE(3, 4, true, false)
-    Q_CASE(4, 5, true, false)
-    Q_CASE(5, 8, true, false)
-    Q_CASE(6, 8, true, true)
+    Q_CASE(1, 5, 0, false)
+    Q_CASE(2, 8, 0, false)
+    Q_CASE(3, 4, 1, false)
+    Q_CASE(4, 5, 1, false)
+    Q_CASE(5, 8, 1, false)
+    Q_CASE(6, 8, 1, true)
+    Q_CASE(7, 4, 2, false)
+    Q_CASE(8, 5, 2, false)
+    Q_CASE(9, 8, 2, false)
+    Q_CASE(10, 8, 2, true)
     default: break;
   }
 #undef Q_CASE

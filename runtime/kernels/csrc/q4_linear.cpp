@@ -121,8 +121,17 @@ int format_of(const at::Tensor& codes, const at::Tensor& d, const c10::optional<
               (codes.size(1) == 4 * K || codes.size(1) == 5 * K || codes.size(1) == 8 * K),
               "q4_linear: codes must be contiguous uint8 [out / 8, 4, 5 or 8 times in]");
   const int bits = static_cast<int>(codes.size(1) / K);
-  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat) && d.is_contiguous(),
-              "q4_linear: d must be contiguous float16 or float32");
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat || d.scalar_type() == at::kByte) &&
+              d.is_contiguous(), "q4_linear: d must be contiguous float16, float32 or uint8 (K-quant scales)");
+  if (d.scalar_type() == at::kByte) {  // [out / 8, in / 256, 16 + 8 * sub-scales a super-block]
+    TORCH_CHECK(K % 256 == 0 && d.dim() == 3 && d.size(0) == B && d.size(1) == K / 256 &&
+                (d.size(2) == 80 || (d.size(2) == 144 && bits == 8 && !with_m)),
+                "q4_linear: K-quant scales must be uint8 [out / 8, in / 256, 80] (or 144 for 8-bit codes without m)");
+    if (with_m)
+      TORCH_CHECK(m->scalar_type() == at::kByte && m->is_contiguous() && m->numel() == B * (K / 256) * 80,
+                  "q4_linear: K-quant zero points must be uint8 [out / 8, in / 256, 80]");
+    return d.size(2) == 144 ? 10 : bits == 4 ? 7 : bits == 5 ? 8 : 9;
+  }
   const bool is_float = d.scalar_type() == at::kFloat, split = d.numel() == B * 2 * G * 8;
   TORCH_CHECK(d.numel() == B * G * 8 || (split && bits == 8 && is_float && !with_m),
               "q4_linear: d must be [out / 8, in / 32, 8] (or [out / 8, in / 16, 8] float32 for 8-bit codes without m)");

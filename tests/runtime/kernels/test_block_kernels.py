@@ -104,3 +104,17 @@ def test_scales_per_16_and_per_32_are_not_fused():
     q6 = Int4Linear.from_blocks(decode("Q6_K", blocks_of("Q6_K", 16, 256)))
     q4 = Int4Linear.from_blocks(decode("Q4_K", blocks_of("Q4_K", 16, 256)))
     assert Int4Linear.concatenated([q6, q4]) is None
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_k_quant_scales_kept_as_the_file_holds_them_give_the_float32_scales_bits(kind):
+    # The kernel multiplies a super-block's float16 scale by the int8 sub-scale on the fly: the same
+    # float32 values as the products stored whole, in under a third of the bytes.
+    blocks = decode(kind, blocks_of(kind, 40, 512, seed=6))
+    compact = Int4Linear.from_blocks(blocks)
+    whole = Int4Linear.from_blocks(Blocks(kind, blocks.codes, blocks.d, blocks.m))
+    assert compact.d.dtype == torch.uint8 and whole.d.dtype == torch.float32
+    assert compact.d.numel() * 3 < whole.d.numel() * 4
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(compact(x), whole(x))
+    assert torch.equal(compact.dequantized(), whole.dequantized())
