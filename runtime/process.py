@@ -67,7 +67,8 @@ def serve(channel: Channel) -> None:
     channel.send(Ready(model=source.name, max_model_len=engine.config.max_model_len,
                        dtype=str(engine.cache.dtype).removeprefix("torch."), device=str(engine.device),
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
-                       verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode))
+                       verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode,
+                       block_types=engine.quantized.block_types))
     log.info("runtime ready: %s", source.name)
     from runtime.search.answers import warm_up
 

@@ -118,7 +118,7 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory / _CONFIG)
     layout = {"int4": int4, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
-                                                              quantized.detail]}
+                                                              quantized.detail, list(quantized.block_types)]}
     (directory / _LAYOUT).write_text(json.dumps(layout))
 
 
@@ -144,7 +144,8 @@ def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
     for name, first in layout["aliases"].items():
         tensors[name] = tensors[first]
     _assign(model, tensors)
-    return model.eval(), Quantized(*layout["quantized"])
+    setting, mode, layers, detail, block_types = layout["quantized"]
+    return model.eval(), Quantized(setting, mode, layers, detail, tuple(block_types))
 
 
 # The safetensors format, written and read a tensor at a time: safetensors' own save_file makes a

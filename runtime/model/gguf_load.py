@@ -193,4 +193,5 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     if not kept:
         return model.eval(), Quantized("auto", "none", 0,
                                        f"no linear layers of a type the int kernel runs in the GGUF; {found}")
-    return model.eval(), Quantized("auto", "int4", sum(kept.values()), blocks_detail(kept, floats, found))
+    return model.eval(), Quantized("auto", "int4", sum(kept.values()), blocks_detail(kept, floats, found),
+                                   tuple(sorted(kept)))

@@ -326,6 +326,7 @@ class Quantized:
     mode: str
     layers: int
     detail: str
+    block_types: tuple[str, ...] = ()  # the GGUF block types kept (`auto`), e.g. ("Q4_K", "Q6_K")
 
     def describe(self) -> str:
         return f"model.quantize = {self.setting}: {self.mode} ({self.detail})"
@@ -366,7 +367,7 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
             setattr(parent, attribute, Int4Linear.from_blocks(b, layer.bias))
             kept[b.kind] = kept.get(b.kind, 0) + 1
     _untie(model)
-    return Quantized(setting, "int4", len(blocks), blocks_detail(kept, len(layers) - len(blocks), found))
+    return Quantized(setting, "int4", len(blocks), blocks_detail(kept, len(layers) - len(blocks), found), tuple(sorted(kept)))
 
 
 def blocks_detail(kept: dict[str, int], floats: int, found: str) -> str:

@@ -115,6 +115,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     block_size: int
     verifiers: tuple[str, ...] = ()
     quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
+    block_types: tuple[str, ...] = ()  # the GGUF block types its int layers keep, e.g. ("Q4_K", "Q6_K")
 
 
 class SettingsChecked(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

@@ -71,6 +71,7 @@ def test_a_mixed_file_runs_the_whole_stack_kernel_and_serves_the_tokens_generate
     path = write_tiny_gguf(tmp_path, "Q5_1", kinds=MIXED)
     engine = engine_for(path, batch_invariant=False)
     assert engine.runner.decoder.int4
+    assert engine.quantized.block_types == ("Q4_0", "Q5_0", "Q5_1", "Q8_0")  # what /v1/models shows
     reference = load_causal_lm(resolve_model(str(path)), torch.device("cpu"), torch.float32, "sdpa")
     apply_quantize(reference, "auto", str(path))
     prompts = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
