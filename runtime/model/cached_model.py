@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.model.loader import ModelSource, load_causal_lm
+from runtime.model.loader import CheckpointMismatch, ModelSource, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
@@ -66,11 +66,17 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
         if cached is not None:
             log.info("model loaded from the start-up cache %s", entry.path)
             return cached
+    loaded = None
     if entry is not None and setting == "auto":  # the file's blocks straight into int layers, no float copy
         from runtime.model.gguf_load import load_gguf_blocks
 
-        model, quantized = load_gguf_blocks(source, gguf_config(source, trust_remote_code), dtype,
-                                            attn_implementation, trust_remote_code)
+        try:
+            loaded = load_gguf_blocks(source, gguf_config(source, trust_remote_code), dtype, attn_implementation,
+                                      trust_remote_code)
+        except CheckpointMismatch as exc:  # e.g. an architecture whose tensors transformers renames or splits
+            log.warning("%s does not load tensor by tensor (%s); loading it through transformers", source.path, exc)
+    if loaded is not None:
+        model, quantized = loaded
     else:
         model = load_causal_lm(source, device, dtype, attn_implementation, trust_remote_code)
         quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)

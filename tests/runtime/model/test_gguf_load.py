@@ -16,7 +16,7 @@ from torch import nn
 from runtime.kernels.cpu_kernels import q4_unavailable
 from runtime.model.cached_model import _tensors, gguf_config
 from runtime.model.gguf_load import load_gguf_blocks
-from runtime.model.loader import load_causal_lm, resolve_model
+from runtime.model.loader import CheckpointMismatch, load_causal_lm, resolve_model
 from runtime.model.quantize import Int4Linear, apply_quantize
 from tests.gguf_model import write_tiny_gguf
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
@@ -98,6 +98,26 @@ def test_a_layer_of_a_type_the_kernel_does_not_run_alone_keeps_float_weights(tmp
     ids = torch.tensor([[1, 5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_a_file_that_does_not_load_tensor_by_tensor_loads_through_transformers(tmp_path, monkeypatch, caplog):
+    from runtime import startup_cache
+    from runtime.model import cached_model
+
+    def mismatch(source, *args):
+        raise CheckpointMismatch(f"{source.path}: 1 model parameter(s) missing from the checkpoint (x)")
+
+    monkeypatch.setattr(startup_cache, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr("runtime.model.gguf_load.load_gguf_blocks", mismatch)
+    path = write_tiny_gguf(tmp_path, "Q4_1")
+    model, quantized = cached_model.load_quantized_model(resolve_model(str(path)), torch.device("cpu"),
+                                                         torch.float32, "sdpa", "auto")
+    assert "does not load tensor by tensor" in caplog.text and "loading it through transformers" in caplog.text
+    reference, expected, streamed, _ = both_ways(path)
+    assert quantized == expected
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, streamed(ids).logits)
 
 
 # 7B-class shapes (llama 2 7B's hidden and intermediate sizes and heads), four layers; a small vocabulary
