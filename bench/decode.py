@@ -9,7 +9,7 @@ first token (which carries the prefill) and after a warm-up. Each figure is the 
 runs (default 3), for every system alike: on a shared machine a whole run can be slowed by its
 neighbours, and the best run is the one closest to what the system can do. Systems:
 
-- `default`: ponder with default settings (`quantize = "auto"`: on a CPU, a GGUF's own 4-bit blocks;
+- `default`: ponder with default settings (`quantize = "auto"`: on a CPU, a GGUF's own quantized blocks;
   `batch_invariant = "auto"`: batch-invariant wherever the device can be)
 - `not-invariant`: the same with `--no-deterministic` (the opt-out: results may depend on the batch)
 - `float32`, `int8`, `int4`: ponder with `--quantize none|int8|int4` (int4 re-quantizes the floats)

@@ -22,7 +22,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantize", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization of the model's linear layers, CPU only (default auto: a "
-                        "GGUF's own 4-bit blocks kept as int4 on a CPU, float weights otherwise)")
+                        "GGUF's own quantized blocks kept on a CPU, float weights otherwise)")
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="refuse to start where results cannot be the same bits however requests are batched "

@@ -6,14 +6,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 2, 4, 2, 128
+# Where each type gguf cannot quantize holds its float16 super-block scale(s); the rest of its block
+# may be any bytes.
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
-def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0) -> Path:
-    """`directory`/tiny.gguf with every projection stored as `kind` (Q4_0 or Q4_1)."""
+def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """`kind` data for a [rows, cols] tensor: gguf's quantizer where it has one, else random bytes in the
+    type's block layout (every pattern of codes and sub-scales is a valid block) with float16
+    super-block scales in [scale / 10, scale * 1.1)."""
+    rng = np.random.default_rng(seed)
+    qtype = GGMLQuantizationType[kind]
+    if kind not in SCALE_OFFSETS:
+        return quantize((rng.standard_normal((rows, cols)) * 0.3).astype(np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[kind]:
+        values = (rng.random((rows, cols // block)) * scale + scale / 10).astype(np.float16)
+        data[..., offset:offset + 2] = values.view(np.uint8).reshape(rows, -1, 2)
+    return data.reshape(rows, -1)
+
+
+def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: dict[str, str] | None = None,
+                    hidden: int = HIDDEN, ffn: int = FFN) -> Path:
+    """`directory`/tiny.gguf with every projection stored as `kind`, but those named in `kinds` (e.g.
+    {"attn_v": "Q8_0", "ffn_down": "F16"}), as llama-quantize mixes them (K-quants need `hidden` and
+    `ffn` multiples of 256)."""
+    HIDDEN, FFN = hidden, ffn  # noqa: N806 - the module's sizes, overridden
     rng = np.random.default_rng(seed)
     path = directory / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
@@ -33,13 +56,18 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0) -> Path:
     writer.add_eos_token_id(2)
 
     def blocks(name: str, shape: tuple[int, int], qtype: GGMLQuantizationType) -> None:
-        data = quantize((rng.standard_normal(shape) * 0.2).astype(np.float32), qtype)
+        if qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float16))
+            return
+        if qtype.name in SCALE_OFFSETS:
+            data = blocks_of(qtype.name, *shape, seed=int(rng.integers(1 << 30)), scale=0.002)
+        else:
+            data = quantize((rng.standard_normal(shape) * 0.2).astype(np.float32), qtype)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
     def floats(name: str) -> None:
         writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
 
-    qtype = GGMLQuantizationType[kind]
     blocks("token_embd.weight", (VOCAB, HIDDEN), GGMLQuantizationType.Q8_0)
     floats("output_norm.weight")
     head_dim = HIDDEN // HEADS
@@ -49,7 +77,7 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0) -> Path:
         for name, shape in [("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (KV_HEADS * head_dim, HIDDEN)),
                             ("attn_v", (KV_HEADS * head_dim, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
                             ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))]:
-            blocks(f"blk.{i}.{name}.weight", shape, qtype)
+            blocks(f"blk.{i}.{name}.weight", shape, GGMLQuantizationType[(kinds or {}).get(name, kind)])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

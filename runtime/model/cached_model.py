@@ -1,7 +1,8 @@
 """A GGUF model with int4 layers, loaded from the start-up cache (runtime.startup_cache) when it can be.
 
-The first start loads the GGUF as always (transformers dequantizes every tensor, `apply_quantize`
-keeps the file's 4-bit blocks as int4 layers), then saves what it served: the config, and every
+The first start loads the GGUF (with `quantize = "auto"` tensor by tensor into int layers,
+runtime.model.gguf_load; otherwise through transformers, which dequantizes every tensor, and
+`apply_quantize`), then saves what it served: the config, and every
 parameter and buffer of the finished model (the int4 layers' packed codes and scales, the float
 embeddings and norms, the rotary tables) in one safetensors file. A later start builds the model's
 skeleton on the meta device from that config, puts int4 layers where the file says, and assigns every
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.model.loader import ModelSource, load_causal_lm
+from runtime.model.loader import CheckpointMismatch, ModelSource, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
@@ -31,7 +32,8 @@ _TENSORS = "tensors.safetensors"
 _LAYOUT = "layout.json"
 _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
-_CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/cached_model.py", "startup_cache.py")
+_CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
+         "model/cached_model.py", "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -64,8 +66,20 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
         if cached is not None:
             log.info("model loaded from the start-up cache %s", entry.path)
             return cached
-    model = load_causal_lm(source, device, dtype, attn_implementation, trust_remote_code)
-    quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)
+    loaded = None
+    if entry is not None and setting == "auto":  # the file's blocks straight into int layers, no float copy
+        from runtime.model.gguf_load import load_gguf_blocks
+
+        try:
+            loaded = load_gguf_blocks(source, gguf_config(source, trust_remote_code), dtype, attn_implementation,
+                                      trust_remote_code)
+        except CheckpointMismatch as exc:  # e.g. an architecture whose tensors transformers renames or splits
+            log.warning("%s does not load tensor by tensor (%s); loading it through transformers", source.path, exc)
+    if loaded is not None:
+        model, quantized = loaded
+    else:
+        model = load_causal_lm(source, device, dtype, attn_implementation, trust_remote_code)
+        quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)
     if entry is not None and quantized.mode == "int4" and entry.write(lambda directory: write_model(directory, model, quantized)):
         log.info("model saved to the start-up cache %s", entry.path)
     return model, quantized
@@ -97,8 +111,6 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None:
-    from safetensors.torch import save_file
-
     int4 = {name: {"in_features": module.in_features, "out_features": module.out_features,
                    "zero_points": module.m is not None, "bias": module.bias is not None}
             for name, module in model.named_modules() if isinstance(module, Int4Linear)}
@@ -107,19 +119,18 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     for name, tensor in tensors.items():  # safetensors stores no tensor twice: later names point to the first
         shared.setdefault((tensor.data_ptr(), tensor.shape, tensor.dtype), []).append(name)
     aliases = {name: names[0] for names in shared.values() for name in names[1:]}
-    save_file({name: t for name, t in tensors.items() if name not in aliases}, str(directory / _TENSORS))
+    save_tensors({name: t for name, t in tensors.items() if name not in aliases}, directory / _TENSORS)
     model.config.save_pretrained(directory / _CONFIG)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory / _CONFIG)
     layout = {"int4": int4, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
-                                                              quantized.detail]}
+                                                              quantized.detail, list(quantized.block_types)]}
     (directory / _LAYOUT).write_text(json.dumps(layout))
 
 
 @torch.no_grad()
 def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
                trust_remote_code: bool) -> tuple[nn.Module, Quantized]:
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     layout = json.loads((directory / _LAYOUT).read_text())
@@ -135,11 +146,51 @@ def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
         parent_name, _, attribute = name.rpartition(".")
         placeholder = Int4Linear.from_packed(spec["in_features"], spec["out_features"], *_meta_int4(spec))
         setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
-    tensors = load_file(str(directory / _TENSORS))
+    tensors = load_tensors(directory / _TENSORS)
     for name, first in layout["aliases"].items():
         tensors[name] = tensors[first]
     _assign(model, tensors)
-    return model.eval(), Quantized(*layout["quantized"])
+    setting, mode, layers, detail, block_types = layout["quantized"]
+    return model.eval(), Quantized(setting, mode, layers, detail, tuple(block_types))
+
+
+# The safetensors format, written and read a tensor at a time: safetensors' own save_file makes a
+# bytes copy of every tensor before writing and load_file maps the file, so either would hold the
+# model twice at its peak.
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.uint8: "U8", torch.int8: "I8",
+           torch.int32: "I32", torch.int64: "I64", torch.float64: "F64", torch.bool: "BOOL"}
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as file:
+        file.write(len(text).to_bytes(8, "little") + text)
+        for tensor in tensors.values():
+            if tensor.numel():
+                file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    dtypes = {code: dtype for dtype, code in _DTYPES.items()}
+    tensors = {}
+    with open(path, "rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+        header.pop("__metadata__", None)
+        for name, spec in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            tensor = torch.empty(spec["shape"], dtype=dtypes[spec["dtype"]])
+            start, end = spec["data_offsets"]
+            file.seek(8 + size + start)
+            if tensor.numel() and file.readinto(tensor.reshape(-1).view(torch.uint8).numpy().data) != end - start:
+                raise CacheMismatch(f"{name} is cut short in {path}")
+            tensors[name] = tensor
+    return tensors
 
 
 def _meta_int4(spec: dict) -> tuple:

@@ -1,13 +1,25 @@
-"""A GGUF file's own 4-bit blocks, read back as codes, scales and zero points (`quantize = "auto"`).
+"""A GGUF file's own quantized blocks, read back as integer codes and per-group scales (`quantize = "auto"`).
 
-A Q4_1 block holds 32 weights as w = d * q + m (q in 0..15, d and m float16), a Q4_0 block as
-w = d * (q - 8). Both are exactly group-wise int4 with groups of 32 input features: the layers built
-from these codes compute with the very weights the file stores, instead of quantizing transformers'
-dequantized floats a second time.
+Every type the int kernel runs is exactly w = d * q + m over groups of 32 input features (of 16 for
+Q6_K, without m), with integer codes q:
 
-Tensors are matched to the model's linear layers with transformers' own GGUF name map and tensor
-processor (which reorders the rows of some tensors, e.g. llama's q/k projections), and every layer's
-codes are checked to dequantize to exactly the weights transformers loaded.
+| type | codes q | d, m per group | bits a weight in the file |
+|---|---|---|---|
+| Q4_0 | 0..15 | d, m = -8 d (float16) | 4.5 |
+| Q4_1 | 0..15 | d, m (float16) | 5 |
+| Q5_0 | 0..31 | d, m = -16 d (float16) | 5.5 |
+| Q5_1 | 0..31 | d, m (float16) | 6 |
+| Q8_0 | -128..127 | d (float16) | 8.5 |
+| Q4_K | 0..15 | d * scale, -dmin * min (float32: the 6-bit scale and min times the super-block's float16) | 4.5 |
+| Q5_K | 0..31 | as Q4_K | 5.5 |
+| Q6_K | -32..31 | d * scale per 16 (float32) | 6.56 |
+| IQ4_NL | 16 values in -127..113 | d (float16) | 4.5 |
+| IQ4_XS | as IQ4_NL | d * (scale - 32) (float32) | 4.25 |
+
+The layers built from these codes compute with the very weights the file stores (`dequantized()` is
+what `gguf.dequantize` computes, tested type by type) instead of quantizing dequantized floats again.
+`decode` reads one tensor's raw bytes; `linear_blocks` matches a loaded float model's linear layers to
+the file's tensors (the start-up path that never makes floats is runtime.model.gguf_load).
 """
 
 from __future__ import annotations
@@ -19,47 +31,153 @@ import torch
 from torch import nn
 
 GROUP_SIZE = 32
+SUPPORTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+_PRODUCT_SCALES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+                "IQ4_NL": 18, "IQ4_XS": 136}
+# The 16 values an IQ4 code stands for (ggml's kvalues_iq4nl).
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 @dataclass
-class Q4Blocks:
+class Blocks:
     """One tensor's blocks: `dequantized()` is what gguf (and so transformers) computes from the file."""
 
-    kind: str  # "Q4_0" or "Q4_1"
-    codes: torch.Tensor  # [out, in] uint8, 0..15
-    d: torch.Tensor  # [out, in / 32] float32 (exact float16 values)
-    m: torch.Tensor | None  # [out, in / 32] float32 for Q4_1, None for Q4_0
+    kind: str
+    codes: torch.Tensor  # [out, in] uint8 (0..15 or 0..31) or int8 (Q8_0, Q6_K)
+    d: torch.Tensor  # [out, in / 32] float32 ([out, in / 16] for Q6_K)
+    m: torch.Tensor | None  # [out, in / 32] float32, or None
+    # A K-quant's scales as the file holds them: (super-block d [out, in / 256] float32 of float16 values,
+    # sub-scales [out, groups] int8, and the same for m (sub-scales negated) or None), d and m their products.
+    compact: tuple | None = None
+
+    @property
+    def bits(self) -> int:
+        """The kernel's code width: 4, 5 or 8 bits."""
+        return 8 if self.codes.dtype == torch.int8 else 5 if self.kind.startswith("Q5") else 4
+
+    @property
+    def float_scales(self) -> bool:
+        """Whether d and m need float32 (a K-quant's scale times its super-block's scale) or fit float16."""
+        return self.kind in _PRODUCT_SCALES
 
     def dequantized(self) -> torch.Tensor:
-        groups = self.codes.reshape(*self.d.shape, GROUP_SIZE).float()
-        if self.m is None:
-            w = (groups - 8) * self.d[..., None]
-        else:
-            w = self.d[..., None] * groups + self.m[..., None]
+        size = self.codes.shape[1] // self.d.shape[1]
+        groups = self.codes.reshape(*self.d.shape, size).float()
+        w = self.d[..., None] * groups
+        if self.m is not None:
+            w = w + self.m[..., None]
         return w.reshape(self.codes.shape)
 
-    def d_and_m(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d, m) per group for w = d * q + m; Q4_0's d * (q - 8) has m = -8d (exact in float16)."""
-        return self.d, -8 * self.d if self.m is None else self.m
+    def rows(self, order: torch.Tensor) -> "Blocks":
+        compact = None if self.compact is None else tuple(None if t is None else t[order] for t in self.compact)
+        return Blocks(self.kind, self.codes[order], self.d[order], None if self.m is None else self.m[order], compact)
 
 
-def decode_q4(kind: str, data: np.ndarray) -> Q4Blocks:
-    """The blocks of a `[rows, bytes]` uint8 array of Q4_0 or Q4_1 data."""
-    head = 2 if kind == "Q4_0" else 4  # float16 d (and m) before the 16 bytes of codes
+def _half(raw: np.ndarray) -> np.ndarray:
+    """float16 values from [..., 2] bytes, as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit layout: byte j holds code j (low nibble) and code j + 16 (high nibble)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of the little-endian bytes `qh` [..., count / 8] as [..., count] 0/1."""
+    return np.unpackbits(qh, axis=-1, bitorder="little")[..., :count]
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K/Q5_K super-block from its 12 bytes (ggml's get_scale_min_k4)."""
+    q = scales.astype(np.uint8)
+    sc = np.empty((*q.shape[:-1], 8), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = q[..., 0:4] & 63, q[..., 4:8] & 63
+    sc[..., 4:] = (q[..., 8:12] & 0x0F) | ((q[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def decode(kind: str, data: np.ndarray) -> Blocks:
+    """The blocks of a `[rows, bytes]` uint8 array of `kind` data (one of SUPPORTED)."""
+    if kind not in SUPPORTED:
+        raise ValueError(f"no int kernel for {kind}")
     rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, head + GROUP_SIZE // 2)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
-    packed = blocks[..., head:]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)  # low nibbles first
-    return Q4Blocks(kind, torch.from_numpy(codes), torch.from_numpy(d),
-                    None if m is None else torch.from_numpy(m))
+    b = np.ascontiguousarray(data).reshape(rows, -1, _BLOCK_BYTES[kind])
+    m = compact = None
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        head = 4 if kind.endswith("_1") else 2
+        d = _half(b[..., 0:2])
+        high = None
+        if kind.startswith("Q5"):
+            high = _bits(b[..., head:head + 4], 32)
+            head += 4
+        codes = _nibbles(b[..., head:])
+        if high is not None:
+            codes = codes | (high << 4)
+        m = _half(b[..., 2:4]) if kind.endswith("_1") else d * -(8 if kind == "Q4_0" else 16)
+    elif kind == "IQ4_NL":
+        d = _half(b[..., 0:2])
+        codes = _IQ4_VALUES[_nibbles(b[..., 2:])]
+    elif kind == "IQ4_XS":  # d, scales_h (uint16), scales_l[4], qs[128]: 8 groups of 32 with 6-bit scales - 32
+        dd = _half(b[..., 0:2])
+        high = b[..., 2:4].copy().view(np.uint16)[..., 0:1] >> (2 * np.arange(8, dtype=np.uint16)) & 3
+        low = (b[..., 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F
+        sub = (low.reshape(rows, -1, 8) | (high << 4)).astype(np.int8) - 32
+        d = (dd[..., None] * sub.astype(np.float32)).reshape(rows, -1)
+        compact = (dd, sub.reshape(rows, -1), None, None)
+        codes = _IQ4_VALUES[_nibbles(b[..., 8:].reshape(rows, -1, 8, 16))]
+    elif kind == "Q8_0":
+        d = _half(b[..., 0:2])
+        codes = b[..., 2:].view(np.int8)
+    elif kind in ("Q4_K", "Q5_K"):
+        dd, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        d = (dd[..., None] * sc).reshape(rows, -1)
+        m = -(dmin[..., None] * mn).reshape(rows, -1)
+        compact = (dd, sc.astype(np.int8).reshape(rows, -1), dmin, (-mn).astype(np.int8).reshape(rows, -1))
+        qs = b[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes, each two groups (low then high nibbles)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # super-block, chunk, nibble, 32
+        if kind == "Q5_K":
+            high = _bits(b[..., 16:48].reshape(rows, -1, 32, 1), 8)  # super-block, byte l, group g
+            codes = codes | (np.moveaxis(high, -1, -2).reshape(rows, -1, 4, 2, 32) << 4)
+    else:  # Q6_K: ql[128], qh[64], 16 int8 scales, d
+        dd = _half(b[..., 208:210])
+        sc = b[..., 192:208].view(np.int8)
+        d = (dd[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+        compact = (dd, sc.reshape(rows, -1), None, None)
+        ql = b[..., 0:128].reshape(rows, -1, 2, 2, 32)  # half, quarter, 32
+        qh = b[..., 128:192].reshape(rows, -1, 2, 32)
+        low = np.stack([ql & 0x0F, ql >> 4], axis=-3)  # half, nibble, quarter, 32: weights 64 nibble + 32 quarter
+        shifts = np.array([0, 2, 4, 6], np.uint8).reshape(2, 2, 1)  # nibble, quarter
+        high = (qh[..., None, None, :] >> shifts) & 3
+        codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
+    def tensor(a):
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))
+
+    return Blocks(kind, tensor(codes), tensor(d), tensor(m), None if compact is None else tuple(map(tensor, compact)))
 
 
-def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Q4Blocks], str]:
-    """The 4-bit blocks of `model`'s linear layers loaded from the GGUF at `path`, by module name, and
-    a phrase saying what the file holds. Layers stored otherwise (e.g. a Q8_0 or float head) are
-    absent. Raises ValueError where a layer's codes do not give the weights transformers loaded."""
+def row_order(processor, name: str, rows: int, names: dict[str, str]) -> torch.Tensor:
+    """The order transformers' tensor processor puts a tensor's rows in (it reorders some, e.g.
+    llama's q/k projections): its result on the row indices."""
+    order = processor.process(weights=np.arange(rows).reshape(rows, 1), name=name,
+                              tensor_key_mapping=names, parsed_parameters={}).weights.reshape(-1)
+    return torch.from_numpy(np.ascontiguousarray(order)).long()
+
+
+def describe_kinds(kinds: dict[str, int]) -> str:
+    summary = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    return f"linear tensors in the file: {summary or 'none'}"
+
+
+def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Blocks], str]:
+    """The quantized blocks of a loaded float `model`'s linear layers from the GGUF at `path`, by
+    module name, and a phrase saying what the file holds. Layers of a type the kernel does not run
+    (e.g. float) are absent. Raises ValueError where a layer's codes do not give the weights
+    transformers loaded."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
@@ -73,7 +191,7 @@ def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Q4Blocks], str
     head = model.get_output_embeddings()
     tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)
     embedding = model.get_input_embeddings() if tied else None  # then it stands for the head too
-    found: dict[str, Q4Blocks] = {}
+    found: dict[str, Blocks] = {}
     kinds: dict[str, int] = {}
     for tensor in reader.tensors:
         target = names.get(tensor.name, "")
@@ -82,15 +200,10 @@ def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Q4Blocks], str
             continue
         kind = tensor.tensor_type.name
         kinds[kind] = kinds.get(kind, 0) + 1
-        if kind not in ("Q4_0", "Q4_1"):
+        if kind not in SUPPORTED:
             continue
-        blocks = decode_q4(kind, tensor.data)
-        # The processor may reorder rows (llama's q/k): apply its order to the row indices.
-        rows = blocks.codes.shape[0]
-        order = processor.process(weights=np.arange(rows).reshape(rows, 1), name=tensor.name,
-                                  tensor_key_mapping=names, parsed_parameters={}).weights.reshape(-1)
-        order = torch.from_numpy(np.ascontiguousarray(order)).long()
-        blocks = Q4Blocks(kind, blocks.codes[order], blocks.d[order], None if blocks.m is None else blocks.m[order])
+        blocks = decode(kind, tensor.data)
+        blocks = blocks.rows(row_order(processor, tensor.name, blocks.codes.shape[0], names))
         name = target.removesuffix(".weight")
         if not torch.equal(blocks.dequantized().to(module.weight.dtype), module.weight.detach().cpu()):
             raise ValueError(f"the {kind} blocks of {tensor.name} do not give the weights loaded into {name}")
@@ -100,5 +213,4 @@ def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Q4Blocks], str
         head_name = next(n for n, m in modules.items() if m is head)
         if embed_name in found:
             found[head_name] = found.pop(embed_name)
-    summary = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-    return found, f"linear tensors in the file: {summary or 'none'}"
+    return found, describe_kinds(kinds)

@@ -2,10 +2,11 @@
 
 `int8` and `int4` replace every `nn.Linear` (the output head too: a head tied to the input embedding
 gets a quantized copy, and the embedding, a row lookup, keeps its weights) by a module that keeps the
-quantized weight and calls one kernel. `auto` (the default) does the same with int4 on a CPU that can
-run ponder's int4 kernel (x86-64 with AVX2) for a GGUF whose linear layers are stored as 4-bit
-blocks, taking those very blocks (runtime.model.gguf_blocks) rather than quantizing the dequantized floats
-again; otherwise it keeps float weights. `apply_quantize` says what a setting became (`Quantized`).
+quantized weight and calls one kernel. `auto` (the default), on a CPU that can run ponder's int kernel
+(x86-64 with AVX2), keeps a GGUF's linear layers stored in any block type the kernel runs
+(runtime.model.gguf_blocks.SUPPORTED) as those very blocks rather than quantizing the dequantized
+floats again (runtime.model.gguf_load does so while loading; `apply_quantize` on a loaded float model);
+a layer of another type, and any other model, keeps float weights. `apply_quantize` says what a setting became (`Quantized`).
 
 - int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`, weight-only: the
   activations enter the kernel rounded to bfloat16 (vectorized on a CPU with AVX512-BF16).
@@ -25,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
+from runtime.model.block_pack import (pack_codes, pack_compact, pack_nibbles, pack_scales, unpack_codes,
+                                      unpack_scales)
 from runtime.model.loader import SettingError
 
 QUANTIZE_MODES = ("auto", "none", "int8", "int4")
@@ -105,7 +107,9 @@ class Int4Linear(QuantizedLinear):
 
     The buffers are in the kernel's layout (`pack_int4`): output columns in blocks of
     `INT4_BLOCK_COLUMNS` (the last one padded with zero columns), `weight` [blocks, 4 * in] bytes of
-    codes, `d` and `m` [blocks, in / 32, 8] float16; `codes()` and `group_scales()` read them back."""
+    codes, `d` and `m` [blocks, in / 32, 8] float16; `codes()` and `group_scales()` read them back.
+    `from_blocks` makes the same layer from any GGUF block type the kernel runs (runtime.model.block_pack:
+    5- or 8-bit codes, float32 scales for K-quants)."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  bias: torch.Tensor | None = None) -> None:
@@ -136,6 +140,21 @@ class Int4Linear(QuantizedLinear):
         return layer
 
     @classmethod
+    def from_blocks(cls, blocks, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """A layer computing with a GGUF tensor's very blocks (runtime.model.gguf_blocks.Blocks): its
+        codes at their width (4, 5 or 8 bits), its scales in float16 where they are the file's own and
+        float32 where they are products (K-quants)."""
+        out_features, in_features = blocks.codes.shape
+        codes = pack_codes(blocks.codes, blocks.bits)
+        if blocks.compact is not None:  # a K-quant's scales as the file holds them
+            super_d, sub_d, super_m, sub_m = blocks.compact
+            m = None if super_m is None else pack_compact(super_m, sub_m)
+            return cls.from_packed(in_features, out_features, codes, pack_compact(super_d, sub_d), m, bias)
+        dtype = torch.float32 if blocks.float_scales else torch.float16
+        m = None if blocks.m is None else pack_scales(blocks.m, dtype)
+        return cls.from_packed(in_features, out_features, codes, pack_scales(blocks.d, dtype), m, bias)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
         """Each group's 16 codes spread evenly from its least to its largest weight (d and m rounded
         to float16 first, and the codes taken against the rounded values)."""
@@ -158,10 +177,17 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def concatenated(cls, layers: list["Int4Linear"]) -> "Int4Linear | None":
-        """As `Int8Linear.concatenated`; None when some layers have a zero point and some do not, or
-        when a layer other than the last does not fill its last block of columns."""
-        if len({l.m is None for l in layers}) > 1 or any(l.out_features % INT4_BLOCK_COLUMNS for l in layers[:-1]):
+        """As `Int8Linear.concatenated`; None when a layer other than the last does not fill its last block
+        of columns, or when some layers have a scale per 16 inputs and some per 32. Layers of different
+        formats (a mixed file's Q5_0 q and k beside a Q8_0 v) are first widened to one that holds each
+        exactly (`widen`), which leaves every output's bits as they were."""
+        if any(l.out_features % INT4_BLOCK_COLUMNS for l in layers[:-1]) or len({l.scale_groups for l in layers}) > 1:
             return None
+        if len({(l.m is None, l.bits, l.d.dtype, l.d.shape[1:]) for l in layers}) > 1:
+            dtype = torch.float16 if all(l.d.dtype == torch.float16 for l in layers) else torch.float32
+            zero_points = any(l.m is not None for l in layers)
+            for layer in layers:
+                layer.widen(dtype, zero_points)
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.kernel, fused.group_size = layers[0].kernel, INT4_GROUP_SIZE
@@ -173,46 +199,48 @@ class Int4Linear(QuantizedLinear):
         _share_rows(layers, fused, ("weight", "d", "m"))
         return fused
 
+    @torch.no_grad()
+    def widen(self, dtype: torch.dtype, zero_points: bool) -> None:
+        """Hold the same weights as signed 8-bit codes with `dtype` scales (and zero points, 0 where the
+        layer had none): every integer sum the kernel forms and every float operation after it stay
+        the same, so the outputs keep their bits (tested)."""
+        d, m = self.group_scales()
+        if zero_points and m is None:
+            m = torch.zeros_like(d)
+        self.weight = pack_codes(self.codes().to(torch.int8), 8)
+        self.d = pack_scales(d, dtype)
+        self.m = None if m is None else pack_scales(m, dtype)
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales a row: in / 32, or in / 16 (Q6_K)."""
+        return self.d.shape[1] * ((self.d.shape[2] - 16) // 8 if self.d.dtype == torch.uint8 else 1)
+
+    @property
+    def bits(self) -> int:
+        """The codes' width: 4, 5 or 8 (runtime.model.block_pack)."""
+        return self.weight.shape[1] // self.in_features
+
     def codes(self) -> torch.Tensor:
-        """The codes `[out, in]`, 0..15."""
-        blocks, groups = self.weight.shape[0], self.in_features // INT4_GROUP_SIZE
-        raw = self.weight.reshape(blocks, groups, 4, INT4_BLOCK_COLUMNS, 4)  # block, group, chunk, lane, byte
-        codes = torch.stack([raw & 0x0F, raw >> 4], dim=-2)  # block, group, chunk, lane, nibble, byte
-        codes = codes.permute(0, 3, 1, 2, 4, 5).reshape(blocks * INT4_BLOCK_COLUMNS, self.in_features)
-        return codes[:self.out_features]
+        """The codes `[out, in]` (0..15 or 0..31 uint8, int8 for 8 bits)."""
+        return unpack_codes(self.weight, self.bits, self.out_features, self.in_features)
 
     def group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(d, m) `[out, in / 32]` in float32 (m None for a layer without zero points)."""
-        def columns(lanes: torch.Tensor) -> torch.Tensor:
-            return lanes.permute(0, 2, 1).reshape(-1, lanes.shape[1])[:self.out_features].float()
-        return columns(self.d), None if self.m is None else columns(self.m)
+        """(d, m) `[out, groups]` in float32 (m None for a layer without zero points)."""
+        return unpack_scales(self.d, self.out_features), None if self.m is None else unpack_scales(self.m, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         d, m = self.group_scales()
-        codes = self.codes().reshape(self.out_features, -1, INT4_GROUP_SIZE).float()
+        codes = self.codes().reshape(self.out_features, d.shape[1], -1).float()
         w = codes * d[..., None] + (0 if m is None else m[..., None])
         return w.reshape(self.out_features, self.in_features)
 
 
 def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The int4 kernel's layout (runtime/kernels/csrc/q4_tile.h) of `codes` [out, in] in 0..15 and `d`, `m`
-    [out, in / 32]: output columns in blocks of 8 (the last padded with zero columns), a block's group
-    as 4 chunks of 32 bytes, where column j's 4 bytes hold codes 8c + t (low nibble) and 8c + 4 + t
-    (high nibble) of chunk c; d and m as [blocks, in / 32, 8] float16."""
-    out_features, in_features = codes.shape
-    blocks = -(-out_features // INT4_BLOCK_COLUMNS)
-    pad = blocks * INT4_BLOCK_COLUMNS - out_features
-    groups = in_features // INT4_GROUP_SIZE
-    c = F.pad(codes.to(torch.uint8), (0, 0, 0, pad))
-    c = c.reshape(blocks, INT4_BLOCK_COLUMNS, groups, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # block, group, chunk, lane, nibble, byte
-    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(blocks, 4 * in_features).contiguous()
-
-    def lanes(v: torch.Tensor) -> torch.Tensor:
-        v = F.pad(v.to(torch.float16), (0, 0, 0, pad))
-        return v.reshape(blocks, INT4_BLOCK_COLUMNS, groups).permute(0, 2, 1).contiguous()
-
-    return packed, lanes(d), None if m is None else lanes(m)
+    """The int4 kernel's layout (runtime.model.block_pack) of `codes` [out, in] in 0..15 and `d`, `m`
+    [out, in / 32] exact in float16."""
+    return pack_nibbles(codes), pack_scales(d, torch.float16), None if m is None else pack_scales(m, torch.float16)
 
 
 def _cat_bias(layers: list[nn.Module]) -> torch.Tensor | None:
@@ -298,6 +326,7 @@ class Quantized:
     mode: str
     layers: int
     detail: str
+    block_types: tuple[str, ...] = ()  # the GGUF block types kept (`auto`), e.g. ("Q4_K", "Q6_K")
 
     def describe(self) -> str:
         return f"model.quantize = {self.setting}: {self.mode} ({self.detail})"
@@ -305,10 +334,9 @@ class Quantized:
 
 @torch.no_grad()
 def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None) -> Quantized:
-    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU that runs the int4 kernel, a model
-    loaded from a GGUF whose linear layers are stored as 4-bit blocks keeps those very blocks as int4
-    layers (any other linear layer, e.g. a head tied to a Q8_0 embedding, is quantized to int4 from
-    its loaded weights); anything else keeps its float weights."""
+    """Apply the `quantize` setting to a loaded model. `auto`: on a CPU that runs the int kernel, a model
+    loaded from a GGUF keeps every linear layer stored in a supported block type as those very blocks
+    (a head tied to the embedding keeps the embedding's); any other layer or model keeps float weights."""
     check_mode(setting)
     if setting != "auto":
         layers = quantize_model(model, setting)
@@ -330,23 +358,30 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
         raise QuantizeError(f"model.quantize = 'auto' cannot keep the GGUF's blocks: {exc}; "
                             "set model.quantize = \"none\"") from None
     if not blocks:
-        return Quantized(setting, "none", 0, f"no 4-bit linear layers in the GGUF; {found}")
+        return Quantized(setting, "none", 0, f"no linear layers of a type the int kernel runs in the GGUF; {found}")
     layers = linear_layers(model)
-    rest_float = 0
+    kept: dict[str, int] = {}
     for name, parent, attribute, layer in layers:
         b = blocks.get(name)
-        if b is None and layer.in_features % INT4_GROUP_SIZE == 0 and layer.weight.dtype in _SUPPORTED_DTYPES:
-            setattr(parent, attribute, Int4Linear.from_linear(layer))
-        elif b is None:
-            rest_float += 1
-        else:
-            setattr(parent, attribute, Int4Linear(b.codes, *b.d_and_m(), layer.bias))
+        if b is not None:
+            setattr(parent, attribute, Int4Linear.from_blocks(b, layer.bias))
+            kept[b.kind] = kept.get(b.kind, 0) + 1
     _untie(model)
-    rest = len(layers) - len(blocks) - rest_float
-    detail = f"{len(blocks)} layers keep the GGUF's 4-bit blocks" + \
-        (f", {rest} quantized from their weights" if rest else "") + \
-        (f", {rest_float} keep float weights" if rest_float else "") + f"; {found}"
-    return Quantized(setting, "int4", len(layers) - rest_float, detail)
+    return Quantized(setting, "int4", len(blocks), blocks_detail(kept, len(layers) - len(blocks), found), tuple(sorted(kept)))
+
+
+def blocks_detail(kept: dict[str, int], floats: int, found: str) -> str:
+    """What `auto` did with a GGUF's linear layers, for the start-up line: the block types kept, how
+    many layers keep float weights (a type the int kernel does not run, named in `found`), and the
+    file's linear tensor types."""
+    from runtime.model.gguf_blocks import SUPPORTED
+
+    kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(kept.items()))
+    detail = f"{sum(kept.values())} layers keep the GGUF's blocks ({kinds})"
+    if floats:
+        others = sorted({part.split()[-1] for part in found.split(": ", 1)[-1].split(", ")} - set(SUPPORTED))
+        detail += f", {floats} keep float weights (no int kernel for {', '.join(others) or 'their type'})"
+    return f"{detail}; {found}"
 
 
 def _untie(model: nn.Module) -> None:

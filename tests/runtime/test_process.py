@@ -98,7 +98,7 @@ SCRIPT = textwrap.dedent("""
         device = torch.device("cpu")
         config = SimpleNamespace(max_model_len=64, num_blocks=4, block_size=16)
         cache = SimpleNamespace(dtype=torch.float32)
-        quantized = SimpleNamespace(mode="none")
+        quantized = SimpleNamespace(mode="none", block_types=())
         scorers = {}
         requests = {}
         searches = {}

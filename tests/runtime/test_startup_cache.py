@@ -138,6 +138,7 @@ def test_the_cached_model_is_the_cold_model_bit_for_bit(gguf, cache_dir, monkeyp
         raise AssertionError("a cache hit must not load the GGUF")
 
     monkeypatch.setattr(cached_model, "load_causal_lm", refuse)
+    monkeypatch.setattr("runtime.model.gguf_load.load_gguf_blocks", refuse)
     warm, warm_quantized = load(gguf)
     assert warm_quantized == cold_quantized
     assert [type(m).__name__ for m in warm.modules()] == [type(m).__name__ for m in cold.modules()]

@@ -41,6 +41,8 @@ def test_models_and_health(server, client):
     assert httpx.get(server + "/health").status_code == 200
     models = client.models.list()
     assert [m.id for m in models.data] == [models.data[0].id] and models.data[0].id.startswith("tiny-llama")
+    [entry] = httpx.get(server + "/v1/models", headers=AUTH).json()["data"]
+    assert (entry["quantize"], entry["block_types"]) == ("none", [])  # a float safetensors model keeps no GGUF blocks
 
 
 def test_chat_non_streaming_matches_greedy_reference(client, expected):

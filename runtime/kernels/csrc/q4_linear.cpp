@@ -10,6 +10,11 @@
 // only on its own row and column, so a row's bits never depend on the batch, the thread count or the
 // instruction set.
 //
+// The same kernel runs the other GGUF block types (block_tile.h): 5-bit codes (Q5_0, Q5_1, Q5_K),
+// signed 8-bit codes (Q8_0, Q6_K, IQ4_NL, IQ4_XS: a code is the value it stands for) and float32
+// scales (a K-quant's sub-block scale times its super-block's, per 16 inputs for Q6_K), told apart by
+// the codes' width and the scales' dtype and shape (`format_of`); activations as above.
+//
 // q4_linear(x, codes, d, m, n, norm_weight, eps, residual, isa) computes, for float32 x [R, K]:
 //   residual + rms_norm(x; norm_weight, eps) @ W.T   [R, n]   (the norm and the residual are optional)
 // isa: -1 the best this CPU has, 0 AVX2, 1 AVX512-VNNI.
@@ -44,6 +49,17 @@ namespace {
   ({ __m256i sum_ = _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, x)); __asm__("" : "+x"(sum_)); sum_; })
 #define Q4_SUM(a) _mm256_madd_epi16(a, _mm256_set1_epi16(1))
 #include "q4_tile.h"
+#define Q_DOT(acc, q, x) Q4_DOT(acc, q, x)
+#define Q_WIDEN(a) Q4_SUM(a)
+// int16 lanes: a Q_DOT adds at most 2 * 15 * 127 = 3810 (4 bits), 2 * 31 * 127 = 7874 (5 bits) or
+// 2 * 128 * 127 = 32512 (8 bits), so a chain takes 8, 4 or 1 of them before it is widened.
+#define Q_SPAN(bits) ((bits) == 4 ? 8 : (bits) == 5 ? 4 : 1)
+#define Q_ROWS 4
+#include "block_tile.h"
+#undef Q_DOT
+#undef Q_WIDEN
+#undef Q_SPAN
+#undef Q_ROWS
 #undef Q4_DOT
 #undef Q4_SUM
 #undef Q4_CHAINS
@@ -59,6 +75,15 @@ namespace {
 #define Q4_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
 #define Q4_SUM(a, b) _mm256_add_epi32(a, b)
 #include "q4_tile.h"
+#define Q_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
+#define Q_WIDEN(a) (a)
+#define Q_SPAN(bits) 8  // int32 lanes: never near overflow within a group
+#define Q_ROWS 8
+#include "block_tile.h"
+#undef Q_DOT
+#undef Q_WIDEN
+#undef Q_SPAN
+#undef Q_ROWS
 #undef Q4_DOT
 #undef Q4_SUM
 #undef Q4_CHAINS
@@ -86,9 +111,35 @@ int64_t limit_isa(int64_t limit) {
   return best_isa();
 }
 
-void check_half(const c10::optional<at::Tensor>& t, int64_t count, const char* what) {
-  TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == count,
-              "q4_linear: ", what, " must be contiguous float16 [out / 8, in / 32, 8]");
+// The weight format of a layer, told by its buffers' shapes and dtype (see block_tile.h): codes
+// [N / 8, bytes_per_input * K] with 4, 5 or 8 bytes an input, d (and m) [N / 8, K / 32 (or K / 16 with
+// split), 8], float16 or float32. 0 is q4_tile.h's 4 bits with float16 scales.
+int format_of(const at::Tensor& codes, const at::Tensor& d, const c10::optional<at::Tensor>& m, bool with_m,
+              int64_t K, int64_t B) {
+  const int64_t G = K / 32;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(0) == B &&
+              (codes.size(1) == 4 * K || codes.size(1) == 5 * K || codes.size(1) == 8 * K),
+              "q4_linear: codes must be contiguous uint8 [out / 8, 4, 5 or 8 times in]");
+  const int bits = static_cast<int>(codes.size(1) / K);
+  TORCH_CHECK((d.scalar_type() == at::kHalf || d.scalar_type() == at::kFloat || d.scalar_type() == at::kByte) &&
+              d.is_contiguous(), "q4_linear: d must be contiguous float16, float32 or uint8 (K-quant scales)");
+  if (d.scalar_type() == at::kByte) {  // [out / 8, in / 256, 16 + 8 * sub-scales a super-block]
+    TORCH_CHECK(K % 256 == 0 && d.dim() == 3 && d.size(0) == B && d.size(1) == K / 256 &&
+                (d.size(2) == 80 || (d.size(2) == 144 && bits == 8 && !with_m)),
+                "q4_linear: K-quant scales must be uint8 [out / 8, in / 256, 80] (or 144 for 8-bit codes without m)");
+    if (with_m)
+      TORCH_CHECK(m->scalar_type() == at::kByte && m->is_contiguous() && m->numel() == B * (K / 256) * 80,
+                  "q4_linear: K-quant zero points must be uint8 [out / 8, in / 256, 80]");
+    return d.size(2) == 144 ? 10 : bits == 4 ? 7 : bits == 5 ? 8 : 9;
+  }
+  const bool is_float = d.scalar_type() == at::kFloat, split = d.numel() == B * 2 * G * 8;
+  TORCH_CHECK(d.numel() == B * G * 8 || (split && bits == 8 && is_float && !with_m),
+              "q4_linear: d must be [out / 8, in / 32, 8] (or [out / 8, in / 16, 8] float32 for 8-bit codes without m)");
+  if (with_m)
+    TORCH_CHECK(m->scalar_type() == d.scalar_type() && m->is_contiguous() && m->numel() == B * G * 8,
+                "q4_linear: m must be contiguous [out / 8, in / 32, 8] of d's dtype");
+  if (!is_float) return bits == 4 ? 0 : bits == 5 ? 1 : 2;
+  return split ? 6 : bits == 4 ? 3 : bits == 5 ? 4 : 5;
 }
 
 }  // namespace
@@ -101,12 +152,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q4_linear: x must be float32 [rows, in]");
   const int64_t R = x.size(0), K = x.size(1), B = codes.size(0), G = K / 32;
   TORCH_CHECK(K % 32 == 0, "q4_linear: in_features must be a multiple of 32");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) == 4 * K,
-              "q4_linear: codes must be contiguous uint8 [out / 8, 4 in]");
   TORCH_CHECK(N > 8 * (B - 1) && N <= 8 * B, "q4_linear: ", N, " outputs do not fill ", B, " blocks of 8");
-  check_half(d, B * G * 8, "d");
   const bool with_m = m.has_value() && m->defined();
-  if (with_m) check_half(m, B * G * 8, "m");
+  const int format = format_of(codes, d, m, with_m, K, B);
   const bool with_norm = norm_weight.has_value() && norm_weight->defined();
   if (with_norm)
     TORCH_CHECK(norm_weight->scalar_type() == at::kFloat && norm_weight->is_contiguous() && norm_weight->numel() == K,
@@ -134,15 +182,21 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   });
   at::Tensor out = at::empty({R, N}, x.options());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = with_m ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
+  const void* dp = d.data_ptr();
+  const void* mp = with_m ? m->data_ptr() : nullptr;
   const float* rp = with_residual ? residual->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  const auto* dh = static_cast<const uint16_t*>(dp);
+  const auto* mh = static_cast<const uint16_t*>(mp);
   at::parallel_for(0, B, 2, [&](int64_t b0, int64_t b1) {
-    if (isa == 1)
-      vnni::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
+    if (format == 0 && isa == 1)
+      vnni::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dh, mh, rp, op, N, b0, b1);
+    else if (format == 0)
+      avx2::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dh, mh, rp, op, N, b0, b1);
+    else if (isa == 1)
+      vnni::any_blocks(format, xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
     else
-      avx2::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
+      avx2::any_blocks(format, xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
   });
   return out;
 }

@@ -118,8 +118,8 @@ def test_fused_projections_share_the_layers_weights_and_keep_their_bits(tiny_qwe
 def test_layers_that_cannot_be_fused_are_called_one_by_one():
     torch.manual_seed(0)
     int4 = Int4Linear.from_linear(nn.Linear(64, 32))
-    q4_0 = Int4Linear(torch.randint(0, 16, (32, 64)), torch.full((32, 2), 0.01), None)  # no zero points
-    assert Int4Linear.concatenated([int4, q4_0]) is None
+    per_16 = Int4Linear.from_packed(64, 32, torch.zeros(4, 8 * 64, dtype=torch.uint8), torch.ones(4, 4, 8), None)
+    assert Int4Linear.concatenated([int4, per_16]) is None  # a Q6_K-like scale per 16 inputs beside one per 32
     any_rows = [Int4Linear.from_linear(nn.Linear(64, rows)) for rows in (48, 16)]
     x = torch.randn(3, 64)
     separate = torch.cat([layer(x) for layer in any_rows], dim=-1)

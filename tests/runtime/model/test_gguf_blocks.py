@@ -7,7 +7,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from runtime.kernels.cpu_kernels import KernelUnavailable
-from runtime.model.gguf_blocks import decode_q4, linear_blocks
+from runtime.model.gguf_blocks import decode, linear_blocks
 from runtime.model.quantize import Int4Linear, QuantizeError, apply_quantize, linear_layers
 from tests.gguf_model import write_tiny_gguf
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
@@ -28,7 +28,7 @@ def load(path):
 def test_blocks_decode_to_what_gguf_dequantizes_bit_for_bit(kind):
     weights = (np.random.default_rng(0).standard_normal((48, 96)) * 0.3).astype(np.float32)
     data = quantize(weights, GGMLQuantizationType[kind])
-    blocks = decode_q4(kind, data)
+    blocks = decode(kind, data)
     assert blocks.codes.shape == (48, 96) and int(blocks.codes.max()) <= 15
     assert torch.equal(blocks.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
 
@@ -37,7 +37,8 @@ def test_every_layer_is_matched_to_the_weights_transformers_loaded(tiny_gguf):
     model = load(tiny_gguf)
     blocks, found = linear_blocks(model, str(tiny_gguf))
     names = [name for name, *_ in linear_layers(model)]
-    assert sorted(blocks) == sorted(n for n in names if n != "lm_head")  # the head is the Q8_0 embedding
+    assert sorted(blocks) == sorted(names)  # the head is the Q8_0 embedding, whose blocks it keeps
+    assert blocks["lm_head"].kind == "Q8_0"
     kind = tiny_gguf.parent.name.split("-")[1][:4]
     assert found == f"linear tensors in the file: 14 {kind}, 1 Q8_0"
     modules = dict(model.named_modules())
@@ -56,8 +57,8 @@ def test_auto_keeps_the_file_s_blocks_exactly(tiny_gguf):
     for name, b in blocks.items():
         layer = modules[name]
         assert isinstance(layer, Int4Linear)
-        d, m = b.d_and_m()
-        assert all(torch.equal(a, b) for a, b in zip(layer.group_scales(), (d, m)))  # float16 holds them exactly
+        d, m = layer.group_scales()
+        assert torch.equal(d, b.d) and (m is None if b.m is None else torch.equal(m, b.m))  # float16 holds them exactly
         assert torch.equal(layer.dequantized(), reference[name])  # the very weights the file stores
 
 

@@ -1,0 +1,197 @@
+"""A GGUF model loaded tensor by tensor into the int kernel's layout, never as a float model first
+(`quantize = "auto"` on a CPU where the kernel runs).
+
+transformers' GGUF loading dequantizes every tensor to float before the model exists: a 7B Q4_K_M
+file (4.4 GB) would pass through 28 GB of float32. Here the model's skeleton is built on the meta
+device from the file's config, and each tensor is read from the file on its own (plain reads at its
+offset: no mapping that would keep the file's pages resident) and goes straight to what serves it:
+
+- a linear layer's weight of a type the kernel runs (runtime.model.gguf_blocks.SUPPORTED) becomes an
+  int layer holding the file's codes and scales (`Int4Linear.from_blocks`), its rows in the order
+  transformers' tensor processor puts them (llama's q/k);
+- every other tensor (norms, the embedding, a linear weight of another type) is dequantized by
+  `gguf.dequantize` and passed through the same processor, as transformers loads it;
+- a head tied to the embedding keeps the embedding's blocks (the embedding, a row lookup, its floats).
+
+Peak memory is the served model plus one tensor in flight. Strict as runtime.model.loader's loading:
+every parameter must come from the file (`CheckpointMismatch` otherwise); non-persistent buffers
+(rotary tables) are computed by the model's own initializer, as transformers does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, row_order
+from runtime.model.loader import CheckpointMismatch, ModelSource
+from runtime.model.quantize import Int4Linear, Quantized, blocks_detail
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+@functools.cache
+def _fix_mmap_threshold() -> None:
+    """Keep glibc's threshold for allocating with mmap at its default 128 KiB instead of letting it grow
+    to the largest block freed so far: otherwise, once a slab's buffers are freed, the next ones come
+    from the heap, whose freed middle is never given back, and a load keeps about a fifth more than it
+    serves. Nothing happens where the C library is not glibc."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):
+        pass
+
+
+def _read(file, tensor) -> np.ndarray:
+    """The tensor's bytes as gguf's reader shapes them, read from the file (not from its mapping)."""
+    raw = np.empty(tensor.data.shape, tensor.data.dtype)
+    file.seek(tensor.data_offset)
+    if file.readinto(memoryview(raw.reshape(-1).view(np.uint8))) != raw.nbytes:
+        raise CheckpointMismatch(f"{tensor.name} is cut short in the file")
+    return raw
+
+
+_SLAB_ROWS = 512  # rows decoded and packed at a time: a multiple of the kernel's 8 columns
+
+
+def _int_layer(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Int4Linear:
+    """An int layer of `raw` [out, bytes] blocks, decoded and packed a slab of rows at a time into its
+    buffers (the codes as bytes and their layout's copies would otherwise hold several times the
+    tensor's size at once)."""
+    out_features, in_features = shape
+    weight = d = m = None
+    for start in range(0, out_features, _SLAB_ROWS):
+        slab = Int4Linear.from_blocks(decode(kind, raw[start:start + _SLAB_ROWS]))
+        if weight is None:
+            blocks = -(-out_features // 8)
+            weight = slab.weight.new_empty((blocks, *slab.weight.shape[1:]))
+            d = slab.d.new_empty((blocks, *slab.d.shape[1:]))
+            m = None if slab.m is None else slab.m.new_empty((blocks, *slab.m.shape[1:]))
+        first = start // 8
+        weight[first:first + slab.weight.shape[0]] = slab.weight
+        d[first:first + slab.d.shape[0]] = slab.d
+        if m is not None:
+            m[first:first + slab.m.shape[0]] = slab.m
+    return Int4Linear.from_packed(in_features, out_features, weight, d, m)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = parent._parameters.get(attribute)
+    if old is not None and not old.is_meta:
+        raise CheckpointMismatch(f"{name} is loaded twice")
+    if old is not None and tuple(old.shape) != tuple(value.shape):
+        raise CheckpointMismatch(f"{name} is {tuple(value.shape)} in the file, the model wants {tuple(old.shape)}")
+    parent._parameters[attribute] = nn.Parameter(value.to(old.dtype if old is not None else value.dtype),
+                                                 requires_grad=False)
+
+
+def _skeleton(config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation,
+                                                trust_remote_code=trust_remote_code)
+
+
+def _initialize_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers (rotary tables) computed by the model's own initializer on the CPU."""
+    for module in model.modules():
+        meta = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        if meta:
+            model._init_weights(module)
+
+
+@torch.no_grad()
+def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_implementation: str,
+                     trust_remote_code: bool = False) -> tuple[nn.Module, Quantized]:
+    """The model in `source`'s GGUF with every linear layer of a supported type as an int layer."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    _fix_mmap_threshold()
+    model = _skeleton(config, dtype, attn_implementation, trust_remote_code)
+    reader = GGUFReader(source.path)
+    field = reader.fields["general.architecture"]
+    architecture = bytes(field.parts[field.data[0]]).decode()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    modules = dict(model.named_modules())
+    head = model.get_output_embeddings()
+    tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)
+    embedding = model.get_input_embeddings()
+    embed_name = next(n for n, m in modules.items() if m is embedding)
+    head_name = next((n for n, m in modules.items() if m is head), None)
+    kinds: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    floats = 0
+    biases: dict[str, torch.Tensor] = {}
+    with open(source.path, "rb") as file:
+        for tensor in reader.tensors:
+            target = names.get(tensor.name)
+            if target is None:
+                continue  # as transformers: a tensor no parameter maps to is not read
+            module_name, _, suffix = target.rpartition(".")
+            module = modules.get(module_name)
+            kind = tensor.tensor_type.name
+            is_linear = isinstance(module, nn.Linear) and suffix == "weight"
+            stands_for_head = tied and module is embedding and suffix == "weight"
+            if is_linear or stands_for_head:
+                kinds[kind] = kinds.get(kind, 0) + 1
+            raw = _read(file, tensor)
+            if (is_linear or stands_for_head) and kind in SUPPORTED:
+                layer_name = head_name if stands_for_head else module_name
+                layer = modules[layer_name]
+                shape = tuple(int(n) for n in reversed(tensor.shape))
+                if shape != (layer.out_features, layer.in_features):
+                    raise CheckpointMismatch(f"{source.path}: {tensor.name} is {shape}, "
+                                             f"{layer_name} wants {(layer.out_features, layer.in_features)}")
+                order = row_order(processor, tensor.name, shape[0], names).numpy()
+                if not np.array_equal(order, np.arange(shape[0])):
+                    raw = raw[order]
+                parent_name, _, attribute = layer_name.rpartition(".")
+                setattr(model.get_submodule(parent_name), attribute, _int_layer(kind, raw, shape))
+                kept[kind] = kept.get(kind, 0) + 1
+                if is_linear:
+                    continue  # (the embedding standing for the head goes on to its float rows below)
+            elif is_linear or stands_for_head:
+                floats += 1
+            weights = processor.process(weights=dequantize(raw, tensor.tensor_type), name=tensor.name,
+                                        tensor_key_mapping=names, parsed_parameters={}).weights
+            value = torch.from_numpy(np.ascontiguousarray(weights))
+            if suffix == "bias" and isinstance(module, nn.Linear):
+                biases[module_name] = value  # the layer may become an int layer later in the file
+            else:
+                _set_tensor(model, target, value)
+    for name, bias in biases.items():
+        layer = model.get_submodule(name)
+        if isinstance(layer, Int4Linear):
+            layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        else:
+            _set_tensor(model, f"{name}.bias", bias)
+    if tied and isinstance(model.get_output_embeddings(), nn.Linear):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    elif tied:
+        model.config.tie_word_embeddings = False  # the head is a quantized copy; the embedding keeps its weights
+    _initialize_buffers(model)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointMismatch(f"{source.path}: {len(left)} model parameter(s) missing from the checkpoint "
+                                 f"({', '.join(left[:3])}); ponder serves no weight left at random")
+    found = describe_kinds(kinds)
+    if not kept:
+        return model.eval(), Quantized("auto", "none", 0,
+                                       f"no linear layers of a type the int kernel runs in the GGUF; {found}")
+    return model.eval(), Quantized("auto", "int4", sum(kept.values()), blocks_detail(kept, floats, found),
+                                   tuple(sorted(kept)))
