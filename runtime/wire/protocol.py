@@ -143,8 +143,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     block_size: int
     verifiers: tuple[str, ...] = ()
     quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
-    # How the model writes a tool call (runtime.grammar.tools): hermes | llama3_json | mistral.
-    tool_call_format: str = "hermes"
+    tool_call_format: str = "hermes"  # how the model writes a tool call: hermes | llama3_json | mistral
     block_types: tuple[str, ...] = ()  # the GGUF block types its int layers keep, e.g. ("Q4_K", "Q6_K")
 
 
