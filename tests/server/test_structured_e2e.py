@@ -143,7 +143,7 @@ def test_a_streamed_tool_call_arrives_as_openai_s_deltas(client):
     calls: dict[int, dict] = {}
     reason = None
     for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                                max_tokens=80, temperature=0, stream=True):
+                                                parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True):
         delta = chunk.choices[0].delta
         for part in delta.tool_calls or []:
             entry = calls.setdefault(part.index, {"id": part.id, "name": "", "arguments": ""})
