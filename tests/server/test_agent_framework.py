@@ -35,7 +35,8 @@ def test_an_agent_calls_a_tool_and_answers(server):
                                                                         max_retries=0))
     agent = agents.Agent(name="weather", instructions="Answer questions about the weather with the tools.",
                          model=model, tools=[get_weather],
-                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=80))
+                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                                     temperature=0, max_tokens=80))
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"]
