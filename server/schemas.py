@@ -82,6 +82,8 @@ class SearchRequest(_Wire):
     answer_pattern: str | None = None
     # Seconds the search may run before it answers with the best path found so far; None: the server's cap.
     timeout_s: float | None = None
+    # One more path decoded greedily, the answer unless a candidate outranks it (docs/search-greedy-anchor.md).
+    greedy_anchor: bool = True
 
     def to_params(self, include_events: bool, default_timeout_s: float) -> SearchParams:
         fields = self.model_dump()

@@ -51,6 +51,11 @@ class CalculatorScorer:
     name = "calculator"
     is_free = True  # no model: a regular expression and exact arithmetic over the path's text
 
+    @staticmethod
+    def outranks(score: float, anchor_score: float) -> bool:
+        """The greedy anchor's margin (runtime.search.anchor): a candidate must reach a higher tier."""
+        return calculator.tier_of_score(score) > calculator.tier_of_score(anchor_score)
+
     def submit(self, controller, paths) -> None:
         question = calculator_question(controller)
         for path in paths:

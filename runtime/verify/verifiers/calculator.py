@@ -181,3 +181,9 @@ def answer_number(step: str) -> str | None:
 def step_score(steps: Sequence[str], confidence: float, question: str) -> float:
     """The score of a path's newest step: its tier, ordered within by the step's `confidence` in [0, 1]."""
     return (tier(steps, question) + min(max(confidence, 0.0), 1.0)) / TIERS
+
+
+def tier_of_score(score: float) -> int:
+    """The tier a step score was given in. A confidence is never 0 (it is a probability's exp-mean) but
+    may round to 1, so a score on a boundary, (t + 1) / TIERS, is tier t at full confidence."""
+    return max(0, math.ceil(score * TIERS) - 1)

@@ -65,8 +65,10 @@ def hf(tiny_llama):
 ])
 def test_engine_search_selects_what_the_reference_selects(engine, hf, strategy, verifier, granularity, select,
                                                           lookahead):
+    # The reference is the strategies alone: no greedy anchor (tests/runtime/search/test_search_anchor.py).
     request = search_request(f"{strategy}-{verifier}-{granularity}-{lookahead}", strategy=strategy,
-                             verifier=verifier, granularity=granularity, select=select, lookahead=lookahead)
+                             verifier=verifier, granularity=granularity, select=select, lookahead=lookahead,
+                             greedy_anchor=False)
     messages = run_search(engine, request)
     prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
         list(request.messages), add_generation_prompt=True, tokenize=False), add_special_tokens=False)
