@@ -68,7 +68,7 @@ class StreamOptions(_Body):
 class SearchRequest(_Wire):
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Literal["best_of_n", "beam", "dvts", "dynamic_branching"] = "beam"
+    strategy: Literal["best_of_n", "beam", "dvts", "dynamic_branching", "particle_filtering"] = "beam"
     n: int = Field(8, ge=1)
     beam_width: int = Field(4, ge=1)
     max_steps: int = Field(40, ge=1)

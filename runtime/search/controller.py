@@ -46,7 +46,7 @@ class SearchController(DecodingAhead, SearchOutput):
         self.question = question
         self.max_tokens = max_tokens
         self.verifier = verifier
-        self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
+        self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width, params.seed)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
         self.plan = SearchPlan()  # what it asked of the engine since the engine last took it

@@ -72,7 +72,7 @@ def test_a_verifier_from_the_config_is_a_known_verifier():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--methods", "greedy,sampling"], "unknown method 'sampling'; expected one of greedy, majority, "
-                                       "best_of_n, beam, dvts"),
+                                       "best_of_n, beam, dvts, particle_filtering"),
     (["--n", "4,0"], "N must be at least 1, got 0"),
     (["--n", "four"], "N must be a comma-separated list of integers, got 'four'"),
     (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
@@ -80,7 +80,8 @@ def test_a_verifier_from_the_config_is_a_known_verifier():
     (["--levels", "two"], "--levels must be a comma-separated list of integers, got 'two'"),
     (["--limit", "0"], "--limit must be at least 1, got 0"),
     (["--configs", "beam:calculator"], "--configs takes method[:verifier]@N, got 'beam:calculator'"),
-    (["--configs", "beam@8"], "'beam@8': best_of_n, beam, dvts take a verifier, greedy and majority none"),
+    (["--configs", "beam@8"],
+     "'beam@8': best_of_n, beam, dvts, particle_filtering take a verifier, greedy and majority none"),
     (["--configs", "beam:oracle@8"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
     (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
     (["--concurrency", "4"], "--concurrency above 1 needs --deterministic: otherwise a problem's answer would "
@@ -118,7 +119,9 @@ def test_a_tiny_model_run_reports_every_configuration_and_plots(tiny_llama, tmp_
     for row in results["results"]:
         assert row["correct"] + row["unparsed"] <= row["problems"] == len(LEVELS)
         assert 0.0 <= row["ci95"][0] <= row["accuracy"] <= row["ci95"][1] <= 1.0
-        assert 0 < row["tokens_generated"] <= 8 * row["n"]
+        # the verifier methods add the greedy anchor's path to their N (8 tokens at most too)
+        assert 0 < row["tokens_generated"] <= 8 * row["n"] + (row["anchor_tokens"] if row["verifier"] else 0)
+        assert 0 <= row["anchor_tokens"] <= (8 if row["verifier"] else 0)
         assert len(row["answers"]) == len(LEVELS)
         if row["verifier"] == "judge" and row["method"] != "dvts":
             assert row["verifier_tokens"] > 0
