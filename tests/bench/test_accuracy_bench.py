@@ -28,6 +28,35 @@ def test_every_answer_is_what_its_question_states():
         assert problem.answer >= 0 and problem.gold == str(problem.answer)
 
 
+# Each word-problem template of levels 6 and 7, read back: its numbers in order -> its answer.
+WORD_TEMPLATES = [
+    (r"has (\d+) \w+ and buys (\d+) more\.", lambda a, b: a + b),
+    (r"has (\d+) \w+ and gives away (\d+)\.", lambda a, b: a - b),
+    (r"has (\d+) \w+ with (\d+) \w+ in each\. How", lambda a, b: a * b),
+    (r"shares (\d+) \w+ equally among (\d+) friends\.", lambda a, b: a / b),
+    (r"has (\d+) \w+ with (\d+) \w+ in each and gives away (\d+)", lambda a, b, c: a * b - c),
+    (r"gets (\d+) \w+ from one friend and (\d+) \w+ from another, then shares them equally among (\d+)",
+     lambda a, b, c: (a + b) / c),
+    (r"has (\d+) \w+, loses (\d+), and shares the rest equally among (\d+)", lambda a, b, c: (a - b) / c),
+    (r"has (\d+) \w+ and buys (\d+) \w+ with (\d+) \w+ in each\.", lambda a, b, c: a + b * c),
+]
+
+
+def test_every_word_problem_of_levels_6_and_7_states_its_answer_and_each_template_occurs():
+    import re
+
+    seen = set()
+    for problem in problem_set(5, 60, levels=(6, 7)):
+        matched = [(i, m) for i, (pattern, _) in enumerate(WORD_TEMPLATES)
+                   if (m := re.search(pattern, problem.question))]
+        assert len(matched) == 1, problem.question
+        index, match = matched[0]
+        assert problem.answer == WORD_TEMPLATES[index][1](*map(int, match.groups())), problem.question
+        assert problem.level == (6 if index < 4 else 7)
+        seen.add(index)
+    assert seen == set(range(len(WORD_TEMPLATES)))
+
+
 def test_every_generated_answer_is_graded_correct():
     for problem in problem_set(1, 20):
         assert accuracy.grade(problem.gold, problem) == "correct"
@@ -76,7 +105,7 @@ def test_a_verifier_from_the_config_is_a_known_verifier():
     (["--n", "4,0"], "N must be at least 1, got 0"),
     (["--n", "four"], "N must be a comma-separated list of integers, got 'four'"),
     (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
-    (["--levels", "2,6"], "unknown level 6; levels are 1, 2, 3, 4, 5"),
+    (["--levels", "2,8"], "unknown level 8; levels are 1, 2, 3, 4, 5, 6, 7"),
     (["--levels", "two"], "--levels must be a comma-separated list of integers, got 'two'"),
     (["--limit", "0"], "--limit must be at least 1, got 0"),
     (["--configs", "beam:calculator"], "--configs takes method[:verifier]@N, got 'beam:calculator'"),
