@@ -7,8 +7,9 @@
                           [--plot PATH]
     ponder bench accuracy --power [--pilot JSON]
 
-The problems come from `bench.problems` (levels 1-7: arithmetic, then word problems; exact integer answers, one seed) or, with `--dataset`,
-from the user's JSON Lines file in MATH-500, GSM8K or plain question/answer shape (`bench.datasets`).
+The problems come from `bench.problems` (levels 1-7: arithmetic, then word problems; exact integer answers,
+one seed) or, with `--dataset`, from the user's JSON Lines file in MATH-500, GSM8K or plain question/answer
+shape (`bench.datasets`).
 `--config` is a `ponder serve` settings file: the generator, device and KV settings are the server's, and
 each `[verifiers.NAME]` reward model in it is loaded and can be named in `--verifier`. Each problem runs
 through the engine's search entry point, one request at a time, exactly as a chat request with `search`:
