@@ -70,8 +70,8 @@ class SearchOutput:
                                  **self._anchor_summary(chosen[0]), **self.stats)))
         self.plan.answered()
 
-
     def _anchor_summary(self, answer: SearchPath) -> dict:
+        """The greedy anchor's part of the summary (runtime.search.anchor); none when no anchor ran."""
         if self.anchor is None:
             return {}
         return dict(anchor_tokens=self.anchor.step_end - len(self.prompt_ids),
