@@ -51,6 +51,18 @@ def test_each_strategy_returns_ranked_choices_with_scores(client, strategy, sele
         assert choice["search"]["score"] <= body["choices"][0]["search"]["score"]
 
 
+@pytest.mark.parametrize("greedy_anchor", [True, False])
+def test_the_greedy_anchor_is_asked_for_and_reported_through_the_api(client, greedy_anchor):
+    resp = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=24, temperature=1.0, seed=5,
+        extra_body={"search": search(greedy_anchor=greedy_anchor)})
+    summary = resp.model_dump()["search"]
+    if greedy_anchor:  # the tiny model's greedy text is its most confident: no sampled path outranks it
+        assert summary["answered_by_anchor"] is True and 0 < summary["anchor_tokens"] <= 24
+    else:
+        assert summary["answered_by_anchor"] is None and summary["anchor_tokens"] == 0
+
+
 @pytest.mark.parametrize("strategy", ["beam", "particle_filtering"])
 def test_streamed_search_concatenates_to_the_final_answer_with_events(client, server, strategy):
     kwargs = dict(messages=MESSAGES, max_tokens=24, temperature=1.0, seed=9,
