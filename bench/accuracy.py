@@ -3,11 +3,13 @@
     ponder bench accuracy [--model PATH] [--config FILE] [--dataset FILE] [--levels 1,2] [--limit K]
                           [--quick | --full] [--methods M,...] [--verifier V,...] [--n 1,4,16] [--per-level K]
                           [--configs beam:calculator@8,...] [--seed S] [--temperature T] [--max-tokens T]
-                          [--deterministic [--concurrency K]] [--threads N] [--json PATH] [--plot PATH]
+                          [--deterministic [--concurrency K]] [--no-greedy-anchor] [--threads N] [--json PATH]
+                          [--plot PATH]
     ponder bench accuracy --power [--pilot JSON]
 
-The problems come from `bench.problems` (levels 1-5, exact integer answers, one seed) or, with `--dataset`,
-from the user's JSON Lines file in MATH-500, GSM8K or plain question/answer shape (`bench.datasets`).
+The problems come from `bench.problems` (levels 1-7: arithmetic, then word problems; exact integer answers,
+one seed) or, with `--dataset`, from the user's JSON Lines file in MATH-500, GSM8K or plain question/answer
+shape (`bench.datasets`).
 `--config` is a `ponder serve` settings file: the generator, device and KV settings are the server's, and
 each `[verifiers.NAME]` reward model in it is loaded and can be named in `--verifier`. Each problem runs
 through the engine's search entry point, one request at a time, exactly as a chat request with `search`:
@@ -16,7 +18,12 @@ through the engine's search entry point, one request at a time, exactly as a cha
 - `majority`: N independent samples, the most frequent answer (self-consistency);
 - `best_of_n`: N independent samples split into steps, each step scored by the verifier, the best wins;
 - `beam`: step-wise beam search, keep N / 4 paths after each step and refill to N;
-- `dvts`: N / 4 independent subtrees, each expands its own best step four ways.
+- `dvts`: N / 4 independent subtrees, each expands its own best step four ways;
+- `particle_filtering`: N particles resampled after each step by their verifier weights (its_hub's).
+
+The verifier methods run with the greedy anchor, as a search does by default (`runtime.search.anchor`:
+greedy decoding's path beside the N, the answer unless a candidate outranks it); `--no-greedy-anchor`
+runs them without it. Majority voting never has it: its N samples vote alone.
 
 The verifier methods run once per verifier in `--verifiers` (`judge`, `confidence` and `calculator` need
 no model besides the generator; others come from `--config`); `--configs` adds single configurations
@@ -58,8 +65,8 @@ from bench.report import emit, plot_path
 from bench.threads import torch_threads
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
-METHODS = ("greedy", "majority", "best_of_n", "beam", "dvts")
-VERIFIED = ("best_of_n", "beam", "dvts")
+METHODS = ("greedy", "majority", "best_of_n", "beam", "dvts", "particle_filtering")
+VERIFIED = ("best_of_n", "beam", "dvts", "particle_filtering")
 VERIFIERS = ("judge", "confidence", "calculator")  # the verifiers that run on the generator itself
 BEAM_WIDTH = 4
 Z_95 = 1.959963984540054
@@ -81,6 +88,7 @@ class Setup:
     max_step_tokens: int = 48
     temperature: float = 0.8
     seed: int = 0
+    greedy_anchor: bool = True  # for the verifier methods (majority voting never has it)
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class Outcome:
     tokens_generated: int
     verifier_tokens: int
     seconds: float
+    anchor_tokens: int = 0  # of tokens_generated, the greedy anchor's
+    by_anchor: bool = False  # the anchor's text is the answer: no candidate outranked it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +207,8 @@ def request_for(problem: Problem, config: Config, setup: Setup, request_id: str)
         max_step_tokens=setup.max_step_tokens, step_delimiter="\n\n",
         # Without a verifier of their own, greedy and majority take `confidence`: its score is the
         # sampled tokens' own log-probabilities, kept while sampling, so it costs nothing.
-        verifier=config.verifier or "confidence", select="majority" if config.method == "majority" else "best")
+        verifier=config.verifier or "confidence", select="majority" if config.method == "majority" else "best",
+        greedy_anchor=setup.greedy_anchor and stepwise)
     sampling = SamplingParams(max_tokens=setup.max_tokens, temperature=0.0 if greedy else setup.temperature,
                               seed=setup.seed, n=1)
     return GenerateRequest(request_id=request_id, endpoint="chat", messages=messages_for(problem.question),
@@ -242,7 +253,8 @@ def _outcome(messages: list, problem: Problem, config: Config, seconds: float) -
     first = next(m for m in messages if isinstance(m, Delta) and m.index == 0 and m.finish_reason is not None)
     answer = first.search.answer if first.search else None
     return Outcome(answer, grade(answer, problem), finished.search.tokens_generated,
-                   finished.search.verifier_tokens_prefilled, seconds)
+                   finished.search.verifier_tokens_prefilled, seconds, finished.search.anchor_tokens,
+                   bool(finished.search.answered_by_anchor))
 
 
 def summarize(config: Config, problems: list[Problem], outcomes: list[Outcome], seconds: float) -> dict:
@@ -260,6 +272,8 @@ def summarize(config: Config, problems: list[Problem], outcomes: list[Outcome], 
             "accuracy": round(correct / total, 3), "ci95": [round(low, 3), round(high, 3)], "by_level": by_level,
             "tokens_generated": round(generated / total, 1),
             "verifier_tokens": round(sum(o.verifier_tokens for o in outcomes) / total, 1),
+            "anchor_tokens": round(sum(o.anchor_tokens for o in outcomes) / total, 1),
+            "answered_by_anchor": sum(o.by_anchor for o in outcomes),
             "seconds": round(seconds, 2), "tok_s": round(generated / seconds, 2) if seconds else 0.0,
             "answers": [o.answer for o in outcomes], "statuses": [o.status for o in outcomes]}
 
@@ -343,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup = Setup(max_tokens=args.max_tokens or chosen["max_tokens"], max_steps=args.max_steps or chosen["max_steps"],
                   max_step_tokens=args.max_step_tokens or chosen["max_step_tokens"], seed=args.seed,
-                  temperature=args.temperature or Setup.temperature)
+                  temperature=args.temperature or Setup.temperature, greedy_anchor=not args.no_greedy_anchor)
     with torch_threads(args.threads):
         results = run(options, with_baselines(configs), problems, setup, concurrency=args.concurrency)
     results["dataset"] = args.dataset
@@ -453,6 +467,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="problems in the engine at a time (needs --deterministic; default 1)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, as the other benchmarks: shared cores)")
+    parser.add_argument("--no-greedy-anchor", action="store_true",
+                        help="run the verifier methods without the greedy anchor (runtime.search.anchor)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None,
                         help="PNG path (default: next to --json, else bench/out/accuracy.png)")

@@ -16,14 +16,17 @@ def table(results: dict) -> str:
             f"{results['temperature']}, {results['threads']} threads",
             f"{'method':<22} {'N':>3} {'accuracy':>9} {'95% CI':>13} {'unparsed':>9} "
             + " ".join(f"{'L' + str(level):>5}" for level in levels)
-            + f" {'gen tok':>8} {'verif tok':>10} {'seconds':>8} {'tok/s':>7}"]
+            + f" {'gen tok':>8} {'anchor tok':>10} {'by anchor':>9} {'verif tok':>10} {'seconds':>8} {'tok/s':>7}"]
     for r in results["results"]:
         low, high = r["ci95"]
         rows.append(f"{r['label']:<22} {r['n']:>3} {r['accuracy']:>9.3f} {f'{low:.2f}-{high:.2f}':>13} "
                     f"{r['unparsed']:>9} " + " ".join(f"{r['by_level'][str(level)]:>5.2f}" for level in levels)
-                    + f" {r['tokens_generated']:>8.1f} {r['verifier_tokens']:>10.1f} {r['seconds']:>8.1f} "
+                    + f" {r['tokens_generated']:>8.1f} {r.get('anchor_tokens', 0.0):>10.1f} "
+                    f"{r.get('answered_by_anchor', 0):>9} {r['verifier_tokens']:>10.1f} {r['seconds']:>8.1f} "
                     f"{r['tok_s']:>7.1f}")
-    rows.append("tokens are per problem (generator sampled, verifier prefilled); seconds for the whole set")
+    rows.append("tokens are per problem (generator sampled, of them the greedy anchor's, verifier prefilled); by "
+                "anchor: problems answered with greedy's text because no candidate outranked it; seconds for the "
+                "whole set")
     rows += paired.comparison_lines(results["comparisons"], results["alpha"])
     return "\n".join(rows)
 

@@ -9,7 +9,11 @@ The same seed always gives the same problems (one `random.Random(seed)` drives e
 3. plain multi-digit arithmetic: two-digit plus or minus two-digit, two-digit times one-digit;
 4. word problems in two steps (buy and give away, packs plus what one had, change from a bill);
 5. word problems in three steps (packs, a gift and what one had; wages over two days less spending;
-   rows of chairs, some taken away and some brought in).
+   rows of chairs, some taken away and some brought in);
+6. word problems in one step, each operation alike often: more bought (+), some given away (-),
+   boxes of equal size (x), a number shared equally (/, always exact);
+7. word problems in two steps, each pairing two operations: boxes less a gift (x, -), two gifts shared
+   equally (+, /), a share of what is left (-, /), what one had plus boxes (x, +).
 
 Every answer is a non-negative integer, computed alongside the text that states it. A user's own set
 (`bench.datasets`) gives Problems too, with the answer as the file writes it and a level when it has one.
@@ -25,7 +29,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-LEVELS = (1, 2, 3, 4, 5)
+LEVELS = (1, 2, 3, 4, 5, 6, 7)
+WORD_LEVELS = (4, 5, 6, 7)
 
 NAMES = ("Ava", "Ben", "Chloe", "Dan", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Kate", "Leo", "Mia",
          "Noah", "Olivia", "Sam")
@@ -136,4 +141,48 @@ def _level_5(rng: random.Random) -> Problem:
                       f"more are brought in. How many chairs are in the hall now?", rows * per_row - removed + added)
 
 
-_MAKERS = {1: _level_1, 2: _level_2, 3: _level_3, 4: _level_4, 5: _level_5}
+def _level_6(rng: random.Random) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randint(3, 40), rng.randint(2, 30)
+        return Problem(6, f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b)
+    if kind == 1:
+        a = rng.randint(8, 60)
+        b = rng.randint(2, a - 1)
+        return Problem(6, f"{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?", a - b)
+    if kind == 2:
+        a, b = rng.randint(2, 9), rng.randint(2, 12)
+        box = rng.choice(CONTAINERS)
+        return Problem(6, f"{name} has {a} {box} with {b} {item} in each. How many {item} does {name} have?", a * b)
+    friends, each = rng.randint(2, 9), rng.randint(2, 12)
+    return Problem(6, f"{name} shares {friends * each} {item} equally among {friends} friends. How many {item} "
+                      f"does each friend get?", each)
+
+
+def _level_7(rng: random.Random) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    box = rng.choice(CONTAINERS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randint(2, 9), rng.randint(3, 12)
+        c = rng.randint(1, a * b - 1)
+        return Problem(7, f"{name} has {a} {box} with {b} {item} in each and gives away {c} {item}. How many "
+                          f"{item} does {name} have left?", a * b - c)
+    if kind == 1:
+        friends, each = rng.randint(2, 6), rng.randint(3, 12)
+        a = rng.randint(1, friends * each - 1)
+        return Problem(7, f"{name} gets {a} {item} from one friend and {friends * each - a} {item} from another, "
+                          f"then shares them equally among {friends} children. How many {item} does each child "
+                          f"get?", each)
+    if kind == 2:
+        friends, each = rng.randint(2, 6), rng.randint(2, 10)
+        gone = rng.randint(1, 20)
+        return Problem(7, f"{name} has {friends * each + gone} {item}, loses {gone}, and shares the rest equally "
+                          f"among {friends} friends. How many {item} does each friend get?", each)
+    a, b, c = rng.randint(2, 30), rng.randint(2, 9), rng.randint(2, 12)
+    return Problem(7, f"{name} has {a} {item} and buys {b} {box} with {c} {item} in each. How many {item} does "
+                      f"{name} have now?", a + b * c)
+
+
+_MAKERS = {1: _level_1, 2: _level_2, 3: _level_3, 4: _level_4, 5: _level_5, 6: _level_6, 7: _level_7}

@@ -102,7 +102,7 @@ class StreamOptions(_Body):
 class SearchRequest(_Wire):
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Literal["best_of_n", "beam", "dvts", "dynamic_branching"] = "beam"
+    strategy: Literal["best_of_n", "beam", "dvts", "dynamic_branching", "particle_filtering"] = "beam"
     n: int = Field(8, ge=1)
     beam_width: int = Field(4, ge=1)
     max_steps: int = Field(40, ge=1)
@@ -116,6 +116,8 @@ class SearchRequest(_Wire):
     answer_pattern: str | None = None
     # Seconds the search may run before it answers with the best path found so far; None: the server's cap.
     timeout_s: float | None = None
+    # One more path decoded greedily, the answer unless a candidate outranks it (docs/search-greedy-anchor.md).
+    greedy_anchor: bool = True
 
     def to_params(self, include_events: bool, default_timeout_s: float) -> SearchParams:
         fields = self.model_dump()

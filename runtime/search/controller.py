@@ -24,6 +24,7 @@ from runtime.model.detokenizer import StepText
 from runtime.wire.protocol import SamplingParams, SearchParams
 from runtime.model.sampler import SamplingState, derive_seed
 from runtime.search.ahead import DecodingAhead
+from runtime.search.anchor import ANCHOR_UID, anchor_params
 from runtime.search.aggregate import normalize_step
 from runtime.search.answers import compile_answer_pattern
 from runtime.search.host import SearchHost
@@ -51,7 +52,7 @@ class SearchController(DecodingAhead, SearchOutput):
         self.question = question
         self.max_tokens = max_tokens
         self.verifier = verifier
-        self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width)
+        self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width, params.seed)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
         self.plan = SearchPlan()  # what it asked of the engine since the engine last took it
@@ -82,6 +83,7 @@ class SearchController(DecodingAhead, SearchOutput):
         self.timed_out = False
         self.cut_step_verified: bool | None = None
         self.scores_before: dict[SearchPath, int] = {}  # per path under verification: its scores before it
+        self.anchor: SearchPath | None = None  # the greedy path beside the strategy's (runtime.search.anchor)
 
     def take_plan(self) -> SearchPlan:
         """What it asked of the engine since the engine last took it, in the order asked."""
@@ -110,13 +112,15 @@ class SearchController(DecodingAhead, SearchOutput):
         self._settle()
 
     # -- paths ----------------------------------------------------------------------------------
-    def _new_path(self, seq: Sequence, subtree: int, parent: SearchPath | None = None) -> SearchPath:
-        """A path on `seq`: a first one, or a child forked from `parent` at its step's end."""
-        uid = self.next_uid
-        self.next_uid += 1
+    def _new_path(self, seq: Sequence, subtree: int, parent: SearchPath | None = None, *,
+                  anchor: bool = False) -> SearchPath:
+        """A path on `seq`: a first one (the greedy anchor with `anchor`), or a child forked from
+        `parent` at its step's end."""
+        uid = ANCHOR_UID if anchor else self.next_uid
+        self.next_uid += 0 if anchor else 1
         self.stats["paths_explored"] += 1
-        sampling = SamplingState(self.params, derive_seed(self.params.seed, uid), self.host.device,
-                                 track_logprobs=True)
+        sampling = SamplingState(anchor_params(self.params) if anchor else self.params,
+                                 derive_seed(self.params.seed, uid), self.host.device, track_logprobs=True)
         if parent is not None and parent.sampling.constraint is not None:  # not its speculative tokens
             sampling.constraint = parent.sampling.constraint.fork(parent.step_end - len(self.prompt_ids))
         elif self.grammar is not None:
@@ -131,6 +135,9 @@ class SearchController(DecodingAhead, SearchOutput):
         self.num_cached_tokens = root.num_cached_tokens
         self.stats["prefix_hit_tokens"] += root.num_cached_tokens
         paths = [self._new_path(self.plan.fork(root), subtree) for subtree in self.strategy.initial_paths()]
+        if self.search.greedy_anchor and not self.params.is_greedy:
+            self.anchor = self._new_path(self.plan.fork(root), ANCHOR_UID, anchor=True)
+            paths.append(self.anchor)
         self.plan.release(root)
         self.tree.change(self.tree.add(None, 0), "kept", text=self.question)  # the root, every path's node
         self._start_step(paths)
@@ -340,8 +347,10 @@ class SearchController(DecodingAhead, SearchOutput):
         self.stats["seconds_verifying"] += now - self._phase_started
         self._phase_started = now
         stepped, self.stepped = self.stepped, []
-        if self.verify_now:
-            final, live = self.strategy.settle(stepped)
+        if self.verify_now:  # the anchor is no strategy's: it lives until it is done
+            final, live = self.strategy.settle([p for p in stepped if p is not self.anchor])
+            if self.anchor in stepped:
+                (final if self.anchor.is_done else live).append(self.anchor)
         else:
             final, live = [p for p in stepped if p.is_done], [p for p in stepped if not p.is_done]
         for path in final:
@@ -371,23 +380,10 @@ class SearchController(DecodingAhead, SearchOutput):
         self._start_step(live)
         self.tree.flush()
 
-    def _record_steps(self, stepped: list[SearchPath], final: list[SearchPath]) -> None:
-        """Each stepped path's node gets its step's text, its verifier score if it was verified now,
-        and `finished` if its path is a candidate answer."""
-        if not self.tree.enabled:
-            return
-        for path in stepped:
-            text = self.host.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
-                                                skip_special_tokens=True)
-            scored = (self.verify_now or path.is_done) and path.step_scores
-            self.tree.change(path.node, "running", text, path.step_scores[-1] if scored else None)
-        for path in final:
-            self.tree.change(path.node, "finished")
-
     def _expand(self, live: list[SearchPath]) -> list[SearchPath]:
-        expansion = self.strategy.expand(live)
-        by_uid = {p.uid: p for p in live}
-        continuing: list[SearchPath] = []
+        by_uid = {p.uid: p for p in live if p is not self.anchor}
+        expansion = self.strategy.expand(list(by_uid.values()))
+        continuing = [self.anchor] if self.anchor in live else []
         for uid, count in zip(expansion.parents, expansion.children):
             parent = by_uid.pop(uid)
             for _ in range(count - 1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from runtime.wire.protocol import Delta, Finished, SearchEvent, SearchSummary, StepScore
+from runtime.search.anchor import anchor_first
 from runtime.search.answers import Candidate, extract_answer, select, structured_answer
 from runtime.search.paths import SearchPath
 
@@ -23,12 +24,27 @@ class SearchOutput:
             self.plan.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
                                          scores=tuple(_reported(p.score) for p in live)))
 
+    def _record_steps(self, stepped: list[SearchPath], final: list[SearchPath]) -> None:
+        """Each stepped path's node gets its step's text, its verifier score if it was verified now,
+        and `finished` if its path is a candidate answer."""
+        if not self.tree.enabled:
+            return
+        for path in stepped:
+            text = self.host.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
+                                                skip_special_tokens=True)
+            scored = (self.verify_now or path.is_done) and path.step_scores
+            self.tree.change(path.node, "running", text, path.step_scores[-1] if scored else None)
+        for path in final:
+            self.tree.change(path.node, "finished")
+
     def _finish(self) -> None:
         self.is_finished = True
         form = self.answer_form  # a grammar shaped the output: its answers compare as their canonical texts
         candidates = [Candidate(structured_answer(p.text, form) if form else extract_answer(p.text, self.pattern),
                                 p.score) for p in self.final]
         order = select(candidates, self.search.select, compare_as_text=self.pattern is not None or form is not None)
+        if self.anchor is not None and self.search.select == "best":
+            order = anchor_first(order, [p.score for p in self.final], self.final.index(self.anchor), self.verifier)
         chosen = [self.final[i] for i in order[:self.params.n]]
         returned = 0
         for index, path in enumerate(chosen):
@@ -53,8 +69,15 @@ class SearchOutput:
             search=SearchSummary(strategy=self.search.strategy, steps=self.step_index, tokens_returned=returned,
                                  timed_out=self.timed_out,
                                  cut_step_verified=self.cut_step_verified if self.timed_out else None,
-                                 **self.stats)))
+                                 **self._anchor_summary(chosen[0]), **self.stats)))
         self.plan.answered()
+
+    def _anchor_summary(self, answer: SearchPath) -> dict:
+        """The greedy anchor's part of the summary (runtime.search.anchor); none when no anchor ran."""
+        if self.anchor is None:
+            return {}
+        return dict(anchor_tokens=self.anchor.step_end - len(self.prompt_ids),
+                    answered_by_anchor=answer is self.anchor and self.search.select == "best")
 
 
 def _reported(score: float) -> float | None:

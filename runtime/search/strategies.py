@@ -7,6 +7,8 @@ path that continues, how many children it gets (a parent with one child simply c
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,9 +63,10 @@ class Strategy:
     #: a subtree stops when its path emits this text (DVTS)
     stops_on_boxed = False
 
-    def __init__(self, n: int, beam_width: int) -> None:
+    def __init__(self, n: int, beam_width: int, seed: int | None = None) -> None:
         self.n = n
         self.beam_width = beam_width
+        self.seed = seed  # the request's sampling seed: a strategy that draws at random draws from it
 
     def initial_paths(self) -> list[int]:
         """The subtree of each initial path (all start from the prompt)."""
@@ -144,12 +147,69 @@ class DVTS(Strategy):
         return final, live
 
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BestOfN, BeamSearch, DynamicBranching, DVTS)}
+# its_hub's clip before the logit: a score of exactly 0 or 1 would weigh -inf or +inf.
+SCORE_CLIP = 1e-7
 
 
-def make_strategy(name: str, n: int, beam_width: int) -> Strategy:
+class ParticleFiltering(Strategy):
+    """Particle filtering (Puri et al. 2025), weighted as its_hub weighs it: the n paths are particles;
+    after each verified step every particle, live or finished, weighs softmax(logit(score)) over them
+    all (score clipped to [1e-7, 1 - 1e-7]), and n particles are drawn with those weights, with
+    replacement (multinomial resampling). A live particle drawn k times goes on with k children, one
+    never drawn is pruned; a draw of a finished particle keeps nothing running (its answer is already
+    a candidate), so the live set shrinks as the finished ones gain weight. The draws come from a
+    generator seeded with the request's seed: the same seed gives the same tokens."""
+
+    name = "particle_filtering"
+
+    def __init__(self, n: int, beam_width: int, seed: int | None = None) -> None:
+        super().__init__(n, beam_width, seed)
+        self.rng = random.Random(seed) if seed is not None else random.Random()
+        self.finished: list[PathView] = []  # stays in the population: its weight keeps drawing
+
+    def settle(self, stepped: Sequence[PathView]) -> tuple[list[PathView], list[PathView]]:
+        final, live = super().settle(stepped)
+        self.finished.extend(sorted(final, key=lambda p: p.uid))
+        return final, live
+
+    def expand(self, live: Sequence[PathView]) -> Expansion:
+        live = sorted(live, key=lambda p: p.uid)
+        population = live + self.finished
+        if not live:
+            return Expansion((), ())
+        draws = self.rng.choices(range(len(population)), weights=particle_weights([p.score for p in population]),
+                                 k=self.n)
+        counts = [draws.count(i) for i in range(len(live))]
+        pairs = [(p.uid, c) for p, c in zip(live, counts) if c > 0]
+        return Expansion(tuple(u for u, _ in pairs), tuple(c for _, c in pairs))
+
+
+def particle_weights(scores: Sequence[float]) -> list[float]:
+    """softmax(logit(score)) over the particles; a particle never scored (-inf) weighs nothing, unless
+    none was scored (then all weigh the same)."""
+    logits = [_logit(score) for score in scores]
+    top = max(logits)
+    if top == -math.inf:
+        return [1.0 / len(scores)] * len(scores)
+    exps = [math.exp(x - top) for x in logits]
+    total = math.fsum(exps)
+    return [e / total for e in exps]
+
+
+def _logit(score: float) -> float:
+    if not math.isfinite(score):
+        return -math.inf
+    clipped = min(max(score, SCORE_CLIP), 1 - SCORE_CLIP)
+    return math.log(clipped / (1 - clipped))
+
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BestOfN, BeamSearch, DynamicBranching, DVTS,
+                                                                   ParticleFiltering)}
+
+
+def make_strategy(name: str, n: int, beam_width: int, seed: int | None = None) -> Strategy:
     if name not in STRATEGIES:
         raise ValueError(f"unknown search strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
     if name == "dvts" and n % beam_width:
         raise ValueError("dvts needs n to be a multiple of beam_width")
-    return STRATEGIES[name](n, beam_width)
+    return STRATEGIES[name](n, beam_width, seed)

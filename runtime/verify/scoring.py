@@ -1,7 +1,8 @@
 """How the search engine scores steps with each kind of verifier.
 
 - `confidence`: the generator's own mean token log-probability of the unit, kept while sampling.
-- `calculator`: a calculator checks the arithmetic the path has written so far; the verdict's tier,
+- `calculator`: a calculator checks the arithmetic the path has written so far, grounded in the
+  question (the last user message, the prompt text, or the decoded prompt tokens); the verdict's tier,
   ordered within by the unit's confidence (`runtime.verify.verifiers.calculator`). Free as well.
 - `judge`: the generator (or another causal LM served by the same engine) asked whether the latest
   step is correct. Each question is a prefill-only sequence in the engine's paged store, so its KV
@@ -50,9 +51,23 @@ class CalculatorScorer:
     name = "calculator"
     is_free = True  # no model: a regular expression and exact arithmetic over the path's text
 
+    @staticmethod
+    def outranks(score: float, anchor_score: float) -> bool:
+        """The greedy anchor's margin (runtime.search.anchor): a candidate must reach a higher tier."""
+        return calculator.tier_of_score(score) > calculator.tier_of_score(anchor_score)
+
     def submit(self, controller, paths) -> None:
+        question = calculator_question(controller)
         for path in paths:
-            controller.on_score(path, calculator.step_score(path.scoring_units(), unit_confidence(path)))
+            controller.on_score(path, calculator.step_score(path.scoring_units(), unit_confidence(path), question))
+
+
+def calculator_question(controller) -> str:
+    """The text whose numbers ground the calculator's operands: the search's question, or, for a
+    prompt given as token ids (no text), the prompt decoded."""
+    if controller.question:
+        return controller.question
+    return controller.host.tokenizer.decode(controller.prompt_ids, skip_special_tokens=True)
 
 
 @dataclass(eq=False)

@@ -61,6 +61,8 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     include_events: bool = False
     include_tree: bool = False  # send the search tree as it grows (SearchTree messages)
     timeout_s: float | None = None  # past this, running steps end at their next token and the best path answers
+    # One more path decoded at temperature 0; the answer unless a candidate outranks it (runtime.search.anchor).
+    greedy_anchor: bool = True
 
 
 class Constraint(msgspec.Struct, frozen=True, kw_only=True):
@@ -277,6 +279,10 @@ class SearchSummary(msgspec.Struct, frozen=True, kw_only=True):
     # is), or the answer was chosen by the scores of the last step verified in full (a model's
     # verification is not started past the deadline, and one still running then is abandoned).
     cut_step_verified: bool | None = None
+    # With a greedy anchor (runtime.search.anchor): the tokens it decoded, and whether it is the answer
+    # because no candidate outranked it; None when no anchor ran (greedy_anchor off, or temperature 0).
+    anchor_tokens: int = 0
+    answered_by_anchor: bool | None = None
 
 
 class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

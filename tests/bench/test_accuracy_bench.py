@@ -28,6 +28,35 @@ def test_every_answer_is_what_its_question_states():
         assert problem.answer >= 0 and problem.gold == str(problem.answer)
 
 
+# Each word-problem template of levels 6 and 7, read back: its numbers in order -> its answer.
+WORD_TEMPLATES = [
+    (r"has (\d+) \w+ and buys (\d+) more\.", lambda a, b: a + b),
+    (r"has (\d+) \w+ and gives away (\d+)\.", lambda a, b: a - b),
+    (r"has (\d+) \w+ with (\d+) \w+ in each\. How", lambda a, b: a * b),
+    (r"shares (\d+) \w+ equally among (\d+) friends\.", lambda a, b: a / b),
+    (r"has (\d+) \w+ with (\d+) \w+ in each and gives away (\d+)", lambda a, b, c: a * b - c),
+    (r"gets (\d+) \w+ from one friend and (\d+) \w+ from another, then shares them equally among (\d+)",
+     lambda a, b, c: (a + b) / c),
+    (r"has (\d+) \w+, loses (\d+), and shares the rest equally among (\d+)", lambda a, b, c: (a - b) / c),
+    (r"has (\d+) \w+ and buys (\d+) \w+ with (\d+) \w+ in each\.", lambda a, b, c: a + b * c),
+]
+
+
+def test_every_word_problem_of_levels_6_and_7_states_its_answer_and_each_template_occurs():
+    import re
+
+    seen = set()
+    for problem in problem_set(5, 60, levels=(6, 7)):
+        matched = [(i, m) for i, (pattern, _) in enumerate(WORD_TEMPLATES)
+                   if (m := re.search(pattern, problem.question))]
+        assert len(matched) == 1, problem.question
+        index, match = matched[0]
+        assert problem.answer == WORD_TEMPLATES[index][1](*map(int, match.groups())), problem.question
+        assert problem.level == (6 if index < 4 else 7)
+        seen.add(index)
+    assert seen == set(range(len(WORD_TEMPLATES)))
+
+
 def test_every_generated_answer_is_graded_correct():
     for problem in problem_set(1, 20):
         assert accuracy.grade(problem.gold, problem) == "correct"
@@ -72,15 +101,16 @@ def test_a_verifier_from_the_config_is_a_known_verifier():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--methods", "greedy,sampling"], "unknown method 'sampling'; expected one of greedy, majority, "
-                                       "best_of_n, beam, dvts"),
+                                       "best_of_n, beam, dvts, particle_filtering"),
     (["--n", "4,0"], "N must be at least 1, got 0"),
     (["--n", "four"], "N must be a comma-separated list of integers, got 'four'"),
     (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
-    (["--levels", "2,6"], "unknown level 6; levels are 1, 2, 3, 4, 5"),
+    (["--levels", "2,8"], "unknown level 8; levels are 1, 2, 3, 4, 5, 6, 7"),
     (["--levels", "two"], "--levels must be a comma-separated list of integers, got 'two'"),
     (["--limit", "0"], "--limit must be at least 1, got 0"),
     (["--configs", "beam:calculator"], "--configs takes method[:verifier]@N, got 'beam:calculator'"),
-    (["--configs", "beam@8"], "'beam@8': best_of_n, beam, dvts take a verifier, greedy and majority none"),
+    (["--configs", "beam@8"],
+     "'beam@8': best_of_n, beam, dvts, particle_filtering take a verifier, greedy and majority none"),
     (["--configs", "beam:oracle@8"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
     (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
     (["--concurrency", "4"], "--concurrency above 1 needs --deterministic: otherwise a problem's answer would "
@@ -118,7 +148,9 @@ def test_a_tiny_model_run_reports_every_configuration_and_plots(tiny_llama, tmp_
     for row in results["results"]:
         assert row["correct"] + row["unparsed"] <= row["problems"] == len(LEVELS)
         assert 0.0 <= row["ci95"][0] <= row["accuracy"] <= row["ci95"][1] <= 1.0
-        assert 0 < row["tokens_generated"] <= 8 * row["n"]
+        # the verifier methods add the greedy anchor's path to their N (8 tokens at most too)
+        assert 0 < row["tokens_generated"] <= 8 * row["n"] + (row["anchor_tokens"] if row["verifier"] else 0)
+        assert 0 <= row["anchor_tokens"] <= (8 if row["verifier"] else 0)
         assert len(row["answers"]) == len(LEVELS)
         if row["verifier"] == "judge" and row["method"] != "dvts":
             assert row["verifier_tokens"] > 0

@@ -32,7 +32,8 @@ def search(**kw):
 
 
 @pytest.mark.parametrize("strategy, select", [
-    ("best_of_n", "best"), ("beam", "majority"), ("dvts", "weighted_majority"), ("dynamic_branching", "best")])
+    ("best_of_n", "best"), ("beam", "majority"), ("dvts", "weighted_majority"), ("dynamic_branching", "best"),
+    ("particle_filtering", "best")])
 @pytest.mark.parametrize("verifier", ["confidence", "judge"])
 def test_each_strategy_returns_ranked_choices_with_scores(client, strategy, select, verifier):
     resp = client.chat.completions.create(
@@ -50,9 +51,22 @@ def test_each_strategy_returns_ranked_choices_with_scores(client, strategy, sele
         assert choice["search"]["score"] <= body["choices"][0]["search"]["score"]
 
 
-def test_streamed_search_concatenates_to_the_final_answer_with_events(client, server):
+@pytest.mark.parametrize("greedy_anchor", [True, False])
+def test_the_greedy_anchor_is_asked_for_and_reported_through_the_api(client, greedy_anchor):
+    resp = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=24, temperature=1.0, seed=5,
+        extra_body={"search": search(greedy_anchor=greedy_anchor)})
+    summary = resp.model_dump()["search"]
+    if greedy_anchor:  # the tiny model's greedy text is its most confident: no sampled path outranks it
+        assert summary["answered_by_anchor"] is True and 0 < summary["anchor_tokens"] <= 24
+    else:
+        assert summary["answered_by_anchor"] is None and summary["anchor_tokens"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["beam", "particle_filtering"])
+def test_streamed_search_concatenates_to_the_final_answer_with_events(client, server, strategy):
     kwargs = dict(messages=MESSAGES, max_tokens=24, temperature=1.0, seed=9,
-                  extra_body={"search": search(n=4, beam_width=2)})
+                  extra_body={"search": search(n=4, beam_width=2, strategy=strategy)})
     model = client.models.list().data[0].id
     final = client.chat.completions.create(model=model, **kwargs).choices[0].message.content
     with httpx.stream("POST", server + "/v1/chat/completions", timeout=60, json={
@@ -80,13 +94,14 @@ def test_search_over_the_caps_or_malformed_is_a_400(client, extra, param):
     assert err.value.body["param"] == param
 
 
-def test_cancelled_search_frees_every_block(server):
+@pytest.mark.parametrize("strategy", ["beam", "particle_filtering"])
+def test_cancelled_search_frees_every_block(server, strategy):
     used = lambda: metric(server, "ponder_kv_blocks", tier="cpu", state="used")  # noqa: E731
     time.sleep(0.6)  # let statistics of earlier searches arrive (they are sent every 0.2 s)
     steps_before = metric(server, "ponder_search_steps_total")
     # 16 paths x 480 tokens: seconds of work even on a fast machine; the client leaves after 0.3 s.
     body = {"messages": MESSAGES, "max_tokens": 480, "stream": True, "ignore_eos": True,
-            "search": search(n=16, max_steps=100, max_step_tokens=5)}
+            "search": search(n=16, max_steps=100, max_step_tokens=5, strategy=strategy)}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -97,4 +112,4 @@ def test_cancelled_search_frees_every_block(server):
         time.sleep(0.1)
     time.sleep(0.5)
     assert metric(server, "ponder_search_steps_total") == steps_before  # it never finished: it was aborted
-    assert metric(server, "ponder_search_requests_total", strategy="beam") >= 1
+    assert metric(server, "ponder_search_requests_total", strategy=strategy) >= 1

@@ -5,13 +5,22 @@ A step's claims are the equations it states, `expression = number` (`52 + 3 = 65
 A stated final answer (`\\boxed{...}`, "the final answer is ...") is a claim too: it must equal the true
 value of the last expression the path computed before it or in the same step.
 
-The verdict is on the path so far, as a process reward model's is (is the solution correct up to
-here?), in three tiers:
-- 0, refuted: some claim up to and including this step is false;
-- 1, unchecked: nothing to check yet (no equation, or none the calculator reads);
-- 2, checked: at least one claim holds and none fails.
+Each claim must also be grounded (`runtime.verify.verifiers.grounding`): every operand a number the
+question states, a result the path computed before it, or a constant the question's units imply. A
+true equation over a number from nowhere (`Sara has 12 pencils and gives away 5` ... `12 - 6 = 6`) is
+unsupported, and so is the path from there on. The stated answer must be the last supported result:
+one that contradicts the last result is refuted, and one that is the result of an unsupported claim
+leaves the path unsupported (it already is).
 
-The step's score is (tier + confidence) / 3, where confidence is the generator's own geometric-mean
+The verdict is on the path so far, as a process reward model's is (is the solution correct up to
+here?), in four tiers; the worst claim up to and including this step decides:
+- 0, refuted: some claim is false, or the stated answer contradicts the last result;
+- 1, unsupported: the claims hold, but one computes with a number the problem does not support;
+- 2, unchecked: nothing to check yet (no equation, or none the calculator reads);
+- 3, checked: at least one claim holds, every one is grounded, and none fails.
+A number from nowhere is evidence of a wrong setup, so it ranks below a path with nothing to check.
+
+The step's score is (tier + confidence) / 4, where confidence is the generator's own geometric-mean
 token probability of the step (the `confidence` verifier, free while sampling): the calculator decides
 the tier and confidence orders paths within it. On text with no arithmetic it ranks paths exactly as
 `confidence` does. Pure Python: no model, no tensors, no `eval`.
@@ -26,8 +35,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-REFUTED, UNCHECKED, CHECKED = 0, 1, 2
-TIERS = 3
+from runtime.verify.verifiers.grounding import is_supported, operands, question_numbers
+
+REFUTED, UNSUPPORTED, UNCHECKED, CHECKED = 0, 1, 2, 3
+TIERS = 4
 
 _NUMBER = r"\d+(?:\.\d+)?"
 _OPERAND = rf"(?:\(\s*)*-?{_NUMBER}(?:\s*\))*"
@@ -53,6 +64,8 @@ class Claim:
     expression: str
     stated: str
     value: float | None  # the expression's true value; None when the calculator cannot evaluate it
+    # The values of the left sides a chain stated before it (`3 + 4 = 7 + 1 = 8`: 7 for `7 + 1`).
+    chained: tuple[float, ...] = ()
 
     @property
     def holds(self) -> bool:
@@ -74,11 +87,18 @@ def claims(text: str) -> list[Claim]:
     (`= 7 + 1`) is no claim of a number: it is skipped, and its own equation (if any) is read next."""
     text = normalize(text)
     found = []
+    chained: list[float] = []
     for match in _CLAIM.finditer(text):
         expression, stated = match.group(1), match.group(2)
-        if _AFTER_RIGHT.match(text, match.end()) or len(expression) > _MAX_CLAIM_CHARS:
+        if len(expression) > _MAX_CLAIM_CHARS:
+            chained = []
             continue
-        found.append(Claim(expression, stated, evaluate(expression)))
+        if _AFTER_RIGHT.match(text, match.end()):
+            value = evaluate(expression)
+            chained = chained + [value] if value is not None else []
+            continue
+        found.append(Claim(expression, stated, evaluate(expression), tuple(chained)))
+        chained = []
     return found
 
 
@@ -121,9 +141,11 @@ def agrees(value: float, stated: str) -> bool:
     return abs(value - number) <= 0.5 * 10 ** -decimals + 1e-12
 
 
-def tier(steps: Sequence[str]) -> int:
-    """The calculator's verdict on a path made of `steps`: REFUTED, UNCHECKED or CHECKED."""
-    checked = False
+def tier(steps: Sequence[str], question: str) -> int:
+    """The calculator's verdict on a path made of `steps` for `question`: REFUTED, UNSUPPORTED,
+    UNCHECKED or CHECKED."""
+    known = set(question_numbers(question))
+    checked, grounded = False, True
     last_value: float | None = None
     for step in steps:
         for claim in claims(step):
@@ -131,11 +153,16 @@ def tier(steps: Sequence[str]) -> int:
                 continue
             if not claim.holds:
                 return REFUTED
+            known.update(claim.chained)
+            grounded = grounded and all(is_supported(operand, known) for operand in operands(claim.expression))
             checked = True
+            known.add(claim.value)
             last_value = claim.value
         number = answer_number(step)
         if number is not None and last_value is not None and not agrees(last_value, number):
             return REFUTED
+    if not grounded:
+        return UNSUPPORTED
     return CHECKED if checked else UNCHECKED
 
 
@@ -151,6 +178,12 @@ def answer_number(step: str) -> str | None:
     return found.group(1) if found else None
 
 
-def step_score(steps: Sequence[str], confidence: float) -> float:
+def step_score(steps: Sequence[str], confidence: float, question: str) -> float:
     """The score of a path's newest step: its tier, ordered within by the step's `confidence` in [0, 1]."""
-    return (tier(steps) + min(max(confidence, 0.0), 1.0)) / TIERS
+    return (tier(steps, question) + min(max(confidence, 0.0), 1.0)) / TIERS
+
+
+def tier_of_score(score: float) -> int:
+    """The tier a step score was given in. A confidence is never 0 (it is a probability's exp-mean) but
+    may round to 1, so a score on a boundary, (t + 1) / TIERS, is tier t at full confidence."""
+    return max(0, math.ceil(score * TIERS) - 1)

@@ -65,8 +65,10 @@ def hf(tiny_llama):
 ])
 def test_engine_search_selects_what_the_reference_selects(engine, hf, strategy, verifier, granularity, select,
                                                           lookahead):
+    # The reference is the strategies alone: no greedy anchor (tests/runtime/search/test_search_anchor.py).
     request = search_request(f"{strategy}-{verifier}-{granularity}-{lookahead}", strategy=strategy,
-                             verifier=verifier, granularity=granularity, select=select, lookahead=lookahead)
+                             verifier=verifier, granularity=granularity, select=select, lookahead=lookahead,
+                             greedy_anchor=False)
     messages = run_search(engine, request)
     prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
         list(request.messages), add_generation_prompt=True, tokenize=False), add_special_tokens=False)
@@ -82,8 +84,10 @@ def test_engine_search_selects_what_the_reference_selects(engine, hf, strategy, 
     engine.pool.check_integrity([])
 
 
-def test_committed_stream_concatenates_to_the_winner_and_events_are_sent(engine):
-    messages = run_search(engine, search_request("stream", n=4, beam_width=2, max_steps=5))
+@pytest.mark.parametrize("strategy", ["beam", "particle_filtering"])
+def test_committed_stream_concatenates_to_the_winner_and_events_are_sent(engine, strategy):
+    messages = run_search(engine, search_request(f"stream-{strategy}", n=4, beam_width=2, max_steps=5,
+                                                 strategy=strategy))
     deltas = [m for m in messages if isinstance(m, Delta) and m.index == 0]
     final = [d for d in deltas if d.finish_reason][0]
     assert "".join(d.text for d in deltas) == engine_choices(messages)[0][0]
@@ -93,7 +97,7 @@ def test_committed_stream_concatenates_to_the_winner_and_events_are_sent(engine)
     finished = messages[-1]
     assert isinstance(finished, Finished)
     s = finished.search
-    assert s.strategy == "beam" and s.steps >= 1 and s.paths_explored >= 4
+    assert s.strategy == strategy and s.steps >= 1 and s.paths_explored >= 4
     assert s.tokens_generated >= s.tokens_returned > 0
     assert finished.completion_tokens == s.tokens_returned
 
@@ -106,8 +110,9 @@ def test_judge_queries_reuse_the_prefix_cache(engine):
     assert s.verifier_tokens_prefilled > 0
 
 
-def test_abort_mid_search_frees_every_block(engine):
-    engine.add_request(search_request("abort", n=8, max_steps=10))
+@pytest.mark.parametrize("strategy", ["beam", "particle_filtering"])
+def test_abort_mid_search_frees_every_block(engine, strategy):
+    engine.add_request(search_request("abort", n=8, max_steps=10, strategy=strategy))
     for _ in range(6):
         engine.step()
     assert engine.pool.num_used > 0

@@ -12,8 +12,8 @@ from tests.runtime.engine_helpers import engine_for
 MESSAGES = ({"role": "user", "content": "w1 w2 w3"},)
 
 
-def request(request_id: str, timeout_s: float | None) -> GenerateRequest:
-    search = SearchParams(strategy="beam", n=4, beam_width=2, max_steps=8, max_step_tokens=3, verifier="confidence",
+def request(request_id: str, timeout_s: float | None, strategy: str = "beam") -> GenerateRequest:
+    search = SearchParams(strategy=strategy, n=4, beam_width=2, max_steps=8, max_step_tokens=3, verifier="confidence",
                           timeout_s=timeout_s)
     return GenerateRequest(request_id=request_id, endpoint="chat", messages=MESSAGES, search=search,
                            sampling=SamplingParams(max_tokens=40, temperature=1.0, seed=4, ignore_eos=True))
@@ -52,11 +52,12 @@ def run(engine, req, clock: Clock, jump_after_step: int | None):
     return deltas, finished.search
 
 
-def test_a_search_that_runs_out_of_time_answers_with_its_best_path(tiny_llama, clock):
+@pytest.mark.parametrize("strategy", ["beam", "particle_filtering"])
+def test_a_search_that_runs_out_of_time_answers_with_its_best_path(tiny_llama, clock, strategy):
     engine = engine_for(tiny_llama, num_blocks=1024)
-    _, full = run(engine, request("full", timeout_s=60), clock, jump_after_step=None)
+    _, full = run(engine, request("full", timeout_s=60, strategy=strategy), clock, jump_after_step=None)
     assert full.steps == 8 and full.timed_out is False
-    deltas, summary = run(engine, request("cut", timeout_s=60), clock, jump_after_step=2)
+    deltas, summary = run(engine, request("cut", timeout_s=60, strategy=strategy), clock, jump_after_step=2)
     # The third step ends at the token after the deadline, is verified, and the search ends there.
     assert summary.steps == 3 and summary.timed_out is True
     assert [d.finish_reason for d in deltas] == ["length"]

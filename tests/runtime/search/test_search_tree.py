@@ -16,7 +16,7 @@ def engine(tiny_llama):
 
 def run_tree(engine, request_id, strategy, **search):
     params = dict(strategy=strategy, n=N, beam_width=BEAM_WIDTH, max_steps=STEPS, max_step_tokens=4,
-                  verifier="confidence", include_tree=True)
+                  verifier="confidence", include_tree=True, greedy_anchor=False)
     params.update(search)
     request = GenerateRequest(request_id=request_id, endpoint="chat",
                               messages=({"role": "user", "content": "w1 w2 w3"},),
@@ -67,6 +67,14 @@ def test_best_of_n_tree_is_n_independent_lines_and_one_is_selected(engine):
     statuses = {i: n["status"] for i, n in nodes.items() if i not in line}
     assert sorted(statuses.values()) == ["finished"] * (N - 1) + ["kept"] * (N - 1) * (STEPS - 1)
     assert tuple(nodes[i]["score"] for i in line[1:]) == pytest.approx(answer.search.step_scores)
+
+
+def test_the_greedy_anchor_is_one_more_line_under_the_root(engine):
+    _, plain, _ = run_tree(engine, "bon-plain", "best_of_n")
+    _, nodes, _ = run_tree(engine, "bon-anchor", "best_of_n", greedy_anchor=True)
+    assert len(nodes) == len(plain) + STEPS and len(children(nodes, 0)) == N + 1
+    line = selected_line(nodes)  # greedy is the most confident: its line is the one selected
+    assert line[1] == max(children(nodes, 0))  # forked from the prompt after the strategy's paths
 
 
 def test_beam_tree_keeps_n_over_beam_width_per_step_and_forks_them(engine):
