@@ -103,11 +103,15 @@ class Speculation:
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
 
     # -- the controller's questions ---------------------------------------------------------------
-    def open(self, *, expands_next: bool, is_last_next: bool) -> None:
-        """A step's group starts decoding: its paths may speculate once done (if the next step is not
-        past the search's last)."""
+    def open(self, done: list[SearchPath], *, expands_next: bool, is_last_next: bool) -> None:
+        """A step's group starts decoding (and a step follows it): its paths may speculate once done,
+        and so may the paths in `done`, whose step is done already (parked, nothing decoded past it)."""
         self.is_open = self.is_enabled
         self.expands_next, self.is_last_next = expands_next, is_last_next
+        for path in done:
+            if not path.speculating and path.num_speculative == 0 and path not in self.branches \
+                    and self.on_step_done(path, holds_slot=False):
+                self.search.plan.resume(path.seq)
 
     def potential(self, path: SearchPath) -> int:
         """Its most branches: the bin of its last score among `beam_width` bins of [0, 1]."""
@@ -118,9 +122,10 @@ class Speculation:
         score = min(1.0, max(0.0, path.step_scores[-1]))
         return min(self.beam_width, 1 + int(score * self.beam_width))
 
-    def on_step_done(self, path: SearchPath) -> bool:
-        """`path` (running) ended its step without ending: whether it keeps its slot as branch 0."""
-        if not self._may_run(1, new_slots=0):
+    def on_step_done(self, path: SearchPath, holds_slot: bool = True) -> bool:
+        """`path` ended its step without ending: whether it decodes on as branch 0 (in the slot it
+        holds, or in an idle one)."""
+        if not self._may_run(1, new_slots=0 if holds_slot else 1):
             return False
         path.speculating = True
         self.speculating.add(path)

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from runtime.wire.protocol import Delta, Finished
+from bench.steps import StepLog
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.test_search_engine import run_search, search_request
 
@@ -58,18 +59,14 @@ def test_speculation_changes_no_token_score_or_answer(engines, strategy, verifie
     assert adopted > 0  # children did adopt their branches' tokens
 
 
-def test_a_step_ends_sooner_when_children_start_ahead(tiny_llama, engines):
-    """Children adopt branches whose steps are already under way, so the search takes fewer model
-    steps (its answer unchanged)."""
+def test_a_search_takes_fewer_decode_steps_when_children_start_ahead(tiny_llama):
+    """Children adopt branches whose steps are already under way, so the search takes fewer decode
+    steps (fresh engines: the same pool, the same prefix cache), its answer unchanged."""
     request = search_request("steps", strategy="beam", verifier="judge", **dict(SEARCH, max_steps=6, max_step_tokens=16))
     counts = {}
-    for speculative, engine in engines.items():
-        steps = 0
-        engine.add_request(request)
-        messages = []
-        while engine.has_work:
-            messages += engine.step()
-            steps += 1
-        counts[speculative] = (steps, outcome(messages))
-    assert counts[True][1] == counts[False][1]
-    assert counts[True][0] < counts[False][0]
+    for speculative in (False, True):
+        engine = engine_for(tiny_llama, num_blocks=1024, speculative_extension=speculative)
+        steps = StepLog(engine.runner)
+        counts[speculative] = (outcome(run_search(engine, request)), len(steps.decode))
+    assert counts[True][0] == counts[False][0]
+    assert counts[True][1] < counts[False][1]
