@@ -26,6 +26,7 @@ runs the search with it off and on, on one engine each, and reports both.
 from __future__ import annotations
 
 import argparse
+import hashlib
 
 import torch
 
@@ -34,7 +35,7 @@ from bench.search import searched
 from bench.steps import LongestPath, StepLog
 from runtime.search.answers import warm_up
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import GenerateRequest
+from runtime.wire.protocol import Delta, GenerateRequest
 from server.config import Settings
 from server.schemas import ChatCompletionRequest
 
@@ -73,7 +74,7 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
     body["max_tokens"] = max_tokens or body["max_tokens"]
     request = example_request(body, settings, "bench-example")
     warm_up()  # as the runtime process does once it is ready
-    _, finished, seconds = searched(engine, request)
+    messages, finished, seconds = searched(engine, request)
     summary = finished.search
     spec = engine.stats["speculative_tokens"]
     model_steps = steps.summary()
@@ -94,9 +95,16 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
             "speculative_extension": engine.config.speculative_extension,
             "speculative_tokens_used": spec.get("used", 0), "speculative_tokens_discarded": spec.get("discarded", 0),
             "speculative_tokens_adopted": spec.get("adopted", 0),
-            "longest_path_tokens": longest.tokens, "plain_16_steps": -(-summary.tokens_generated // 16),
+            "output_digest": output_digest(messages), "longest_path_tokens": longest.tokens, "plain_16_steps": -(-summary.tokens_generated // 16),
             **model_steps,
             "steps_per_longest_path": round(model_steps["decode_steps"] / max(1, longest.tokens), 2)}
+
+
+def output_digest(messages) -> str:
+    """A short digest of every returned choice's token ids and score: equal digests, the same answers."""
+    chosen = [(m.index, m.token_ids, m.search.score if m.search else None) for m in messages
+              if isinstance(m, Delta) and m.token_ids]
+    return hashlib.sha256(repr(sorted(chosen)).encode()).hexdigest()[:16]
 
 
 def plain_rate(engine, request: GenerateRequest, tokens: int) -> float:

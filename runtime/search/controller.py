@@ -372,19 +372,6 @@ class SearchController(SearchOutput):
         self._start_step(live)
         self.tree.flush()
 
-    def _record_steps(self, stepped: list[SearchPath], final: list[SearchPath]) -> None:
-        """Each stepped path's node gets its step's text, its verifier score if it was verified now,
-        and `finished` if its path is a candidate answer."""
-        if not self.tree.enabled:
-            return
-        for path in stepped:
-            text = self.host.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
-                                                skip_special_tokens=True)
-            scored = (self.verify_now or path.is_done) and path.step_scores
-            self.tree.change(path.node, "running", text, path.step_scores[-1] if scored else None)
-        for path in final:
-            self.tree.change(path.node, "finished")
-
     def _expand(self, live: list[SearchPath]) -> list[SearchPath]:
         expansion = self.strategy.expand(live)
         by_uid = {p.uid: p for p in live}

@@ -1,4 +1,5 @@
-"""What a search sends back: the committed common prefix as it grows, progress events, the answers."""
+"""What a search sends back: the committed common prefix as it grows, progress events, its tree's
+settled steps, the answers."""
 
 from __future__ import annotations
 
@@ -22,6 +23,19 @@ class SearchOutput:
             live = sorted(live, key=lambda p: p.uid)
             self.plan.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=len(live),
                                          scores=tuple(_reported(p.score) for p in live)))
+
+    def _record_steps(self, stepped: list[SearchPath], final: list[SearchPath]) -> None:
+        """Each stepped path's node gets its step's text, its verifier score if it was verified now,
+        and `finished` if its path is a candidate answer."""
+        if not self.tree.enabled:
+            return
+        for path in stepped:
+            text = self.host.tokenizer.decode(path.seq.token_ids[path.step_start:path.step_end],
+                                                skip_special_tokens=True)
+            scored = (self.verify_now or path.is_done) and path.step_scores
+            self.tree.change(path.node, "running", text, path.step_scores[-1] if scored else None)
+        for path in final:
+            self.tree.change(path.node, "finished")
 
     def _finish(self) -> None:
         self.is_finished = True

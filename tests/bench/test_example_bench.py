@@ -48,7 +48,7 @@ def test_speculation_off_and_on_are_reported_side_by_side(tiny_llama, capsys):
     off, on = results["speculation_off"], results["speculation_on"]
     assert (off["speculative_extension"], on["speculative_extension"]) == (False, True)
     assert off["speculative_tokens_used"] + off["speculative_tokens_adopted"] + off["speculative_tokens_discarded"] == 0
-    keys = ("steps", "paths_explored", "longest_path_tokens")
+    keys = ("steps", "paths_explored", "longest_path_tokens", "output_digest")
     assert [off[k] for k in keys] == [on[k] for k in keys]  # the same search
     assert sum(line.startswith("search example: ") for line in printed) == 2
 
