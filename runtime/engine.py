@@ -410,7 +410,7 @@ class Engine:
                 self._carry_out(self.searches.get(score.request_id))
         if self.scheduler.waiting:  # speculation only fills slots nothing else wants
             for controller in list(self.searches.values()):
-                controller.speculation.stop()
+                controller.speculation.pause()
                 self._carry_out(controller)
         if self.residency is not None:
             room = max(0, self.config.max_num_seqs - len(self.scheduler.running))

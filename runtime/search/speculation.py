@@ -151,9 +151,14 @@ class Speculation:
             self.search.plan.release(branch.seq)
 
     def stop(self) -> None:
-        """Give every speculative slot back (the group is done, or other work waits); branches keep
-        their tokens, parked."""
+        """The step's group is done: every speculative slot is given back, branches keep their
+        tokens, parked, and none starts until the next group."""
         self.is_open = False
+        self.pause()
+
+    def pause(self) -> None:
+        """Other work waits: every speculative slot is given back (branches keep their tokens,
+        parked); paths ending their steps later may still speculate in slots idle by then."""
         self.wants = []
         for path in list(self.speculating):
             self._end_path(path)
