@@ -213,7 +213,8 @@ class SearchController(SearchOutput):
         if not self._out_of_time() and self.step_index < self.search.max_steps - 1:
             verifies = (self.step_index + 1) % self.search.granularity == 0 or self.step_index + 1 >= self.search.max_steps
             # Paths whose step is done already (a branch decoded it) decode their children's meanwhile.
-            self.speculation.open([p for p in self.stepped if not p.is_done], expands_next=verifies and self.strategy.expands,
+            self.speculation.open(self.to_group + self.stepped, [p for p in self.stepped if not p.is_done],
+                                  expands_next=verifies and self.strategy.expands,
                                   is_last_next=self.step_index + 1 >= self.search.max_steps - 1)
         if self.queued:
             reserve = sum(self.host.kv.num_blocks_for(len(p.seq.token_ids) + self._step_tokens(p))

@@ -14,9 +14,10 @@ starts ahead, or is already complete) and branch 0's tokens stay with the surviv
 survivor's children, and every branch of a pruned path, are released.
 
 How many branches a path may get is its speculative potential (FlashTTS section 4.1.1): the bin its
-last step score falls in among `beam_width` equal bins of [0, 1] (every verifier scores in [0, 1]),
-the highest bin giving `beam_width` branches. The first step has no score, and nothing tells its
-paths apart: they all count as the highest bin (every path's children are as many as any step's).
+last step score falls in among `beam_width` equal bins of the range of the step's paths' last scores
+(verifiers score in ranges of their own), the highest bin giving `beam_width` branches. The first
+step has no score, and nothing tells its paths apart: they all count as the highest bin (every
+path's children are as many as any step's), as do paths whose scores are all equal.
 Only branch 0 runs where the next settling expands nothing (best-of-n, a step granularity leaves
 unverified). Idle slots are handed out lazily, as paths end their steps and branches end theirs:
 highest potential first, then lower ordinals, then in the order the paths ended.
@@ -95,6 +96,7 @@ class Speculation:
         self.is_open = False  # a step's group is decoding and the step after it is not the last
         self.expands_next = False  # whether the step being decoded ends in an expansion
         self.is_last_next = False  # whether the next step is the search's last (no step delimiter)
+        self.score_range: tuple[float, float] | None = None  # of the step's paths' last scores
         self.speculating: set[SearchPath] = set()  # paths decoding past their step (branch 0)
         self.branches: dict[SearchPath, dict[int, Branch]] = {}  # parent -> ordinal -> its branch
         self.running: set[Branch] = set()
@@ -103,24 +105,28 @@ class Speculation:
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
 
     # -- the controller's questions ---------------------------------------------------------------
-    def open(self, done: list[SearchPath], *, expands_next: bool, is_last_next: bool) -> None:
-        """A step's group starts decoding (and a step follows it): its paths may speculate once done,
-        and so may the paths in `done`, whose step is done already (parked, nothing decoded past it)."""
+    def open(self, step: list[SearchPath], done: list[SearchPath], *, expands_next: bool, is_last_next: bool) -> None:
+        """A step of `step`'s paths starts a group (and a step follows it): its paths may speculate once
+        done, and so may the paths in `done`, whose step is done already (parked, nothing decoded
+        past it)."""
         self.is_open = self.is_enabled
         self.expands_next, self.is_last_next = expands_next, is_last_next
+        scores = [p.step_scores[-1] for p in step if p.step_scores]
+        self.score_range = (min(scores), max(scores)) if scores else None
         for path in done:
             if not path.speculating and path.num_speculative == 0 and path not in self.branches \
                     and self.on_step_done(path, holds_slot=False):
                 self.search.plan.resume(path.seq)
 
     def potential(self, path: SearchPath) -> int:
-        """Its most branches: the bin of its last score among `beam_width` bins of [0, 1]."""
+        """Its most branches: the bin of its last score among `beam_width` equal bins of the step's
+        range of last scores (the highest: `beam_width`; all of them where the scores do not differ)."""
         if not self.expands_next:
             return 1
-        if not path.step_scores:
+        if not path.step_scores or self.score_range is None or self.score_range[1] <= self.score_range[0]:
             return self.beam_width
-        score = min(1.0, max(0.0, path.step_scores[-1]))
-        return min(self.beam_width, 1 + int(score * self.beam_width))
+        low, high = self.score_range
+        return min(self.beam_width, 1 + int((path.step_scores[-1] - low) / (high - low) * self.beam_width))
 
     def on_step_done(self, path: SearchPath, holds_slot: bool = True) -> bool:
         """`path` ended its step without ending: whether it decodes on as branch 0 (in the slot it
