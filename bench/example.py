@@ -1,7 +1,7 @@
 """The search example of docs/benchmarks.md, timed in-process on the engine `ponder serve` builds.
 
     ponder bench example [--model PATH] [--quick] [--deterministic] [--verifier NAME] [--max-tokens N]
-                         [--json PATH]
+                         [--speculative-extension {true,false,auto,both}] [--json PATH]
 
 The request is the one docs/benchmarks.md times ("search at the engine's speed"): a chat completion
 with a beam search (n 16, beam width 4, the `judge` verifier), `max_tokens` 512, OpenAI `n` 2, seed 42,
@@ -16,21 +16,27 @@ row one token) with their mean batch size and seconds, and prefill steps (prompt
 with their tokens and seconds. Then the same engine decodes 16 sampled sequences of the example's
 prompt as one plain request (`n` 16, 64 tokens; 8 with `--quick`), and the search's tokens per second
 are given as a fraction of that rate: how close the search explores at the engine's own speed.
+Beside the decode steps stand the two figures that bound them, independent of the device: the
+search's longest path in tokens (a step lasts as long as its longest path, so no schedule takes
+fewer steps) and the steps 16 plain streams take for as many tokens (tokens / 16).
+`--speculative-extension` sets `[scheduler] speculative_extension` (default: the server's); `both`
+runs the search with it off and on, on one engine each, and reports both.
 `--verifier` and `--max-tokens` change the example's; `--quick` is a small search for a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import hashlib
 
 import torch
 
 from bench.report import columns, emit, kernel_isa
 from bench.search import searched
+from bench.steps import LongestPath, StepLog
 from runtime.search.answers import warm_up
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import GenerateRequest
+from runtime.wire.protocol import Delta, GenerateRequest
 from server.config import Settings
 from server.schemas import ChatCompletionRequest
 
@@ -47,36 +53,6 @@ QUICK = {"temperature": 0.8, "seed": 42, "max_tokens": 24, "n": 2,
                     "select": "weighted_majority"}}
 
 
-class StepLog:
-    """Wraps the engine's runner: the shape and seconds of every model step it executes."""
-
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.execute = runner.execute
-        self.decode: list[tuple[int, float]] = []  # (rows, seconds) of steps whose rows are one token each
-        self.prefill: list[tuple[int, float]] = []  # (tokens, seconds) of the other steps
-        runner.execute = self
-
-    def __call__(self, scheduled, copies, sampled, *rest):
-        started = time.perf_counter()
-        logits = self.execute(scheduled, copies, sampled, *rest)
-        seconds = time.perf_counter() - started
-        tokens = sum(entry.num_new_tokens for entry in scheduled)
-        if tokens == len(scheduled):
-            self.decode.append((len(scheduled), seconds))
-        else:
-            self.prefill.append((tokens, seconds))
-        return logits
-
-    def summary(self) -> dict:
-        decode_rows = sum(rows for rows, _ in self.decode)
-        return {"decode_steps": len(self.decode), "decode_rows": decode_rows,
-                "decode_mean_batch": round(decode_rows / len(self.decode), 2) if self.decode else 0.0,
-                "decode_seconds": round(sum(s for _, s in self.decode), 2),
-                "prefill_steps": len(self.prefill), "prefill_tokens": sum(t for t, _ in self.prefill),
-                "prefill_seconds": round(sum(s for _, s in self.prefill), 2)}
-
-
 def example_request(body: dict, settings: Settings, request_id: str) -> GenerateRequest:
     """The runtime request the server makes of this chat completion body."""
     chat = ChatCompletionRequest(model=None, messages=MESSAGES, **body)
@@ -86,16 +62,20 @@ def example_request(body: dict, settings: Settings, request_id: str) -> Generate
 
 
 def run(model: str | None, quick: bool, deterministic: bool = False, verifier: str | None = None,
-        max_tokens: int | None = None) -> dict:
-    settings = Settings.load(None, model={"path": model}, scheduler={"batch_invariant": deterministic or None})
+        max_tokens: int | None = None, speculative: bool | str | None = None) -> dict:
+    scheduler = {"batch_invariant": deterministic or None}
+    if speculative is not None:
+        scheduler["speculative_extension"] = speculative
+    settings = Settings.load(None, model={"path": model}, scheduler=scheduler)
     engine, source = build_engine(settings.runtime_options())
     steps = StepLog(engine.runner)
+    longest = LongestPath(engine)
     body = dict(QUICK if quick else EXAMPLE)
     body["search"] = {**body["search"], **({"verifier": verifier} if verifier else {})}
     body["max_tokens"] = max_tokens or body["max_tokens"]
     request = example_request(body, settings, "bench-example")
     warm_up()  # as the runtime process does once it is ready
-    _, finished, seconds = searched(engine, request)
+    messages, finished, seconds = searched(engine, request)
     summary = finished.search
     spec = engine.stats["speculative_tokens"]
     model_steps = steps.summary()
@@ -113,8 +93,19 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
             "verifier_tokens_prefilled": summary.verifier_tokens_prefilled,
             "verifier_calls": summary.verifier_calls, "steps": summary.steps,
             "paths_explored": summary.paths_explored, "prefix_hit_tokens": summary.prefix_hit_tokens,
+            "speculative_extension": engine.config.speculative_extension,
             "speculative_tokens_used": spec.get("used", 0), "speculative_tokens_discarded": spec.get("discarded", 0),
-            **model_steps}
+            "speculative_tokens_adopted": spec.get("adopted", 0),
+            "output_digest": output_digest(messages), "longest_path_tokens": longest.tokens, "plain_16_steps": -(-summary.tokens_generated // 16),
+            **model_steps,
+            "steps_per_longest_path": round(model_steps["decode_steps"] / max(1, longest.tokens), 2)}
+
+
+def output_digest(messages) -> str:
+    """A short digest of every returned choice's token ids and score: equal digests, the same answers."""
+    chosen = [(m.index, m.token_ids, m.search.score if m.search else None) for m in messages
+              if isinstance(m, Delta) and m.token_ids]
+    return hashlib.sha256(repr(sorted(chosen)).encode()).hexdigest()[:16]
 
 
 def plain_rate(engine, request: GenerateRequest, tokens: int) -> float:
@@ -139,9 +130,12 @@ def table(r: dict) -> str:
             ["s generating", r["seconds_generating"]], ["s verifying", r["seconds_verifying"]],
             ["judge tokens prefilled", r["verifier_tokens_prefilled"]],
             ["search steps", r["steps"]], ["paths explored", r["paths_explored"]],
-            ["speculative tokens used / discarded",
-             f"{r['speculative_tokens_used']} / {r['speculative_tokens_discarded']}"],
+            ["speculative extension", r["speculative_extension"]],
+            ["speculative tokens used / adopted / discarded",
+             f"{r['speculative_tokens_used']} / {r['speculative_tokens_adopted']} / {r['speculative_tokens_discarded']}"],
             ["decode steps (mean batch)", f"{r['decode_steps']} ({r['decode_mean_batch']})"],
+            ["longest path tokens / plain n=16 steps", f"{r['longest_path_tokens']} / {r['plain_16_steps']}"],
+            ["decode steps / longest path", f"{r['steps_per_longest_path']:.2f}x"],
             ["s in decode steps", r["decode_seconds"]],
             ["prefill steps (tokens)", f"{r['prefill_steps']} ({r['prefill_tokens']})"],
             ["s in prefill steps", r["prefill_seconds"]]]
@@ -158,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
                              "so two versions of the engine can be compared on the very same search")
     parser.add_argument("--verifier", default=None, help="the search's verifier (default: the example's, judge)")
     parser.add_argument("--max-tokens", type=int, default=None, help="the search's max_tokens (default: the example's)")
+    parser.add_argument("--speculative-extension", choices=["true", "false", "auto", "both"], default=None,
+                        help="[scheduler] speculative_extension for this run (both: off, then on)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    results = run(args.model, args.quick, args.deterministic, args.verifier, args.max_tokens)
-    emit(results, table(results), args.json_path)
+    settings = {"true": [True], "false": [False], "auto": ["auto"], "both": [False, True], None: [None]}
+    runs = [run(args.model, args.quick, args.deterministic, args.verifier, args.max_tokens, speculative)
+            for speculative in settings[args.speculative_extension]]
+    results = runs[0] if len(runs) == 1 else {"speculation_off": runs[0], "speculation_on": runs[1]}
+    emit(results, "\n\n".join(table(r) for r in runs), args.json_path)
     return 0
 
 

@@ -20,6 +20,10 @@ Every final path is returned (up to n), so the mean is over all of them and no s
 lucky path decides it. Tokens generated count every sampled token of every path; verifier share is
 the part of the completion time spent scoring. The problems run one after another, each on both
 systems in turn, after a small warm-up search on each; torch runs one thread unless --threads says.
+
+Then ponder's searches run again on two more engines, speculative extension off and on: their decode
+steps per search beside the longest path's tokens (no schedule takes fewer steps) and the steps 16
+plain streams take for as many tokens, figures that do not depend on the device.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from bench.report import emit
+from bench.steps import LongestPath, StepLog
 from bench.threads import torch_threads
 from runtime.model import attention
 from runtime.bootstrap import build_engine
@@ -318,9 +323,28 @@ def run(model: str | None, num_prompts: int, setup: Setup, seed: int = 0) -> dic
                "max_step_tokens": setup.max_step_tokens, "max_tokens": setup.max_tokens,
                "temperature": setup.temperature, "verifier": "judge",
                "ponder": summarize(ours), "baseline": summarize(baseline)}
+    results["decode_steps"] = decode_steps(model, PROBLEMS[:num_prompts], setup, seed)
     results["goodput_ratio"] = round(results["ponder"]["goodput_tok_s"] / results["baseline"]["goodput_tok_s"], 2)
     results["latency_ratio"] = round(results["baseline"]["latency_s"] / results["ponder"]["latency_s"], 2)
     return results
+
+
+def decode_steps(model: str | None, problems, setup: Setup, seed: int) -> dict[str, list[dict]]:
+    """Per problem, the decode steps of ponder's search with speculative extension off and on (an
+    engine each), beside its longest path's tokens and the steps 16 plain streams take for its tokens."""
+    runs: dict[str, list[dict]] = {}
+    for speculative in (False, True):
+        engine, _ = build_engine(RuntimeOptions(model=model, device="cpu", speculative_extension=speculative))
+        steps, longest = StepLog(engine.runner), LongestPath(engine)
+        per_problem = []
+        for index, problem in enumerate(problems):
+            before, longest.tokens = len(steps.decode), 0
+            outcome = run_ponder(engine, problem, setup, seed + index)
+            per_problem.append({"decode_steps": len(steps.decode) - before, "longest_path_tokens": longest.tokens,
+                                "plain_16_steps": -(-outcome.tokens_generated // 16),
+                                "seconds": round(outcome.seconds, 2), "answer": outcome.best_answer})
+        runs["on" if speculative else "off"] = per_problem
+    return runs
 
 
 def table(results: dict) -> str:
@@ -337,6 +361,12 @@ def table(results: dict) -> str:
                     f"{100 * s['verifier_share']:>8.1f}% {s['verifier_tokens_prefilled']:>19.1f}")
     rows.append(f"goodput ratio (ponder / baseline): {results['goodput_ratio']:.2f}x; "
                 f"latency ratio (baseline / ponder): {results['latency_ratio']:.2f}x")
+    rows.append("ponder decode steps per search (speculative extension off / on), longest path tokens, "
+                "plain n=16 steps for as many tokens (off / on), seconds (off / on)")
+    for index, (off, on) in enumerate(zip(results["decode_steps"]["off"], results["decode_steps"]["on"])):
+        rows.append(f"  problem {index + 1}: {off['decode_steps']} / {on['decode_steps']} steps, longest path "
+                    f"{off['longest_path_tokens']}, plain n=16 {off['plain_16_steps']} / {on['plain_16_steps']}, "
+                    f"{off['seconds']} / {on['seconds']} s")
     return "\n".join(rows)
 
 

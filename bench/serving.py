@@ -5,7 +5,8 @@ One beam search (judge verifier) per configuration, each in a fresh engine over 
 search holds at its peak (measured in a roomy run first) and a host tier below it, then `lbs`
 with the roomy pool with and without speculative beam extension. Reports seconds, how often a
 path's blocks were taken (preempted or released), the groups run, blocks moved between tiers,
-speculative tokens kept and dropped, and whether every configuration returned the same tokens.
+speculative tokens used by their path, adopted by its children and dropped, and whether every
+configuration returned the same tokens.
 
     ponder bench serving [--quick] [--pool-fraction 0.25] [--json PATH]
 """
@@ -43,6 +44,7 @@ def search(engine, problem: str, n: int, steps: int, step_tokens: int, seed: int
             "groups": engine.planner.num_groups - groups_before, "steps": finished.search.steps,
             "tokens_generated": finished.search.tokens_generated,
             "speculative_used": spec.get("used", 0), "speculative_discarded": spec.get("discarded", 0),
+            "speculative_adopted": spec.get("adopted", 0),
             "tier_bytes": sum(run.transfer_bytes.values()), "output": [list(o) for o in run.outputs]}
 
 
@@ -86,10 +88,11 @@ def table(results: dict) -> str:
             f"{results['steps']} steps of <= {results['step_tokens']} tokens, judge; pool {results['pool_blocks']} "
             f"of {results['peak_blocks']} peak blocks",
             f"{'configuration':<18} {'seconds':>8} {'blocks taken':>13} {'groups':>7} {'tier MB':>8} "
-            f"{'spec used':>10} {'spec dropped':>13} {'same tokens':>12}"]
+            f"{'spec used':>10} {'spec adopted':>13} {'spec dropped':>13} {'same tokens':>12}"]
     for name, r in results["runs"].items():
         rows.append(f"{name:<18} {r['seconds']:>8.2f} {r['blocks_taken']:>13} {r['groups']:>7} "
-                    f"{r['tier_bytes'] / 1e6:>8.1f} {r['speculative_used']:>10} {r['speculative_discarded']:>13} "
+                    f"{r['tier_bytes'] / 1e6:>8.1f} {r['speculative_used']:>10} {r['speculative_adopted']:>13} "
+                    f"{r['speculative_discarded']:>13} "
                     f"{str(r['identical']):>12}")
     rows.append(f"outputs identical: {results['outputs_identical']}; token/lbs seconds {results['lbs_vs_token']}x; "
                 f"speculation {results['speculation_speedup']}x")

@@ -86,13 +86,17 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     return engine, source
 
 
-def speculates(setting: bool | str, device) -> bool:
-    """Whether search paths decode ahead in idle slots. `auto`: on a GPU only. There a decode step
-    reads the weights once for every row, so an extra row is nearly free; on a CPU each row costs
-    compute (the search example of docs/benchmarks.md: a step took ~22 ms plus ~7.5 ms a row; 29 % of its decode rows
-    were speculative, and 53 % of those were discarded with their pruned paths)."""
+def speculates(setting: bool | str, device) -> bool | str:
+    """Whether search paths decode their children's next steps in idle slots (runtime.search.speculation),
+    said at start-up. `auto`: decided per step by the engine's measured step cost (scheduler.step_cost):
+    rows are added only while they pay, which on a GPU is nearly always (an extra row is nearly free
+    until the batch is compute-bound) and on a CPU rarely (each row costs compute)."""
     if setting == "auto":
-        return device.type == "cuda"
+        log.info("speculative extension: auto, decided per step by the measured step cost (fixed against per "
+                 "row, scheduler.step_cost); no speculative rows until decode steps of two sizes were timed (%s)",
+                 device.type)
+        return "auto"
+    log.info("speculative extension: %s", "on" if setting else "off")
     return bool(setting)
 
 

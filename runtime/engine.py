@@ -30,6 +30,7 @@ from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep,
 from runtime.verify.verifier_store import VerifierStore, build_scorers
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.step_cost import StepCost
 from scheduler.sequence import Sequence
 from storage.block_pool import BlockPool
 from storage.kv_cache import KVCache, KVShape, kv_shape_of
@@ -50,7 +51,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.kv.beam_groups)
     kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.headwise)
-    speculative_extension: bool = True
+    speculative_extension: bool | str = True  # auto: the rows the step-cost model says pay (scheduler.step_cost)
     batch_invariant: bool | str = "auto"  # pad steps so each row's bits are its own (row_padding.padding_for)
     invariance_cache: dict | None = None  # the model's identity: the probe's verdict is kept in the start-up cache
 
@@ -80,6 +81,8 @@ class Engine:
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.planner = StepPlanner(self, config.policy, config.max_num_seqs)
         self.pacer = StepPacer(config.block_size)  # steps short enough for searches' deadlines
+        self.step_cost = StepCost()  # what a decode step costs: fixed, and a row (speculation's `auto`)
+        self.speculation_pays: bool | None = None  # the step-cost model's latest verdict, as logged
         self.model_key = model_key
         self.padding = padding_for(model, config.batch_invariant, config.max_num_batched_tokens, config.max_num_seqs,
                                    max_model_len=config.max_model_len, block_size=config.block_size,
@@ -190,6 +193,25 @@ class Engine:
         from other work: nothing waits, and the pool has a free block per running sequence."""
         return not self.scheduler.waiting and self.pool.num_free > len(self.scheduler.running)
 
+    def num_idle_slots(self) -> int:
+        """How many more sequences may start decoding speculatively: rows the batch has left, with a
+        free block for each of them and every running sequence; none while anything waits."""
+        if self.scheduler.waiting:
+            return 0
+        running = len(self.scheduler.running)
+        return max(0, min(self.config.max_num_seqs - running, self.pool.num_free - running))
+
+    def speculative_row_cap(self, num_speculative: int) -> int | None:
+        """The most speculative rows a search holding `num_speculative` may have in a step (None: as many
+        as are idle); under `auto`, those the step-cost model says pay beside the other rows."""
+        if self.config.speculative_extension != "auto":
+            return None
+        cap = self.step_cost.speculative_rows(max(0, len(self.scheduler.running) - num_speculative))
+        if (cap != 0) != self.speculation_pays:
+            self.speculation_pays = cap != 0
+            log.info("speculative extension: %s (%s)", "on" if cap != 0 else "off", self.step_cost.describe())
+        return cap
+
     def plan_step(self, seqs: list[Sequence], step_tokens: list[int]) -> list[list[int]]:
         """A search step's paths in groups that fit the pool now, in the order to run them. With the
         roofline split, the load now re-chooses the batch caps first (the decode batch caps a
@@ -231,6 +253,8 @@ class Engine:
             self.release_sequence(seq)  # the questions kept for a next verification
         self.stats["search_paths"] += controller.stats["paths_explored"]
         self.stats["search_steps"] += controller.step_index
+        spec = controller.spec_tokens
+        self.step_cost.observe_speculation(spec["used"] + spec["adopted"], spec["discarded"])
         for outcome, count in controller.spec_tokens.items():
             self.stats["speculative_tokens"][outcome] = self.stats["speculative_tokens"].get(outcome, 0) + count
 
@@ -287,7 +311,10 @@ class Engine:
             started = time.perf_counter()
             logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
             if self.streamed is None or self.streamed.seq is None:  # a streamed step's time is its transfers'
-                self.pacer.observe(plan.num_tokens, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self.pacer.observe(plan.num_tokens, seconds)
+                if plan.num_tokens == len(plan.scheduled):  # a decode step: every row one token
+                    self.step_cost.observe(plan.num_tokens, seconds)
         except PieceLost as lost:  # nothing was computed from it: its KV is made whole again
             log.warning("%s; recomputing it", lost)
             self.residency.recover(lost, self.scheduler)
@@ -333,7 +360,7 @@ class Engine:
                 self._carry_out(self.searches.get(score.request_id))
         if self.scheduler.waiting:  # speculation only fills slots nothing else wants
             for controller in list(self.searches.values()):
-                controller.stop_speculation()
+                controller.speculation.pause()
                 self._carry_out(controller)
         if self.residency is not None:
             room = max(0, self.config.max_num_seqs - len(self.scheduler.running))

@@ -32,7 +32,7 @@ STEP_BUCKETS = (
 GROUP_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 TOKEN_KINDS = ("prompt", "cached", "generated", "returned")
-SPECULATIVE_OUTCOMES = ("used", "discarded")
+SPECULATIVE_OUTCOMES = ("used", "adopted", "discarded")  # kept by its path, by its children, dropped
 
 
 class Metrics:

@@ -10,8 +10,9 @@ parent, so the search never re-prefills a path.
 A step's paths run in the groups the engine plans for the compute pool (`runtime.kv.beam_groups`):
 one group decodes its whole step while resident, then the next.
 
-Decoding past a step (speculative beam extension, look-ahead verification) is in
-`runtime.search.ahead`; what the search emits is in `runtime.search.output`.
+Decoding past a step is asked of objects of its own: speculative beam extension and LookAhead
+verification (`runtime.search.speculation`), roll-out look-ahead (`runtime.search.ahead`); what the
+search emits is in `runtime.search.output`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import time
 from collections import deque
 
 from runtime.grammar.matcher import Grammar
-from runtime.model.detokenizer import StepText
 from runtime.wire.protocol import SamplingParams, SearchParams
 from runtime.model.sampler import SamplingState, derive_seed
-from runtime.search.ahead import DecodingAhead
+from runtime.search.ahead import Rollouts
 from runtime.search.anchor import ANCHOR_UID, anchor_params
 from runtime.search.aggregate import normalize_step
 from runtime.search.answers import compile_answer_pattern
@@ -31,12 +31,14 @@ from runtime.search.host import SearchHost
 from runtime.search.output import SearchOutput
 from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.plan import SearchPlan
+from runtime.search.speculation import Speculation
+from runtime.search.steps import StepRules
 from runtime.search.strategies import Strategy, make_strategy
 from runtime.search.tree import TreeRecorder
 from scheduler.sequence import Sequence
 
 
-class SearchController(DecodingAhead, SearchOutput):
+class SearchController(SearchOutput):
     def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
                  prompt_ids: list[int], question: str, max_tokens: int, verifier, grammar: Grammar | None = None,
                  answer_form: str | None = None) -> None:
@@ -53,6 +55,8 @@ class SearchController(DecodingAhead, SearchOutput):
         self.max_tokens = max_tokens
         self.verifier = verifier
         self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width, params.seed)
+        self.rules = StepRules(params, search, host.tokenizer, host.eos_ids, len(prompt_ids), max_tokens,
+                               host.config.max_model_len, self.strategy.stops_on_boxed)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
         self.plan = SearchPlan()  # what it asked of the engine since the engine last took it
@@ -61,10 +65,9 @@ class SearchController(DecodingAhead, SearchOutput):
         self.active: set[SearchPath] = set()  # paths of the group running now
         self.to_group: list[SearchPath] = []  # the paths of the latest `GroupStep`, in its order
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
-        self.speculating: set[SearchPath] = set()
+        self.speculation = Speculation(self, search.beam_width, bool(host.config.speculative_extension))
         self.advance_pending = False
         self.scores_ahead = 0  # step scores taken from a look-ahead verification
-        self.spec_tokens = {"used": 0, "discarded": 0}
         self.stepped: list[SearchPath] = []
         self.final: list[SearchPath] = []
         self.step_index = 0
@@ -72,7 +75,7 @@ class SearchController(DecodingAhead, SearchOutput):
         self.pending_scores = 0
         self.to_verify: list[SearchPath] = []
         self.verify_now = False  # whether the step being settled is a verified one (granularity)
-        self.lookaheads: set[Lookahead] = set()
+        self.rollouts = Rollouts(self, self._submit_scores)
         self.committed = ""
         self.is_finished = False
         self.num_cached_tokens = 0
@@ -87,8 +90,12 @@ class SearchController(DecodingAhead, SearchOutput):
 
     def take_plan(self) -> SearchPlan:
         """What it asked of the engine since the engine last took it, in the order asked."""
-        plan, self.plan = self.plan, SearchPlan()
-        return plan
+        return self.plan.take()
+
+    @property
+    def spec_tokens(self) -> dict[str, int]:
+        """Speculative tokens: used by their path, adopted by its children, discarded."""
+        return self.speculation.tokens
 
     def _out_of_time(self) -> bool:
         """Past `search.timeout_s`, every running step ends at its next token and the search finishes,
@@ -112,23 +119,37 @@ class SearchController(DecodingAhead, SearchOutput):
         self._settle()
 
     # -- paths ----------------------------------------------------------------------------------
-    def _new_path(self, seq: Sequence, subtree: int, parent: SearchPath | None = None, *,
-                  anchor: bool = False) -> SearchPath:
-        """A path on `seq`: a first one (the greedy anchor with `anchor`), or a child forked from
-        `parent` at its step's end."""
+    def _new_path(self, seq: Sequence, subtree: int, parent: SearchPath | None = None, ordinal: int = 0,
+                  sampling: SamplingState | None = None, *, anchor: bool = False) -> SearchPath:
+        """A path on `seq`: a first one (the greedy anchor with `anchor`), or `parent`'s `ordinal`-th new
+        child forked at its step's end (with `sampling`, the state a speculative branch decoded it with)."""
         uid = ANCHOR_UID if anchor else self.next_uid
         self.next_uid += 0 if anchor else 1
         self.stats["paths_explored"] += 1
-        sampling = SamplingState(anchor_params(self.params) if anchor else self.params,
-                                 derive_seed(self.params.seed, uid), self.host.device, track_logprobs=True)
-        if parent is not None and parent.sampling.constraint is not None:  # not its speculative tokens
-            sampling.constraint = parent.sampling.constraint.fork(parent.step_end - len(self.prompt_ids))
-        elif self.grammar is not None:
-            sampling.constraint = self.grammar.start()
-        path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=len(seq.token_ids),
-                          step_end=len(seq.token_ids), chunk_start=len(seq.token_ids))
+        key = (uid,) if parent is None else parent.child_seed_key(ordinal)
+        if parent is not None:
+            sampling = sampling or self.child_sampling(parent, ordinal)
+        else:
+            sampling = SamplingState(anchor_params(self.params) if anchor else self.params,
+                                     derive_seed(self.params.seed, *key), self.host.device, track_logprobs=True)
+            sampling.constraint = self.grammar.start() if self.grammar is not None else None
+        start = len(seq.token_ids) if parent is None else parent.step_end
+        path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=start,
+                          step_end=start, chunk_start=start, seed_key=key)
         seq.owner = path
         return path
+
+    def child_sampling(self, parent: SearchPath, ordinal: int) -> SamplingState:
+        """The sampler of `parent`'s `ordinal`-th new child: its seed, and its grammar forked at the
+        parent's step's end (a branch decoding the child before it exists gets this very state)."""
+        sampling = SamplingState(self.params, derive_seed(self.params.seed, *parent.child_seed_key(ordinal)),
+                                 self.host.device, track_logprobs=True)
+        if parent.sampling.constraint is not None:  # not its speculative tokens
+            sampling.constraint = parent.sampling.constraint.fork(parent.step_end - len(self.prompt_ids))
+        return sampling
+
+    def count_token(self) -> None:
+        self.stats["tokens_generated"] += 1
 
     def spawn(self, root: Sequence) -> list[Sequence]:
         """The prompt is computed: fork it into the initial paths, which all sample from its logits."""
@@ -162,7 +183,9 @@ class SearchController(DecodingAhead, SearchOutput):
             path.step_start = path.step_end
             path.chunk_logprobs.extend(path.spec_logprobs)
             path.spec_logprobs = []
-            self.spec_tokens["used"] += path.num_speculative
+            if not path.from_branch:  # a branch's tokens were counted when its child adopted them
+                self.spec_tokens["used"] += path.num_speculative
+            path.from_branch = False
             if path.spec_outcome is None:
                 to_run.append(path)
                 continue
@@ -195,6 +218,12 @@ class SearchController(DecodingAhead, SearchOutput):
         self.active = set(group)
         for path in group:
             self.plan.resume(path.seq)
+        if not self._out_of_time() and self.step_index < self.search.max_steps - 1:
+            verifies = (self.step_index + 1) % self.search.granularity == 0 or self.step_index + 1 >= self.search.max_steps
+            # Paths whose step is done already (a branch decoded it) decode their children's meanwhile.
+            self.speculation.open(self.to_group + self.stepped, [p for p in self.stepped if not p.is_done],
+                                  expands_next=verifies and self.strategy.expands,
+                                  is_last_next=self.step_index + 1 >= self.search.max_steps - 1)
         if self.queued:
             reserve = sum(self.host.kv.num_blocks_for(len(p.seq.token_ids) + self._step_tokens(p))
                           - len(p.seq.block_table) for p in group)
@@ -205,44 +234,21 @@ class SearchController(DecodingAhead, SearchOutput):
                                             skip_special_tokens=True)
 
     def _discard(self, path: SearchPath) -> None:
-        """Release a path that ends here; its speculative tokens were for nothing."""
+        """Release a path that ends here; its speculative tokens, and its branches', were for nothing."""
         self.spec_tokens["discarded"] += path.num_speculative
+        self.speculation.release(path)
         self.plan.release(path.seq)
-
-    def _step_outcome(self, owner: SearchPath | Lookahead, token: int, step_start: int, *,
-                      is_last_step: bool) -> tuple[str | None, bool, str]:
-        """After `token`: (the finish reason if the path ends, whether its step ends, the step's text).
-
-        A path ends on EOS or a stop token, at the length limit, on a boxed answer (DVTS) or on an
-        empty step; a step ends at the delimiter or `max_step_tokens`, except on the last step."""
-        params = self.params
-        seq = owner.seq
-        if owner.step_text is None or owner.step_text.start != step_start:
-            owner.step_text = StepText(self.host.tokenizer, step_start)
-        text = owner.step_text.text(seq.token_ids)
-        num_step_tokens = len(seq.token_ids) - step_start
-        if token in params.stop_token_ids or (token in self.host.eos_ids and not params.ignore_eos):
-            return "stop", False, text
-        if (len(seq.token_ids) - len(self.prompt_ids) >= self.max_tokens
-                or len(seq.token_ids) >= self.host.config.max_model_len):
-            return "length", False, text
-        if self.strategy.stops_on_boxed and "\\boxed{" in text and "}" in text.split("\\boxed{")[-1]:
-            return "stop", False, text
-        ends = not is_last_step and (self.search.step_delimiter in text or num_step_tokens >= self.search.max_step_tokens)
-        if ends and not normalize_step(text, self.search.step_delimiter).strip():
-            return "stop", False, text  # an empty step ends the path
-        return None, ends, text
 
     def on_token(self, path: SearchPath, out) -> None:
         if path.speculating:
-            self._on_speculative_token(path, out)
+            self.speculation.on_path_token(path, out)
             return
         seq = path.seq
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
             path.chunk_logprobs.append(out.logprob)
-        reason, ends_step, _ = self._step_outcome(path, out.token_id, path.step_start,
-                                                  is_last_step=self.step_index >= self.search.max_steps - 1)
+        reason, ends_step = self.rules.outcome(path, out.token_id, path.step_start,
+                                               is_last_step=self.step_index >= self.search.max_steps - 1)
         ends_step = ends_step or (reason is None and self._out_of_time())
         if reason is not None:
             path.is_done, path.finish_reason = True, reason
@@ -255,9 +261,8 @@ class SearchController(DecodingAhead, SearchOutput):
         self.active.discard(path)
         if path.is_done:
             self.plan.release(seq)
-        elif was_active and self._may_speculate():
-            path.speculating = True
-            self.speculating.add(path)
+        elif was_active and self.speculation.on_step_done(path):
+            pass  # it keeps its slot, decoding its children's next steps
         elif was_active:
             self.plan.park(seq)
         self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
@@ -271,7 +276,7 @@ class SearchController(DecodingAhead, SearchOutput):
         self.advance_pending = False
         if self.is_finished or self.active:
             return
-        self.stop_speculation()
+        self.speculation.stop()
         if self.generating:
             self._next_group()
         else:
@@ -310,9 +315,7 @@ class SearchController(DecodingAhead, SearchOutput):
             return
         rollouts = [p for p in to_score if not p.is_done] if self.search.lookahead else []
         if rollouts and self.step_index < self.search.max_steps:
-            self.lookaheads = set()
-            for path in rollouts:
-                self._start_lookahead(path)
+            self.rollouts.start(rollouts)
             return
         self._submit_scores()
 
@@ -386,22 +389,41 @@ class SearchController(DecodingAhead, SearchOutput):
         continuing = [self.anchor] if self.anchor in live else []
         for uid, count in zip(expansion.parents, expansion.children):
             parent = by_uid.pop(uid)
-            for _ in range(count - 1):
-                child = self._new_path(self.plan.fork(parent.seq, parent.step_end), parent.subtree, parent)
+            for ordinal in range(1, count):  # a branch that decoded the child is adopted
+                branch = self.speculation.adopt(parent, ordinal)
+                if branch is None:
+                    child = self._new_path(self.plan.fork(parent.seq, parent.step_end), parent.subtree, parent, ordinal)
+                else:
+                    child = self._new_path(branch.seq, parent.subtree, parent, ordinal, branch.sampling)
+                    child.spec_logprobs, child.step_text = branch.logprobs, branch.step_text
+                    child.spec_outcome, child.spec_finish = branch.outcome, branch.finish
+                    child.from_branch = True
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
                 child.node = parent.node  # its first step's node hangs under the parent's last one
                 continuing.append(child)
+            self.speculation.release(parent)  # branches for children it does not get
             continuing.append(parent)
         for pruned in by_uid.values():
             self._discard(pruned)
             self.tree.change(pruned.node, "pruned")
         return sorted(continuing, key=lambda p: p.uid)
 
+    # -- what the verifiers and roll-outs tell it ---------------------------------------------------
+    def on_lookahead_token(self, run: Lookahead, out) -> None:
+        self.rollouts.on_token(run, out)
+
+    def lookahead_unit(self, path: SearchPath) -> str | None:
+        return self.speculation.lookahead_unit(path, self.search.granularity, self.search.lookahead,
+                                               self.search.step_delimiter)
+
+    def on_next_score(self, path: SearchPath, unit: str, score: float) -> None:
+        path.next_score = (unit, float(score))
+
     def sequences(self) -> list[Sequence]:
         """Every sequence the search still holds (for aborts)."""
         seqs = [p.seq for p in self.generating] + [p.seq for p in self.stepped if not p.is_done]
-        seqs += [run.seq for run in self.lookaheads]
+        seqs += self.rollouts.sequences() + self.speculation.sequences()
         if self.root.block_table or not self.root.is_finished:
             seqs.append(self.root)
         return seqs

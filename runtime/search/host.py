@@ -21,7 +21,7 @@ class SearchLimits(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
-    def speculative_extension(self) -> bool: ...
+    def speculative_extension(self) -> bool | str: ...
 
 
 class SearchHost(Protocol):
@@ -40,4 +40,8 @@ class SearchHost(Protocol):
     @property
     def kv(self) -> KVManager: ...  # for block counts: what a step's tokens will take
 
-    def has_idle_slot(self) -> bool: ...
+    def has_idle_slot(self) -> bool: ...  # whether speculative rows may go on
+
+    def num_idle_slots(self) -> int: ...  # how many more may start
+
+    def speculative_row_cap(self, num_speculative: int) -> int | None: ...  # the most that pay (the step-cost model), None: all

@@ -1,4 +1,5 @@
-"""What a search sends back: the committed common prefix as it grows, progress events, the answers."""
+"""What a search sends back: the committed common prefix as it grows, progress events, its tree's
+settled steps, the answers."""
 
 from __future__ import annotations
 

@@ -45,13 +45,21 @@ class SearchPath:
     # A greedy look-ahead past the step, scored with it and then thrown away.
     lookahead_units: list[str] = field(default_factory=list)
     lookahead_logprobs: list[float] = field(default_factory=list)
-    speculating: bool = False  # decoding past `step_end` in an idle slot
+    speculating: bool = False  # decoding past `step_end` in an idle slot (runtime.search.speculation)
     spec_logprobs: list[float] = field(default_factory=list)
     spec_outcome: str | None = None  # set when the speculative tokens complete the next step: how it ends
     spec_finish: str | None = None  # and the path's finish reason if it ends there
     next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
     step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
     node: int = 0  # its node in the search tree: the step being decoded, or the prompt before the first
+    seed_key: tuple[int, ...] = ()  # what its sampler's seed derives from (`SearchController.child_sampling`)
+    from_branch: bool = False  # a child whose speculative tokens a branch decoded (until its step starts)
+
+    def child_seed_key(self, ordinal: int) -> tuple[int, ...]:
+        """What its `ordinal`-th new child's seed derives from: its own key, the fork point and the
+        ordinal, never the order of expansion, so a speculative branch decoding that child before the
+        step settles (runtime.search.speculation) draws exactly the child's tokens."""
+        return self.seed_key + (self.step_end, ordinal)
 
     @property
     def num_speculative(self) -> int:

@@ -92,6 +92,13 @@ class SearchPlan:
     actions: list[Action] = field(default_factory=list)
     advance: bool = False  # the running group is done: advance() once the step's tokens are handed out
 
+    def take(self) -> "SearchPlan":
+        """What was asked since the last take, handed over; this plan starts empty again (the search's
+        parts keep asking through it)."""
+        taken = SearchPlan(self.actions, self.advance)
+        self.actions, self.advance = [], False
+        return taken
+
     def fork(self, parent: Sequence, num_tokens: int | None = None) -> Sequence:
         """A child of `parent`'s first `num_tokens` tokens (all by default), parked until resumed."""
         child = Sequence(parent.token_ids[:num_tokens], parent.num_prompt_tokens)

@@ -62,6 +62,8 @@ class Strategy:
     name = ""
     #: a subtree stops when its path emits this text (DVTS)
     stops_on_boxed = False
+    #: whether a path may get new children when it settles (speculation decodes them ahead)
+    expands = True
 
     def __init__(self, n: int, beam_width: int, seed: int | None = None) -> None:
         self.n = n
@@ -84,6 +86,7 @@ class BestOfN(Strategy):
     """n independent samples, each verified at every step; nothing is pruned."""
 
     name = "best_of_n"
+    expands = False
 
     def expand(self, live: Sequence[PathView]) -> Expansion:
         ordered = sorted(live, key=lambda p: p.uid)

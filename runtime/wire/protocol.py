@@ -388,7 +388,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     disk_kv_bytes: int = 16 << 30
     scheduler_policy: str = "lbs"  # lbs | lbs_no_prefix | token
     kv_granularity: str = "block"  # block | head (a lone request over the compute pool streams head-wise)
-    speculative_extension: bool | Literal["auto"] = "auto"  # auto: on a GPU only (runtime.bootstrap)
+    speculative_extension: bool | Literal["auto"] = "auto"  # auto: rows the step-cost model says pay (runtime.bootstrap)
     # true | auto | false: results the same bits whatever the batch (runtime.model.row_padding.padding_for)
     batch_invariant: bool | Literal["auto"] = "auto"
     kv_split: str = "static"  # static | roofline

@@ -36,6 +36,21 @@ def test_quick_run_reports_the_search_and_its_model_steps(tiny_llama, tmp_path, 
     # The same engine's plain n=16 rate, and the search's as a fraction of it.
     assert results["plain_16_tok_s"] > 0
     assert abs(results["vs_plain_16"] - results["tok_s"] / results["plain_16_tok_s"]) < 0.02  # both rounded
+    # No schedule takes fewer decode steps than the longest path has tokens (its first came from the prompt).
+    assert 0 < results["longest_path_tokens"] - 1 <= results["decode_steps"]
+    assert results["plain_16_steps"] == -(-results["tokens_generated"] // 16)
+
+
+def test_speculation_off_and_on_are_reported_side_by_side(tiny_llama, capsys):
+    assert bench_example.main(["--model", str(tiny_llama), "--quick", "--speculative-extension", "both"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    results = json.loads(printed[0])
+    off, on = results["speculation_off"], results["speculation_on"]
+    assert (off["speculative_extension"], on["speculative_extension"]) == (False, True)
+    assert off["speculative_tokens_used"] + off["speculative_tokens_adopted"] + off["speculative_tokens_discarded"] == 0
+    keys = ("steps", "paths_explored", "longest_path_tokens", "output_digest")
+    assert [off[k] for k in keys] == [on[k] for k in keys]  # the same search
+    assert sum(line.startswith("search example: ") for line in printed) == 2
 
 
 def test_the_verifier_and_length_can_be_changed(tiny_llama, capsys):

@@ -68,3 +68,11 @@ def test_quick_run_reports_both_systems(tiny_llama, tmp_path, capsys):
     assert results["goodput_ratio"] == pytest.approx(
         results["ponder"]["goodput_tok_s"] / results["baseline"]["goodput_tok_s"], rel=0.05)
     assert any(line.startswith("goodput ratio") for line in printed)
+    # ponder's decode steps with speculation off and on: the same searches, never fewer steps than
+    # the longest path has tokens after its first (sampled from the prompt's logits).
+    off, on = results["decode_steps"]["off"], results["decode_steps"]["on"]
+    assert [p["answer"] for p in off] == [p["answer"] for p in on]
+    assert [p["longest_path_tokens"] for p in off] == [p["longest_path_tokens"] for p in on]
+    for problem in off + on:
+        assert 0 < problem["longest_path_tokens"] - 1 <= problem["decode_steps"]
+    assert any(line.startswith("ponder decode steps per search") for line in printed)

@@ -59,7 +59,7 @@ def test_fresh_metrics_export_zeros_for_known_labels():
     m = Metrics()
     for kind in ("prompt", "cached", "generated", "returned"):
         assert value(m, "ponder_tokens_total", kind=kind) == 0
-    for outcome in ("used", "discarded"):
+    for outcome in ("used", "adopted", "discarded"):
         assert value(m, "ponder_speculative_tokens_total", outcome=outcome) == 0
     assert value(m, "ponder_runtime_up") == 0
     assert value(m, "ponder_runtime_restarts_total") == 0

@@ -33,6 +33,7 @@ class RefPath:
     done: bool = False
     reason: str | None = None
     text: str = ""
+    seed_key: tuple[int, ...] = ()
 
 
 class ReferenceSearch:
@@ -50,10 +51,13 @@ class ReferenceSearch:
         self.next_uid = 0
         self.step_index = 0
 
-    def new_path(self, tokens, subtree, parent=None):
+    def new_path(self, tokens, subtree, parent=None, ordinal=0):
+        # A first path's seed derives from its uid; a child's from its parent's, the fork point and
+        # its place among the parent's new children.
+        key = (self.next_uid,) if parent is None else parent.seed_key + (len(tokens), ordinal)
         g = torch.Generator()
-        g.manual_seed(derive_seed(self.seed, self.next_uid))
-        path = RefPath(self.next_uid, subtree, list(tokens), g, len(tokens), len(tokens))
+        g.manual_seed(derive_seed(self.seed, *key))
+        path = RefPath(self.next_uid, subtree, list(tokens), g, len(tokens), len(tokens), seed_key=key)
         if parent is not None:
             path.chunks, path.scores = list(parent.chunks), list(parent.scores)
             path.chunk_start, path.text = parent.chunk_start, parent.text
@@ -211,7 +215,7 @@ class ReferenceSearch:
                 pairs = [(p, c) for p, c in zip(survivors, alloc) if c > 0]
         out = []
         for parent, count in pairs:
-            for _ in range(count - 1):
-                out.append(self.new_path(parent.tokens, parent.subtree, parent))
+            for ordinal in range(1, count):
+                out.append(self.new_path(parent.tokens, parent.subtree, parent, ordinal))
             out.append(parent)
         return sorted(out, key=lambda p: p.uid)

@@ -2,6 +2,7 @@
 compute budget, speculative extension or the tier a block came back from."""
 
 import pytest
+import torch
 
 from runtime.wire.protocol import RuntimeOptions
 from tests.runtime.engine_helpers import engine_for
@@ -106,14 +107,14 @@ def test_an_unknown_policy_is_refused_at_start(tiny_llama):
     assert RuntimeOptions().scheduler_policy == "lbs"
 
 
-def test_speculation_is_on_by_default_on_a_gpu_only(tiny_llama):
-    import torch
-
+def test_speculation_is_decided_by_the_step_cost_by_default(tiny_llama, expected):
     from runtime.bootstrap import speculates
 
-    assert speculates("auto", torch.device("cuda")) is True
-    assert speculates("auto", torch.device("cpu")) is False
-    assert [speculates(setting, torch.device(device)) for setting in (True, False) for device in ("cpu", "cuda")] \
-        == [True, True, False, False]
-    assert engine_for(tiny_llama).config.speculative_extension is False  # the default, on this CPU
-    assert engine_for(tiny_llama, speculative_extension=True).config.speculative_extension is True
+    assert [speculates(setting, torch.device(device)) for setting in ("auto", True, False)
+            for device in ("cpu", "cuda")] == ["auto", "auto", True, True, False, False]
+    engine = engine_for(tiny_llama, num_blocks=1024)
+    assert engine.config.speculative_extension == "auto"
+    assert engine.speculative_row_cap(0) == 0  # nothing measured yet: no speculative rows
+    same(engine_choices(run_search(engine, search_request("auto", **SEARCH))), expected)
+    # The search's decode steps, of several batch sizes, fitted the model: it now decides.
+    assert engine.step_cost.fit() is not None and engine.speculation_pays is not None

@@ -1,0 +1,72 @@
+"""Speculative branches decode exactly the children they become: a search's tokens, scores and answers
+are the same with speculation on and off, for every strategy that expands, with a verifier that reads
+logits (the judge) and one that reads text (calculator), and several seeds."""
+
+import msgspec
+import pytest
+
+from runtime.wire.protocol import Delta, Finished
+from bench.steps import StepLog
+from tests.runtime.engine_helpers import engine_for
+from tests.runtime.search.test_search_engine import run_search, search_request
+
+# "w1" ends steps often and unevenly, so paths done early leave slots for their children's branches.
+SEARCH = dict(n=8, beam_width=4, max_steps=4, step_delimiter="w1", max_step_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    return {speculative: engine_for(tiny_llama, num_blocks=1024, speculative_extension=speculative)
+            for speculative in (False, True)}
+
+
+def outcome(messages):
+    """Every choice's token ids, text, score, step scores and answer, and the search's summary counts."""
+    choices: dict[int, dict] = {}
+    summary = None
+    for m in messages:
+        if isinstance(m, Delta):
+            choice = choices.setdefault(m.index, {"text": "", "token_ids": []})
+            choice["text"] += m.text
+            choice["token_ids"] += list(m.token_ids)
+            if m.search is not None:
+                choice.update(score=m.search.score, step_scores=list(m.search.step_scores), answer=m.search.answer)
+        elif isinstance(m, Finished):
+            summary = (m.completion_tokens, m.search.steps, m.search.paths_explored)
+    return [choices[i] for i in sorted(choices)], summary
+
+
+def with_seed(request, seed: int):
+    return msgspec.structs.replace(request, sampling=msgspec.structs.replace(request.sampling, seed=seed))
+
+
+@pytest.mark.parametrize("strategy", ["beam", "dvts", "dynamic_branching"])
+@pytest.mark.parametrize("verifier", ["judge", "calculator"])
+def test_speculation_changes_no_token_score_or_answer(engines, strategy, verifier):
+    adopted = 0
+    for seed in (11, 12, 13):
+        request = with_seed(search_request(f"{strategy}-{verifier}-{seed}", strategy=strategy, verifier=verifier,
+                                           **SEARCH), seed)
+        results = {}
+        for speculative, engine in engines.items():
+            before = dict(engine.stats["speculative_tokens"])
+            results[speculative] = outcome(run_search(engine, request))
+            assert engine.pool.num_used == 0 and engine.scoring == {}
+            if speculative:
+                adopted += engine.stats["speculative_tokens"].get("adopted", 0) - before.get("adopted", 0)
+        assert results[True] == results[False]
+        assert results[True][0] and all(c["token_ids"] for c in results[True][0])
+    assert adopted > 0  # children did adopt their branches' tokens
+
+
+def test_a_search_takes_fewer_decode_steps_when_children_start_ahead(tiny_llama):
+    """Children adopt branches whose steps are already under way, so the search takes fewer decode
+    steps (fresh engines: the same pool, the same prefix cache), its answer unchanged."""
+    request = search_request("steps", strategy="beam", verifier="judge", **dict(SEARCH, max_steps=6, max_step_tokens=16))
+    counts = {}
+    for speculative in (False, True):
+        engine = engine_for(tiny_llama, num_blocks=1024, speculative_extension=speculative)
+        steps = StepLog(engine.runner)
+        counts[speculative] = (outcome(run_search(engine, request)), len(steps.decode))
+    assert counts[True][0] == counts[False][0]
+    assert counts[True][1] < counts[False][1]
