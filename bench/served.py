@@ -143,13 +143,13 @@ def release(engine: Engine) -> None:
 def fixed_step_search(prompt: list[int], *, paths: int, width: int, steps: int, step_tokens: int,
                       seed: int = 0, request_id: str = "bench") -> GenerateRequest:
     """Step-wise beam search as the paper runs it: `paths` kept, `width` children each, every step
-    exactly `step_tokens` long (EOS ignored), scored by the model's own confidence; every final path
-    is returned, so whole outputs can be compared."""
+    exactly `step_tokens` long (EOS ignored), scored by the model's own confidence, with no greedy
+    anchor beside its paths; every final path is returned, so whole outputs can be compared."""
     return GenerateRequest(
         request_id=request_id, endpoint="completion", prompt_token_ids=tuple(prompt),
         sampling=SamplingParams(max_tokens=steps * step_tokens, temperature=0.8, seed=seed, n=paths, ignore_eos=True),
         search=SearchParams(strategy="beam", n=paths, beam_width=width, max_steps=steps, max_step_tokens=step_tokens,
-                            step_delimiter=FIXED_STEP_DELIMITER, verifier="confidence"))
+                            step_delimiter=FIXED_STEP_DELIMITER, verifier="confidence", greedy_anchor=False))
 
 
 @dataclass

@@ -99,6 +99,7 @@ SCRIPT = textwrap.dedent("""
         config = SimpleNamespace(max_model_len=64, num_blocks=4, block_size=16)
         cache = SimpleNamespace(dtype=torch.float32)
         quantized = SimpleNamespace(mode="none", block_types=())
+        gate = SimpleNamespace(tool_format="hermes")
         scorers = {}
         requests = {}
         searches = {}

@@ -160,7 +160,8 @@ def test_a_capped_verifier_scores_a_search_exactly_as_an_uncapped_one(tiny_llama
                 chosen.append(caps), apply(dataclasses.replace(caps, verifier_tokens_per_step=10**6), stores))
         forward, sizes = store.runner.hidden_states, []
         store.runner.hidden_states = lambda scheduled, *rest: sizes.append(len(scheduled)) or forward(scheduled, *rest)
-        messages = run_search(engine, search_request("capped", verifier="prm", n=4, beam_width=2, max_steps=3))
+        messages = run_search(engine, search_request("capped", verifier="prm", n=4, beam_width=2, max_steps=3,
+                                                          greedy_anchor=False))  # its four paths alone
         results.append(engine_choices(messages))
         batch_sizes.append(sizes)
         assert store.last_input_tokens > 0  # the verifier load, for KVSplitter.rechoose

@@ -39,7 +39,8 @@ def assert_matches_reference(engine, tiny_llama, plain, search, messages):
     ("shepherd", "math-shepherd", "causal_lm_dir"), ("qwen", "qwen-prm", "qwen_prm_dir"),
     ("sky", "skywork", "skywork_dir")])
 def test_paged_reward_model_search_matches_the_reference(engine, tiny_llama, request, name, kind, directory):
-    search = search_request(f"prm-{name}", verifier=name, n=4, beam_width=2, max_steps=4)
+    # The reference is the strategies alone: no greedy anchor (tests/runtime/search/test_search_anchor.py).
+    search = search_request(f"prm-{name}", verifier=name, n=4, beam_width=2, max_steps=4, greedy_anchor=False)
     messages = run_search(engine, search)
     assert_matches_reference(engine, tiny_llama, load_verifier(kind, request.getfixturevalue(directory)), search,
                              messages)
@@ -60,7 +61,7 @@ def test_lookahead_verification_scores_speculated_steps_once_and_changes_nothing
                                                                                  directory):
     # "w1" ends steps often and unevenly, so paths done early speculate whole next steps.
     search = search_request(f"ahead-{name}", verifier=name, n=8, beam_width=4, max_steps=4, step_delimiter="w1",
-                            max_step_tokens=8)
+                            max_step_tokens=8, greedy_anchor=False)
     finished = []
     monkeypatch.setattr(engine, "search_finished",
                         lambda controller, done=engine.search_finished: (finished.append(controller), done(controller)))
