@@ -18,6 +18,12 @@ from runtime.wire.protocol import Constraint, ToolCalling
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function and schema names
 
 
+def _openai_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError("must be 1-64 letters, digits, underscores or dashes")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -31,12 +37,7 @@ class JsonSchemaFormat(BaseModel):
     schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-64 letters, digits, underscores or dashes")
-        return value
+    _name = field_validator("name")(classmethod(lambda cls, value: _openai_name(value)))
 
 
 class ResponseFormat(_Strict):
@@ -76,12 +77,7 @@ class FunctionDefinition(_Strict):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-64 letters, digits, underscores or dashes")
-        return value
+    _name = field_validator("name")(classmethod(lambda cls, value: _openai_name(value)))
 
     @field_validator("parameters")
     @classmethod
