@@ -50,10 +50,15 @@ class TokenConstraint:
 
 
 def step_masks(states, vocab_size: int, device) -> tuple[list[int], torch.Tensor] | None:
-    """The `allowed` argument of `runtime.model.sampler.sample` for a step's sampling states: the rows
-    with a constraint and their masks, or None when no row has one."""
+    """The `refused` argument of `runtime.model.sampler.sample` for a step's sampling states: the rows
+    with a constraint and the tokens their grammars refuse, or None when no row has one."""
     rows = [i for i, state in enumerate(states) if state.constraint is not None]
-    return (rows, allowed_tokens([states[i].constraint for i in rows], vocab_size, device)) if rows else None
+    if not rows:
+        return None
+    bits = np.zeros((len(rows), states[rows[0]].constraint.num_words), dtype=np.int32)
+    for k, row in enumerate(rows):
+        states[row].constraint.fill(bits[k])
+    return rows, refused_tokens(bits, vocab_size, device)
 
 
 def advance(states, samples) -> None:
@@ -68,8 +73,13 @@ def allowed_tokens(constraints: list[TokenConstraint], vocab_size: int, device) 
     bits = np.zeros((len(constraints), constraints[0].num_words), dtype=np.int32)
     for row, constraint in enumerate(constraints):
         constraint.fill(bits[row])
-    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(unpacked.astype(bool)).to(device)
+    return ~refused_tokens(bits, vocab_size, device)
+
+
+def refused_tokens(bits: np.ndarray, vocab_size: int, device) -> torch.Tensor:
+    """The complement of the masks `bits` hold, unpacked without a copy beyond the one unpacking makes."""
+    unpacked = np.unpackbits((~bits).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(unpacked.view(np.bool_)).to(device)
 
 
 class Grammar:

@@ -87,11 +87,11 @@ def _uniform(state: SamplingState, dtype: torch.dtype) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: list[tuple[list[int], list[int]]],
-           allowed: tuple[list[int], torch.Tensor] | None = None) -> list[SampleOutput]:
+           refused: tuple[list[int], torch.Tensor] | None = None) -> list[SampleOutput]:
     """Sample one token per row of `logits` `[S, vocab]` (float32).
 
-    `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties. `allowed`: (rows,
-    [len(rows), vocab] booleans) the tokens each of those rows' grammar allows; the others become -inf
+    `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties. `refused`: (rows,
+    [len(rows), vocab] booleans) the tokens each of those rows' grammar refuses; they become -inf
     after the penalties and logit bias, so a greedy row takes the best allowed token and a sampled row
     draws among them (log-probabilities stay the model's own). Rows are processed
     together; each sampled row takes exactly one uniform draw from its own generator and inverts
@@ -104,19 +104,19 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     penalised = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0
                  or s.params.presence_penalty or s.params.frequency_penalty]
     biased = [i for i, s in enumerate(states) if s.params.logit_bias]
-    if penalised or biased or allowed is not None:
+    if penalised or biased or refused is not None:
         x = logits.clone()
         for row in penalised:
             x[row] = _apply_penalties(x[row], states[row].params, *token_histories[row])
         for row in biased:
             ids, bias = zip(*states[row].params.logit_bias)
             x[row, list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
-        if allowed is not None:
-            masked, mask = allowed
+        if refused is not None:
+            masked, mask = refused
             if len(masked) == len(states):  # every row: in place
-                x.masked_fill_(~mask[:, :x.shape[-1]], float("-inf"))
+                x.masked_fill_(mask[:, :x.shape[-1]], float("-inf"))
             else:
-                x[masked] = x[masked].masked_fill(~mask[:, :x.shape[-1]], float("-inf"))
+                x[masked] = x[masked].masked_fill(mask[:, :x.shape[-1]], float("-inf"))
     rows = [i for i, s in enumerate(states) if not s.params.is_greedy and s.params.temperature >= MIN_TEMPERATURE]
     # Greedy rows take the argmax; when every row samples, the sampled tokens fill `tokens` below.
     tokens = torch.argmax(x, dim=-1) if len(rows) < len(states) else torch.empty(len(states), dtype=torch.long,
