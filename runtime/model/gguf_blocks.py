@@ -173,11 +173,9 @@ def describe_kinds(kinds: dict[str, int]) -> str:
     return f"linear tensors in the file: {summary or 'none'}"
 
 
-def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Blocks], str]:
-    """The quantized blocks of a loaded float `model`'s linear layers from the GGUF at `path`, by
-    module name, and a phrase saying what the file holds. Layers of a type the kernel does not run
-    (e.g. float) are absent. Raises ValueError where a layer's codes do not give the weights
-    transformers loaded."""
+def open_gguf(model: nn.Module, path: str):
+    """(the file's reader, transformers' tensor processor for its architecture, and the map from the
+    model's parameter names to the file's tensor names), as transformers' own GGUF loading has them."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
@@ -186,7 +184,15 @@ def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Blocks], str]:
     field = reader.fields["general.architecture"]
     architecture = bytes(field.parts[field.data[0]]).decode()
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    return reader, processor, get_gguf_hf_weights_map(model, processor)
+
+
+def linear_blocks(model: nn.Module, path: str) -> tuple[dict[str, Blocks], str]:
+    """The quantized blocks of a loaded float `model`'s linear layers from the GGUF at `path`, by
+    module name, and a phrase saying what the file holds. Layers of a type the kernel does not run
+    (e.g. float) are absent. Raises ValueError where a layer's codes do not give the weights
+    transformers loaded."""
+    reader, processor, names = open_gguf(model, path)
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
     tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)

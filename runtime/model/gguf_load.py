@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, row_order
+from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
 from runtime.model.loader import CheckpointMismatch, ModelSource
 from runtime.model.quantize import Int4Linear, Quantized, blocks_detail
 
@@ -115,18 +115,10 @@ def _initialize_buffers(model: nn.Module) -> None:
 def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_implementation: str,
                      trust_remote_code: bool = False) -> tuple[nn.Module, Quantized]:
     """The model in `source`'s GGUF with every linear layer of a supported type as an int layer."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map)
-
     _fix_mmap_threshold()
     model = _skeleton(config, dtype, attn_implementation, trust_remote_code)
-    reader = GGUFReader(source.path)
-    field = reader.fields["general.architecture"]
-    architecture = bytes(field.parts[field.data[0]]).decode()
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    reader, processor, names = open_gguf(model, source.path)
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
     tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)
