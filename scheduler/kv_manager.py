@@ -134,11 +134,13 @@ class KVManager:
         """Let `child` share the blocks of `parent`; the partial last block is copied on first write.
 
         With `num_tokens`, the child is `parent` cut to its first `num_tokens` tokens (it holds
-        those): it shares the blocks of the tokens before the last, whose KV it computes itself."""
+        those): it shares the blocks of the tokens before the last, whose KV it computes itself, so
+        its first step has logits to read even when it holds every token of a computed parent (a
+        judge's question asked again word for word)."""
         assert not child.block_table
         computed = parent.num_computed_tokens
         blocks, hashes = parent.block_table, parent.block_hashes
-        if num_tokens is not None and num_tokens < len(parent.token_ids):
+        if num_tokens is not None and num_tokens <= len(parent.token_ids):
             computed = min(computed, num_tokens - 1)
             blocks = blocks[:self.num_blocks_for(computed)]
             hashes = hashes[:computed // self.block_size]

@@ -156,7 +156,7 @@ class SearchController(SearchOutput):
         self.num_cached_tokens = root.num_cached_tokens
         self.stats["prefix_hit_tokens"] += root.num_cached_tokens
         paths = [self._new_path(self.plan.fork(root), subtree) for subtree in self.strategy.initial_paths()]
-        if self.search.greedy_anchor and not self.params.is_greedy and not self.search.lookahead:
+        if self.search.greedy_anchor and not self.params.is_greedy:
             self.anchor = self._new_path(self.plan.fork(root), ANCHOR_UID, anchor=True)
             paths.append(self.anchor)
         self.plan.release(root)

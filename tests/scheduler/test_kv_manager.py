@@ -145,6 +145,20 @@ def test_a_fork_cut_inside_a_named_block_copies_it_before_writing():
     pool.check_integrity([child.block_table])
 
 
+def test_a_fork_holding_every_token_of_a_computed_parent_still_computes_its_last():
+    """A judge's question asked again word for word forks its computed predecessor whole: the
+    fork must still compute one token, or it never has logits to read (the search waited forever)."""
+    pool, kv = make(num_blocks=8, block_size=4)
+    parent = Sequence(list(range(10)))
+    kv.admit(parent, 100)
+    compute_all(kv, parent)
+    child = Sequence(list(parent.token_ids))
+    kv.fork(parent, child, 10)
+    assert child.num_computed_tokens == 9 and child.block_table == parent.block_table
+    assert child.block_hashes == parent.block_hashes[:2]
+    pool.check_integrity([parent.block_table, child.block_table])
+
+
 def test_keep_moves_parked_sequences_to_the_front_so_they_give_up_blocks_last():
     pool, kv = make(num_blocks=8, block_size=4)
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)

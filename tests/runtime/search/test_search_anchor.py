@@ -125,3 +125,24 @@ def test_anchor_first_moves_the_anchor_before_what_does_not_outrank_it():
     assert anchor_first([2, 0, 1], [0.3, 0.1, 0.9], 1, plain) == [2, 0, 1]  # 0.9 beats greedy's 0.1
     assert anchor_first([2, 0, 1], [0.3, 0.9, 0.9], 1, plain) == [1, 2, 0]  # a tie keeps greedy
     assert anchor_first([1, 0], [0.3, 0.9], 1, plain) == [1, 0]
+
+
+def test_an_anchored_search_with_look_ahead_finishes(engine):
+    """The anchor's greedy roll-out is its next step word for word, so the judge is asked the same
+    question twice: the second question, forked whole from the first, still computes its last token
+    (it waited for logits forever before)."""
+    params = dict(strategy="beam", n=8, beam_width=2, max_steps=40, max_step_tokens=4, verifier="judge", lookahead=1)
+    request = GenerateRequest(request_id="anchor-lookahead", endpoint="chat",
+                              messages=({"role": "user", "content": QUESTION},),
+                              sampling=SamplingParams(max_tokens=48, temperature=1.0, seed=3, ignore_eos=True),
+                              search=SearchParams(**params))
+    assert not isinstance(engine.add_request(request)[0], Finished)
+    messages = []
+    for _ in range(5000):
+        if not engine.has_work:
+            break
+        messages += engine.step()
+    assert not engine.has_work, "the search did not finish"
+    finished = messages[-1]
+    assert isinstance(finished, Finished) and finished.search.anchor_tokens == 48
+    engine.check_integrity()
