@@ -21,12 +21,10 @@ import llguidance
 import llguidance.hf
 from llguidance import LLMatcher
 
+from runtime.grammar.schema import ANY_OBJECT, JSON_STYLE, bounded_numbers
 from runtime.grammar.tools import ToolFormat, tool_grammar
 from runtime.wire.protocol import Constraint, ToolCalling
 
-# The JSON the model writes: ", " and ": " between items (as models trained on JSON write it), and
-# no free whitespace (a small model given the choice writes newlines until max_tokens).
-JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
 
 
@@ -45,7 +43,7 @@ def grammar_text(constraint: Constraint | None, tools: ToolCalling | None, tool_
     assert constraint is not None
     kind, spec, param = constraint.kind, constraint.spec, constraint.param
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_STYLE)
+        return LLMatcher.grammar_from_json_schema(bounded_numbers(ANY_OBJECT), defaults=JSON_STYLE)
     if kind == "json_schema":
         try:
             schema = json.loads(spec)
@@ -54,8 +52,8 @@ def grammar_text(constraint: Constraint | None, tools: ToolCalling | None, tool_
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object (or true/false)", param)
         try:
-            return LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else {} if schema else
-                                                      {"not": {}}, defaults=JSON_STYLE)
+            return LLMatcher.grammar_from_json_schema(bounded_numbers(schema) if isinstance(schema, dict) else {}
+                                                      if schema else {"not": {}}, defaults=JSON_STYLE)
         except ValueError as exc:
             raise GrammarError(f"the JSON schema cannot be compiled: {exc}", param) from None
     if kind == "regex":

@@ -135,3 +135,40 @@ def test_llama3_calls_are_bare_objects_with_parameters(smollm_tokenizer):
         assert not accepts(compiler, grammar, '{"name": "get_weather", "arguments": {"city": "Paris"}}')
     finally:
         compiler.close()
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "integer"}, "9" * 16, "9" * 17),
+    ({"type": "number"}, "-" + "9" * 15 + ".5", "1" + "0" * 16),
+    ({"type": ["integer", "number"]}, "-" + "9" * 16, "-" + "1" * 17),
+    ({"type": ["integer", "null"]}, "null", "1" * 17),
+    ({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, '{"n": 7}', '{"n": ' + "7" * 17 + "}"),
+    ({"type": "integer", "minimum": 0}, "1" * 16, "-1"),  # its own bound stands; the other side is capped
+    ({"type": "integer", "maximum": 10 ** 18}, "1" * 18, "-" + "1" * 17),
+])
+def test_an_unbounded_number_has_at_most_16_integral_digits(compiler, schema, good, bad):
+    """As llama.cpp's schema grammars: a small model writing a digit a token would otherwise fill
+    max_tokens inside one integer."""
+    grammar = grammar_for(compiler, Constraint(kind="json_schema", spec=json.dumps(schema)))
+    assert accepts(compiler, grammar, good)
+    assert not accepts(compiler, grammar, bad)
+
+
+def test_a_json_object_is_any_object_with_bounded_numbers(compiler):
+    grammar = grammar_for(compiler, Constraint(kind="json_object"))
+    assert accepts(compiler, grammar, '{"a": {"b": [true, null, "x", -1.5, {"c": 3}]}, "d": []}')
+    assert not accepts(compiler, grammar, '{"a": ' + "1" * 17 + "}")
+    assert not accepts(compiler, grammar, '["not", "an object"]')
+
+
+def test_bounds_reach_every_subschema_but_never_a_value():
+    from runtime.grammar.schema import NUMBER_BOUND, bounded_numbers
+
+    schema = {"type": "object", "properties": {"type": {"type": "integer"}, "k": {"const": {"type": "integer"}}},
+              "$defs": {"n": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string"}]}}}
+    out = bounded_numbers(schema)
+    assert out["properties"]["type"] == {"type": "integer", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND}
+    assert out["properties"]["k"] == {"const": {"type": "integer"}}
+    assert out["$defs"]["n"]["anyOf"] == [{"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e16},
+                                          {"type": "string"}]
+    assert schema["properties"]["type"] == {"type": "integer"}  # the client's schema is left as it came
