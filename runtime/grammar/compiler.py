@@ -21,7 +21,7 @@ import llguidance
 import llguidance.hf
 from llguidance import LLMatcher
 
-from runtime.grammar.schema import ANY_OBJECT, JSON_STYLE, bounded_numbers
+from runtime.grammar.schema import ANY_OBJECT, JSON_STYLE, tightened
 from runtime.grammar.tools import ToolFormat, tool_grammar
 from runtime.wire.protocol import Constraint, ToolCalling
 
@@ -43,7 +43,7 @@ def grammar_text(constraint: Constraint | None, tools: ToolCalling | None, tool_
     assert constraint is not None
     kind, spec, param = constraint.kind, constraint.spec, constraint.param
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema(bounded_numbers(ANY_OBJECT), defaults=JSON_STYLE)
+        return LLMatcher.grammar_from_json_schema(tightened(ANY_OBJECT), defaults=JSON_STYLE)
     if kind == "json_schema":
         try:
             schema = json.loads(spec)
@@ -52,7 +52,7 @@ def grammar_text(constraint: Constraint | None, tools: ToolCalling | None, tool_
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object (or true/false)", param)
         try:
-            return LLMatcher.grammar_from_json_schema(bounded_numbers(schema) if isinstance(schema, dict) else {}
+            return LLMatcher.grammar_from_json_schema(tightened(schema) if isinstance(schema, dict) else {}
                                                       if schema else {"not": {}}, defaults=JSON_STYLE)
         except ValueError as exc:
             raise GrammarError(f"the JSON schema cannot be compiled: {exc}", param) from None

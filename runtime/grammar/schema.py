@@ -1,4 +1,5 @@
-"""The JSON a constrained model writes: its separators and spacing, and the digits a number may have.
+"""The JSON a constrained model writes: its separators and spacing, the digits a number may have, and
+no property its schema does not name.
 Both the schema of `response_format` and a tool's parameters pass through here before llguidance."""
 
 from __future__ import annotations
@@ -16,17 +17,33 @@ ANY_OBJECT = {"type": "object", "additionalProperties": _VALUE, "$defs": {"value
     {"type": "object", "additionalProperties": _VALUE}, {"type": "array", "items": _VALUE}, {"type": "string"},
     {"type": "number"}, {"type": "boolean"}, {"type": "null"}]}}}
 DATA_KEYS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})  # name -> schema
+COMBINED = frozenset({"allOf", "anyOf", "oneOf", "$ref"})  # beside these, properties combine with theirs
+OTHER_PROPERTIES = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
 
 
-def bounded_numbers(schema):
-    """`schema` with every subschema that may be an `integer` or a `number` and has no bound on a side
-    bounded there (16 digits; a copy; every subschema is walked, `$defs` and combinators
-    included, never the values of `const`, `enum`, `default` or `examples`)."""
+def tightened(schema, *, merged: bool = False):
+    """`schema` as ponder constrains it (a copy; every subschema is walked, `$defs` and combinators
+    included, never the values of `const`, `enum`, `default` or `examples`):
+    - an `integer` or `number` with no bound on a side is bounded there (16 digits);
+    - an object schema with `properties` and no word on others gets `additionalProperties: false`,
+      as llama.cpp's schema grammars and xgrammar's strict mode have it (a small model otherwise
+      invents property after property until max_tokens); not the direct members of an `allOf`, nor
+      a schema beside a combinator or a `$ref`, whose properties combine with others'."""
     if isinstance(schema, list):
-        return [bounded_numbers(item) for item in schema]
+        return [tightened(item, merged=merged) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: value if key in DATA_KEYS else bounded_numbers(value) for key, value in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        if key in DATA_KEYS:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: tightened(sub) for name, sub in value.items()}
+        else:
+            out[key] = tightened(value, merged=key == "allOf")
+    if "properties" in schema and not merged and not (OTHER_PROPERTIES | COMBINED) & schema.keys():
+        out["additionalProperties"] = False
     kinds = schema.get("type")
     kinds = kinds if isinstance(kinds, list) else [kinds]
     if "number" in kinds:  # floats: 10^16 is exact, 10^16 - 1 is not

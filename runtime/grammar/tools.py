@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from runtime.grammar.schema import bounded_numbers
+from runtime.grammar.schema import tightened
 from runtime.wire.protocol import ToolCalling
 
 ToolFormat = Literal["hermes", "llama3_json", "mistral"]
@@ -46,7 +46,7 @@ def tool_format_of(chat_template: str | None) -> tuple[ToolFormat, bool]:
 
 def _call_schema(tool: dict[str, Any], fmt: ToolFormat) -> dict[str, Any]:
     function = tool["function"]
-    parameters = bounded_numbers(function.get("parameters") or {"type": "object", "properties": {}})
+    parameters = tightened(function.get("parameters") or {"type": "object", "properties": {}})
     key = "parameters" if fmt == "llama3_json" else "arguments"
     return {"type": "object", "properties": {"name": {"const": function["name"]}, key: parameters},
             "required": ["name", key], "additionalProperties": False}

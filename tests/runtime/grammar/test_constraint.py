@@ -162,13 +162,39 @@ def test_a_json_object_is_any_object_with_bounded_numbers(compiler):
 
 
 def test_bounds_reach_every_subschema_but_never_a_value():
-    from runtime.grammar.schema import NUMBER_BOUND, bounded_numbers
+    from runtime.grammar.schema import NUMBER_BOUND, tightened
 
     schema = {"type": "object", "properties": {"type": {"type": "integer"}, "k": {"const": {"type": "integer"}}},
               "$defs": {"n": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "string"}]}}}
-    out = bounded_numbers(schema)
+    out = tightened(schema)
+    assert out["additionalProperties"] is False and set(out["properties"]) == {"type", "k"}
     assert out["properties"]["type"] == {"type": "integer", "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND}
     assert out["properties"]["k"] == {"const": {"type": "integer"}}
     assert out["$defs"]["n"]["anyOf"] == [{"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e16},
                                           {"type": "string"}]
     assert schema["properties"]["type"] == {"type": "integer"}  # the client's schema is left as it came
+
+
+@pytest.mark.parametrize("schema, extra_allowed", [
+    (SCHEMA_OPEN := {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}, False),
+    ({**SCHEMA_OPEN, "additionalProperties": True}, True),  # the schema's own word stands
+    ({**SCHEMA_OPEN, "additionalProperties": {"type": "integer"}}, True),
+    ({"type": "object"}, True),  # no properties named: any object
+])
+def test_properties_the_schema_does_not_name_are_left_out_unless_it_allows_them(compiler, schema, extra_allowed):
+    """As llama.cpp's schema grammars and xgrammar's strict mode: a small model otherwise invents
+    property after property until max_tokens."""
+    grammar = grammar_for(compiler, Constraint(kind="json_schema", spec=json.dumps(schema)))
+    assert accepts(compiler, grammar, '{"name": "Ada"}')
+    assert accepts(compiler, grammar, '{"name": "Ada", "age": 3}') == extra_allowed
+
+
+def test_the_members_of_an_all_of_keep_their_properties_open():
+    from runtime.grammar.schema import tightened
+
+    schema = {"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"b": {"type": "string"}}}],
+              "properties": {"properties": {"type": "string"}}}
+    out = tightened(schema)
+    assert all("additionalProperties" not in member for member in out["allOf"])
+    assert out["properties"] == {"properties": {"type": "string"}} and "additionalProperties" not in out
+    assert tightened({"properties": {"properties": {}}})["properties"] == {"properties": {}}  # a name, not a schema
