@@ -20,13 +20,17 @@ from runtime.model.quantize import Quantized
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
-from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RuntimeStats
+from runtime.wire.protocol import (
+    Accepted, FromRuntime, GenerateRequest, RequestError, Reward, Rewarded, RewardRequest, RuntimeStats,
+)
 from runtime.model.row_padding import padding_for
 from runtime.requests.state import InvalidRequest, RequestState, answer_form_of, question_of
 from runtime.model.sampler import sample
+from runtime.search.aggregate import aggregate, normalize_step, split_steps
 from runtime.search.controller import SearchController
 from runtime.search.pacing import StepPacer
 from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep, Park, Prefetch, Release, Resume, Verify
+from runtime.verify.rewards import RewardScoring
 from runtime.verify.verifier_store import VerifierStore, build_scorers
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler, SchedulerOutput
@@ -104,6 +108,7 @@ class Engine:
         self.plain = PlainRequests(self, tokenizer, self.eos_ids, self.device, config.max_model_len, self.streamed)
         self.requests: dict[str, RequestState] = self.plain.requests
         self.searches: dict[str, SearchController] = {}
+        self.rewards: dict[str, RewardScoring] = {}  # given responses being scored (POST /v1/rewards)
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
         self.scorers, self.verifier_stores = build_scorers(self, model, tokenizer, config, reward_models or {},
                                                            self.padding)
@@ -169,15 +174,52 @@ class Engine:
         self.searches[request.request_id] = controller
         self.scheduler.add(controller.root)
 
+    def add_rewards(self, request: RewardRequest) -> list[FromRuntime]:
+        """Score given responses step by step with a search's verifier (runtime.verify.rewards): the
+        Rewarded comes from the step that reads the last score."""
+        try:
+            scorer = self.scorers.get(request.verifier)
+            if scorer is None or not RewardScoring.can_score(scorer):
+                known = ", ".join(name for name, s in self.scorers.items() if RewardScoring.can_score(s))
+                raise InvalidRequest(f"the verifier {request.verifier!r} cannot score given text; this server's "
+                                     f"verifiers that can: {known}", "verifier")
+            candidates = [given_steps(c.steps, c.text, request.step_delimiter, request.max_steps, c.param)
+                          for c in request.candidates]
+            scoring = RewardScoring(request.request_id, question_of(request), candidates,
+                                    lambda done: self.outbox.append(self._rewarded(done, request.aggregation)))
+            limit = self.config.max_model_len
+            if isinstance(scorer, VerifierStore):
+                limit = min(limit, scorer.pool.num_blocks * scorer.pool.block_size)
+            for candidate, tokens in zip(request.candidates, scoring.input_lengths(scorer)):
+                if tokens > limit:
+                    raise InvalidRequest(f"the {request.verifier} verifier's input for this response is {tokens} "
+                                         f"tokens, over its limit of {limit}", candidate.param,
+                                         code="context_length_exceeded")
+        except InvalidRequest as err:
+            return [err.to_message(request.request_id)]
+        self.rewards[request.request_id] = scoring
+        scoring.start(scorer)
+        return []
+
+    def _rewarded(self, scoring: RewardScoring, aggregation: str) -> Rewarded:
+        self.rewards.pop(scoring.request_id, None)
+        for seq in self.scoring.pop(scoring.request_id, []):
+            self.release_sequence(seq)  # the judge's questions
+        rewards = tuple(Reward(steps=tuple(steps), step_scores=tuple(scores), score=aggregate(scores, aggregation))
+                        for steps, scores in zip(scoring.candidates, scoring.step_scores))
+        return Rewarded(request_id=scoring.request_id, rewards=rewards, input_tokens=scoring.input_tokens,
+                        cached_tokens=scoring.cached_tokens)
+
     def abort(self, request_id: str) -> None:
         self.gate.abort(request_id)
         self.plain.abort(request_id)
-        controller = self.searches.pop(request_id, None)
+        controller = self.searches.pop(request_id, None) or self.rewards.pop(request_id, None)
         if controller is not None:
             controller.is_finished = True
             for store in self.verifier_stores:
                 store.abort(controller)
-            for seq in controller.sequences() + self.scoring.pop(request_id, []):
+            sequences = controller.sequences() if isinstance(controller, SearchController) else []
+            for seq in sequences + self.scoring.pop(request_id, []):
                 self.release_sequence(seq)
 
     # -- what searches read and the judge asks of the engine (runtime.search.host, runtime.verify.host) --
@@ -390,7 +432,7 @@ class Engine:
         """The counters since the last call (verifier seconds are handed out once)."""
         pool, tier = self.pool, "gpu" if self.device.type == "cuda" else "cpu"
         stats = RuntimeStats(
-            requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches),
+            requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches) + len(self.rewards),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
                        **(self.residency.block_counts() if self.residency else {})},
@@ -424,3 +466,19 @@ class Engine:
         if self.residency is not None:
             self.residency.check_integrity()
 
+
+
+def given_steps(steps: tuple[str, ...] | None, text: str | None, delimiter: str, max_steps: int,
+                param: str) -> list[str]:
+    """A given response's steps as a search's verifier sees its own: each without its trailing
+    delimiter; a text is cut at the delimiter as a finished answer is (runtime.search.aggregate)."""
+    found = [normalize_step(step, delimiter) for step in steps] if steps is not None \
+        else split_steps(text or "", delimiter)
+    if not found:
+        raise InvalidRequest("the response has no steps" + ("" if steps is not None else
+                             f" once cut at the step delimiter {delimiter!r}"), param)
+    if steps is not None and any(not step.strip() for step in found):
+        raise InvalidRequest("every step must hold some text", param)
+    if len(found) > max_steps:
+        raise InvalidRequest(f"the response has {len(found)} steps, over this server's cap of {max_steps}", param)
+    return found

@@ -23,8 +23,8 @@ import traceback
 
 from runtime.wire.framing import recv_frame, send_frame
 from runtime.wire.protocol import (
-    AbortRequest, DetokenizeRequest, GenerateRequest, LoadFailed, Ready, RequestError, Shutdown, TokenizeRequest,
-    decode_options, decode_to_runtime, encode,
+    AbortRequest, DetokenizeRequest, GenerateRequest, LoadFailed, Ready, RequestError, RewardRequest, Shutdown,
+    TokenizeRequest, decode_options, decode_to_runtime, encode,
 )
 
 log = logging.getLogger("ponder.runtime")
@@ -134,6 +134,9 @@ def _loop(channel: Channel, engine, options) -> None:
             elif isinstance(message, GenerateRequest):
                 for out in engine.add_request(message):
                     channel.send(out)
+            elif isinstance(message, RewardRequest):
+                for out in engine.add_rewards(message):
+                    channel.send(out)
             elif isinstance(message, TokenizeRequest):
                 channel.send(tokenize(message, engine.tokenizer, engine.config.max_model_len))
             elif isinstance(message, DetokenizeRequest):
@@ -147,7 +150,7 @@ def _loop(channel: Channel, engine, options) -> None:
                     raise DeviceFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
                 detail = traceback.format_exc()
                 log.error("engine step failed:\n%s", detail)
-                for request_id in [*engine.requests, *engine.searches]:
+                for request_id in [*engine.requests, *engine.searches, *engine.rewards]:
                     engine.abort(request_id)
                     channel.send(RequestError(request_id=request_id, status=500, type="server_error",
                                               message="internal error in the runtime step"))

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from runtime.wire.framing import HEADER, recv_frame, send_frame
 from runtime.wire.protocol import (
     AbortRequest, Accepted, Delta, Detokenized, DetokenizeRequest, Finished, FromRuntime, GenerateRequest, LoadFailed,
-    LoadProgress, Ready, RequestError, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree, SettingsChecked, Shutdown,
-    Tokenized, TokenizeRequest, decode_from_runtime, encode,
+    LoadProgress, Ready, RequestError, Rewarded, RewardRequest, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree,
+    SettingsChecked, Shutdown, Tokenized, TokenizeRequest, decode_from_runtime, encode,
 )
 
 log = logging.getLogger("ponder.client")
@@ -239,7 +239,7 @@ class RuntimeClient:
         handle = self._handles.get(message.request_id)
         if handle is None:
             return  # aborted earlier; late messages are dropped
-        if isinstance(message, (Finished, RequestError, Tokenized, Detokenized)):  # a request's last message
+        if isinstance(message, (Finished, RequestError, Tokenized, Detokenized, Rewarded)):  # a request's last message
             del self._handles[message.request_id]
         handle.queue.put_nowait(message)
 
@@ -258,7 +258,7 @@ class RuntimeClient:
         self._writer.write(HEADER.pack(len(payload)) + payload)
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, request: GenerateRequest | TokenizeRequest | DetokenizeRequest) -> RequestHandle:
+    def submit(self, request: GenerateRequest | TokenizeRequest | DetokenizeRequest | RewardRequest) -> RequestHandle:
         if self.state != READY:
             raise RuntimeUnavailable("the inference runtime is not ready")
         self._send(request)  # first: a request that cannot be sent leaves no handle behind
@@ -266,13 +266,14 @@ class RuntimeClient:
         self._handles[request.request_id] = handle  # the reader runs on this loop, after we return
         return handle
 
-    async def ask(self, request: TokenizeRequest | DetokenizeRequest) -> Tokenized | Detokenized | RequestError:
-        """A request with one answer (tokenize, detokenize): the answer, or the RequestError."""
+    async def ask(self, request: TokenizeRequest | DetokenizeRequest | RewardRequest
+                  ) -> Tokenized | Detokenized | Rewarded | RequestError:
+        """A request with one answer (tokenize, detokenize, rewards): the answer, or the RequestError."""
         handle = self.submit(request)
         try:
             return await handle.queue.get()
         finally:
-            self._handles.pop(request.request_id, None)
+            self.abort(request.request_id)  # asked while still open: the client went away (its answer came: a no-op)
 
     def abort(self, request_id: str) -> None:
         if self._handles.pop(request_id, None) is not None and self._writer is not None:

@@ -124,6 +124,30 @@ class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", 
     token_ids: tuple[int, ...]
 
 
+class RewardCandidate(msgspec.Struct, frozen=True, kw_only=True):
+    """One response to score: its steps as given, or its text to cut into steps at the delimiter.
+    `param` is the request field it came from, named in a 400 about it."""
+
+    steps: tuple[str, ...] | None = None
+    text: str | None = None
+    param: str = "response"
+
+
+class RewardRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    """Score given responses step by step with a verifier, as a search scores its paths' steps;
+    answered with `Rewarded`. The question is taken from `messages` (the conversation before the
+    response) or `prompt` as a search takes it from its request."""
+
+    request_id: str
+    verifier: str
+    candidates: tuple[RewardCandidate, ...]
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt: str | None = None
+    step_delimiter: str = "\n\n"
+    aggregation: str = "last"
+    max_steps: int = 100  # a candidate with more steps is a 400
+
+
 class AbortRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg"):
     request_id: str
 
@@ -306,6 +330,22 @@ class Detokenized(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_onl
     text: str
 
 
+class Reward(msgspec.Struct, frozen=True, kw_only=True):
+    steps: tuple[str, ...]  # as the verifier saw them: split, trailing delimiters stripped
+    step_scores: tuple[float, ...]
+    score: float  # the step scores aggregated as the request asked
+
+
+class Rewarded(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
+    """A RewardRequest's scores, one Reward per candidate in order; the verifier's input tokens
+    (0 for a verifier without a model of its own to prefill), and of them those its prefix cache held."""
+
+    request_id: str
+    rewards: tuple[Reward, ...]
+    input_tokens: int = 0
+    cached_tokens: int = 0
+
+
 class RequestError(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
     request_id: str
     status: int
@@ -339,10 +379,10 @@ class RuntimeStats(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_on
     beam_group_sizes: tuple[int, ...] = ()
 
 
-ToRuntime = Union[GenerateRequest, TokenizeRequest, DetokenizeRequest, AbortRequest, Shutdown]
+ToRuntime = Union[GenerateRequest, TokenizeRequest, DetokenizeRequest, RewardRequest, AbortRequest, Shutdown]
 FromRuntime = Union[
     SettingsChecked, Ready, LoadProgress, LoadFailed, Accepted, Delta, SearchEvent, SearchTree, Finished, Tokenized, Detokenized,
-    RequestError, RuntimeStats
+    Rewarded, RequestError, RuntimeStats
 ]
 
 _to_runtime_decoder = msgspec.msgpack.Decoder(ToRuntime)
