@@ -26,7 +26,8 @@ from server.generation import Generation
 from server.http_edge import EdgeMetrics, quiet_probe_access_log
 from server.metrics import Metrics
 from server.responses import PromptAsks
-from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
+from server.rewards import reward_request, rewards_body
+from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, RewardsBody, TokenizeBody
 from server.tool_output import ToolCalls
 from server.trees import SearchTrees
 from server.ui import install as install_ui
@@ -218,6 +219,14 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         check_model(body.model)
         answer = await ask_runtime(DetokenizeRequest(request_id=uuid.uuid4().hex, token_ids=tuple(body.tokens)))
         return {"prompt": answer.text}
+
+    @app.post("/v1/rewards", dependencies=[Depends(require_key)])
+    async def rewards(body: RewardsBody):
+        """Score the client's own response(s) step by step with a verifier, as a search scores its paths."""
+        model = check_model(body.model)
+        wire = reward_request(body, client.info.verifiers if client.info else (), settings.limits.max_n,
+                              settings.search.max_steps)
+        return rewards_body(await ask_runtime(wire), model, wire)
 
     if trees.is_enabled:
         install_ui(app, trees, api_key, settings.server.sse_keepalive_s)

@@ -350,3 +350,24 @@ class TokenizeBody(_Body):
 class DetokenizeBody(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class RewardInput(_Body):
+    """One response of a batch: its text, or its steps."""
+
+    response: str | None = None
+    steps: list[str] | None = None
+
+
+class RewardsBody(_Body):
+    """POST /v1/rewards (server.rewards): the question, and the response(s) to score step by step."""
+
+    model: str | None = None
+    verifier: str | None = None  # None: the first configured reward model, else the judge
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    prompt: str | None = None
+    response: str | None = None
+    steps: list[str] | None = None
+    input: list[RewardInput] | None = None
+    step_delimiter: str = Field(SearchParams().step_delimiter, min_length=1)
+    aggregation: Literal["last", "min", "prod", "mean"] = "last"
