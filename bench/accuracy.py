@@ -19,11 +19,14 @@ through the engine's search entry point, one request at a time, exactly as a cha
 - `best_of_n`: N independent samples split into steps, each step scored by the verifier, the best wins;
 - `beam`: step-wise beam search, keep N / 4 paths after each step and refill to N;
 - `dvts`: N / 4 independent subtrees, each expands its own best step four ways;
-- `particle_filtering`: N particles resampled after each step by their verifier weights (its_hub's).
+- `particle_filtering`: N particles resampled after each step by their verifier weights (its_hub's);
+- `deepconf`: N traces, no verifier: a warm-up of N / 4 sets a confidence threshold, later traces stop
+  when their confidence over a window of a quarter of `max_tokens` falls below it, the rest vote weighted
+  by confidence (docs/search-deepconf.md).
 
 The verifier methods run with the greedy anchor, as a search does by default (`runtime.search.anchor`:
 greedy decoding's path beside the N, the answer unless a candidate outranks it); `--no-greedy-anchor`
-runs them without it. Majority voting never has it: its N samples vote alone.
+runs them without it. Majority voting and DeepConf never have it: their N samples vote alone.
 
 The verifier methods run once per verifier in `--verifiers` (`judge`, `confidence` and `calculator` need
 no model besides the generator; others come from `--config`); `--configs` adds single configurations
@@ -65,8 +68,9 @@ from bench.report import emit, plot_path
 from bench.threads import torch_threads
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
-METHODS = ("greedy", "majority", "best_of_n", "beam", "dvts", "particle_filtering")
+METHODS = ("greedy", "majority", "best_of_n", "beam", "dvts", "particle_filtering", "deepconf")
 VERIFIED = ("best_of_n", "beam", "dvts", "particle_filtering")
+UNVERIFIED = ("majority", "deepconf")  # N samples that vote, with no verifier
 VERIFIERS = ("judge", "confidence", "calculator")  # the verifiers that run on the generator itself
 BEAM_WIDTH = 4
 Z_95 = 1.959963984540054
@@ -137,8 +141,8 @@ def plan(methods: list[str], verifiers: list[str], ns: list[int],
     for method in methods:
         if method == "greedy":
             configs.append(Config("greedy", None, 1))
-        elif method == "majority":
-            configs += [Config("majority", None, n) for n in ns]
+        elif method in UNVERIFIED:
+            configs += [Config(method, None, n) for n in ns]
         else:
             configs += [Config(method, verifier, n) for verifier in verifiers for n in ns]
     return configs
@@ -154,7 +158,7 @@ def parse_configs(text: str, known_verifiers: tuple[str, ...] = VERIFIERS) -> li
         if not at or not n.strip().isdigit():
             raise ValueError(f"--configs takes method[:verifier]@N, got {item!r}")
         if bool(verifier) != (method in VERIFIED):
-            raise ValueError(f"{item!r}: {', '.join(VERIFIED)} take a verifier, greedy and majority none")
+            raise ValueError(f"{item!r}: {', '.join(VERIFIED)} take a verifier, greedy, majority and deepconf none")
         configs += [c for c in plan([method], [verifier] if verifier else [], [int(n)], known_verifiers)
                     if c.n == int(n)]
     return configs
@@ -208,7 +212,9 @@ def request_for(problem: Problem, config: Config, setup: Setup, request_id: str)
         # Without a verifier of their own, greedy and majority take `confidence`: its score is the
         # sampled tokens' own log-probabilities, kept while sampling, so it costs nothing.
         verifier=config.verifier or "confidence", select="majority" if config.method == "majority" else "best",
-        greedy_anchor=setup.greedy_anchor and stepwise)
+        greedy_anchor=setup.greedy_anchor and stepwise,
+        # DeepConf's window scaled to these short answers (the paper's 2048 is for traces of thousands of tokens).
+        deepconf_window=max(8, setup.max_tokens // 4))
     sampling = SamplingParams(max_tokens=setup.max_tokens, temperature=0.0 if greedy else setup.temperature,
                               seed=setup.seed, n=1)
     return GenerateRequest(request_id=request_id, endpoint="chat", messages=messages_for(problem.question),

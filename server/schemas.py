@@ -102,7 +102,7 @@ class StreamOptions(_Body):
 class SearchRequest(_Wire):
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Literal["best_of_n", "beam", "dvts", "dynamic_branching", "particle_filtering"] = "beam"
+    strategy: Literal["best_of_n", "beam", "dvts", "dynamic_branching", "particle_filtering", "deepconf"] = "beam"
     n: int = Field(8, ge=1)
     beam_width: int = Field(4, ge=1)
     max_steps: int = Field(40, ge=1)
@@ -118,6 +118,20 @@ class SearchRequest(_Wire):
     timeout_s: float | None = None
     # One more path decoded greedily, the answer unless a candidate outranks it (docs/search-greedy-anchor.md).
     greedy_anchor: bool = True
+    # DeepConf's knobs (docs/search-deepconf.md): warm-up traces (None: max(1, n // 4)), the percentage of
+    # traces the stopping threshold keeps, the tokens of a group confidence, vote only the top eta %.
+    deepconf_warmup: int | None = Field(None, ge=1)
+    deepconf_eta: float = Field(10.0, gt=0.0, le=100.0)
+    deepconf_window: int = Field(256, ge=1)
+    deepconf_keep_top: bool = False
+
+    @field_validator("deepconf_warmup")
+    @classmethod
+    def _warmup_within_n(cls, value, info):
+        n = info.data.get("n")
+        if value is not None and n is not None and value > n:
+            raise ValueError(f"the warm-up ({value} traces) cannot exceed n ({n})")
+        return value
 
     def to_params(self, include_events: bool, default_timeout_s: float) -> SearchParams:
         fields = self.model_dump()

@@ -34,17 +34,21 @@ class SampleOutput:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    # -mean of the `confidence_k` most likely tokens' log-probabilities (DeepConf's token confidence)
+    confidence: float | None = None
 
 
 class SamplingState:
     """What sampling needs to remember about one sequence."""
 
-    def __init__(self, params: SamplingParams, seed: int, device: torch.device, track_logprobs: bool = False) -> None:
+    def __init__(self, params: SamplingParams, seed: int, device: torch.device, track_logprobs: bool = False,
+                 confidence_k: int = 0) -> None:
         self.params = params
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # Report the sampled token's log-probability even when the client did not ask (search scoring).
-        self.wants_logprob = params.logprobs or track_logprobs
+        self.wants_logprob = params.logprobs or track_logprobs or confidence_k > 0
+        self.confidence_k = confidence_k  # > 0: report each token's confidence over this many top tokens
         # Its grammar's place (runtime.grammar.matcher.TokenConstraint), or None: the engine turns it into
         # the `allowed` mask `sample` takes and hands it each sampled token; the sampler never reads it.
         self.constraint = None
@@ -141,6 +145,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     # all exact in float64 (ids are integers below 2**53, log-probabilities float32).
     parts = [tokens.to(torch.float64)]
     top_k = max((states[i].params.top_logprobs for i in wants), default=0)
+    confident = [j for j, i in enumerate(wants) if states[i].confidence_k > 0]
     if wants:
         want_t = torch.tensor(wants, device=device)
         raw_logprobs = torch.log_softmax(logits[want_t], dim=-1)
@@ -148,6 +153,13 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
         if top_k:
             values, ids = torch.topk(raw_logprobs, top_k, dim=-1)
             parts += [values.flatten().to(torch.float64), ids.flatten().to(torch.float64)]
+        if confident:  # each row's own top-k: a row's confidence does not depend on the others
+            conf_k = max(states[wants[j]].confidence_k for j in confident)
+            top = torch.topk(raw_logprobs[confident], min(conf_k, raw_logprobs.shape[-1]), dim=-1).values
+            ks = torch.tensor([min(states[wants[j]].confidence_k, top.shape[-1]) for j in confident], device=device)
+            keep = torch.arange(top.shape[-1], device=device)[None, :] < ks[:, None]
+            kept = torch.where(keep, top.to(torch.float64), torch.zeros((), dtype=torch.float64, device=device))
+            parts.append(-kept.sum(dim=-1) / ks)
     host = torch.cat(parts).tolist()
     n, w = len(states), len(wants)
     outputs = [SampleOutput(int(t)) for t in host[:n]]
@@ -159,6 +171,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
             values = host[n + w + j * top_k:n + w + j * top_k + count]
             ids = host[n + w + w * top_k + j * top_k:n + w + w * top_k + j * top_k + count]
             out.top = [(int(i), v) for i, v in zip(ids, values)]
+    for j, value in zip(confident, host[len(host) - len(confident):]):
+        outputs[wants[j]].confidence = value
     return outputs
 
 

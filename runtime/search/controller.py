@@ -54,7 +54,9 @@ class SearchController(SearchOutput):
         self.question = question
         self.max_tokens = max_tokens
         self.verifier = verifier
-        self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width, params.seed)
+        options = dict(warmup=search.deepconf_warmup, eta=search.deepconf_eta, window=search.deepconf_window,
+                       keep_top=search.deepconf_keep_top) if search.strategy == "deepconf" else {}
+        self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width, params.seed, **options)
         self.rules = StepRules(params, search, host.tokenizer, host.eos_ids, len(prompt_ids), max_tokens,
                                host.config.max_model_len, self.strategy.stops_on_boxed)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
@@ -87,6 +89,7 @@ class SearchController(SearchOutput):
         self.cut_step_verified: bool | None = None
         self.scores_before: dict[SearchPath, int] = {}  # per path under verification: its scores before it
         self.anchor: SearchPath | None = None  # the greedy path beside the strategy's (runtime.search.anchor)
+        self.waiting: list[int] = []  # subtrees of the initial paths of a later wave (the root is kept for them)
 
     def take_plan(self) -> SearchPlan:
         """What it asked of the engine since the engine last took it, in the order asked."""
@@ -131,7 +134,8 @@ class SearchController(SearchOutput):
             sampling = sampling or self.child_sampling(parent, ordinal)
         else:
             sampling = SamplingState(anchor_params(self.params) if anchor else self.params,
-                                     derive_seed(self.params.seed, *key), self.host.device, track_logprobs=True)
+                                     derive_seed(self.params.seed, *key), self.host.device, track_logprobs=True,
+                                     confidence_k=self.strategy.confidence_k)
             sampling.constraint = self.grammar.start() if self.grammar is not None else None
         start = len(seq.token_ids) if parent is None else parent.step_end
         path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=start,
@@ -143,7 +147,7 @@ class SearchController(SearchOutput):
         """The sampler of `parent`'s `ordinal`-th new child: its seed, and its grammar forked at the
         parent's step's end (a branch decoding the child before it exists gets this very state)."""
         sampling = SamplingState(self.params, derive_seed(self.params.seed, *parent.child_seed_key(ordinal)),
-                                 self.host.device, track_logprobs=True)
+                                 self.host.device, track_logprobs=True, confidence_k=self.strategy.confidence_k)
         if parent.sampling.constraint is not None:  # not its speculative tokens
             sampling.constraint = parent.sampling.constraint.fork(parent.step_end - len(self.prompt_ids))
         return sampling
@@ -155,22 +159,43 @@ class SearchController(SearchOutput):
         """The prompt is computed: fork it into the initial paths, which all sample from its logits."""
         self.num_cached_tokens = root.num_cached_tokens
         self.stats["prefix_hit_tokens"] += root.num_cached_tokens
-        paths = [self._new_path(self.plan.fork(root), subtree) for subtree in self.strategy.initial_paths()]
+        subtrees = self.strategy.initial_paths()
+        first, self.waiting = subtrees[:self.strategy.num_first_wave()], subtrees[self.strategy.num_first_wave():]
+        paths = [self._new_path(self.plan.fork(root), subtree) for subtree in first]
         if self.search.greedy_anchor and not self.params.is_greedy:
             self.anchor = self._new_path(self.plan.fork(root), ANCHOR_UID, anchor=True)
             paths.append(self.anchor)
-        self.plan.release(root)
+        if self.waiting:
+            self.plan.park(root)  # a later wave's paths share its blocks
+        else:
+            self.plan.release(root)
         self.tree.change(self.tree.add(None, 0), "kept", text=self.question)  # the root, every path's node
         self._start_step(paths)
         self.tree.flush()
         return [p.seq for p in paths]  # every path samples its first token from the prompt's logits
+
+    def _next_wave(self) -> list[SearchPath]:
+        """The waiting initial paths, forked from the kept prompt: each computes the prompt's last token
+        again for its first token's logits (`KVManager.fork`), and shares every block before it."""
+        paths = [self._new_path(self.plan.fork(self.root, len(self.prompt_ids)), subtree) for subtree in self.waiting]
+        self._drop_waiting()
+        return paths
+
+    def _drop_waiting(self) -> None:
+        if self.waiting:
+            self.waiting = []
+            self.plan.release(self.root)
+
+    def _is_last_step(self) -> bool:
+        """Whether the step being decoded runs to the paths' end (no step delimiter)."""
+        return self.strategy.whole_traces or self.step_index >= self.search.max_steps - 1
 
     # -- steps and groups -----------------------------------------------------------------------
     def _step_tokens(self, path: SearchPath) -> int:
         """The most tokens `path` may decode in the step starting now."""
         used = len(path.seq.token_ids)
         room = min(self.max_tokens - (used - len(self.prompt_ids)), self.host.config.max_model_len - used)
-        if self.step_index >= self.search.max_steps - 1:
+        if self._is_last_step():
             return max(1, room)
         return max(1, min(room, self.search.max_step_tokens))
 
@@ -218,7 +243,7 @@ class SearchController(SearchOutput):
         self.active = set(group)
         for path in group:
             self.plan.resume(path.seq)
-        if not self._out_of_time() and self.step_index < self.search.max_steps - 1:
+        if not self._out_of_time() and not self._is_last_step():
             verifies = (self.step_index + 1) % self.search.granularity == 0 or self.step_index + 1 >= self.search.max_steps
             # Paths whose step is done already (a branch decoded it) decode their children's meanwhile.
             self.speculation.open(self.to_group + self.stepped, [p for p in self.stepped if not p.is_done],
@@ -247,8 +272,9 @@ class SearchController(SearchOutput):
         self.stats["tokens_generated"] += 1
         if out.logprob is not None:
             path.chunk_logprobs.append(out.logprob)
-        reason, ends_step = self.rules.outcome(path, out.token_id, path.step_start,
-                                               is_last_step=self.step_index >= self.search.max_steps - 1)
+        reason, ends_step = self.rules.outcome(path, out.token_id, path.step_start, is_last_step=self._is_last_step())
+        if out.confidence is not None and self.strategy.observe(path.uid, out.confidence) and path is not self.anchor:
+            reason = reason or "length"  # stopped by its confidence: released now, pruned when it settles
         ends_step = ends_step or (reason is None and self._out_of_time())
         if reason is not None:
             path.is_done, path.finish_reason = True, reason
@@ -290,7 +316,7 @@ class SearchController(SearchOutput):
         self.step_index += 1
         self.verify_now = (self.step_index % self.search.granularity == 0
                            or self.step_index >= self.search.max_steps)
-        to_score = [p for p in self.stepped if self.verify_now or p.is_done]
+        to_score = [p for p in self.stepped if self.verify_now or p.is_done] if self.strategy.uses_verifier else []
         if self._out_of_time():
             self.cut_step_verified = bool(to_score) and getattr(self.verifier, "is_free", False)
             if to_score and not self.cut_step_verified:
@@ -367,7 +393,13 @@ class SearchController(SearchOutput):
             self.tree.change(path.node, "pruned")
         if self._out_of_time() and self.cut_step_verified is None:
             self.cut_step_verified = True  # the deadline passed while this step's scores came in
+        if not live and self.waiting and not self._out_of_time():
+            self._emit_progress(live)
+            self._start_step(self._next_wave())  # the next wave of whole traces
+            self.tree.flush()
+            return
         if self.step_index >= self.search.max_steps or not live or self._out_of_time():
+            self._drop_waiting()
             for path in live:
                 path.finish_reason = "length"
                 self._discard(path)

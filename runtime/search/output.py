@@ -41,12 +41,15 @@ class SearchOutput:
     def _finish(self) -> None:
         self.is_finished = True
         form = self.answer_form  # a grammar shaped the output: its answers compare as their canonical texts
+        # The strategy's voters and their weights (DeepConf: the confidence filter and its weights).
+        voters, weights = self.strategy.candidates(self.final)
         candidates = [Candidate(structured_answer(p.text, form) if form else extract_answer(p.text, self.pattern),
-                                p.score) for p in self.final]
-        order = select(candidates, self.search.select, compare_as_text=self.pattern is not None or form is not None)
-        if self.anchor is not None and self.search.select == "best":
-            order = anchor_first(order, [p.score for p in self.final], self.final.index(self.anchor), self.verifier)
-        chosen = [self.final[i] for i in order[:self.params.n]]
+                                weight) for p, weight in zip(voters, weights)]
+        rule = self.strategy.selection or self.search.select
+        order = select(candidates, rule, compare_as_text=self.pattern is not None or form is not None)
+        if self.anchor in voters and rule == "best":
+            order = anchor_first(order, weights, voters.index(self.anchor), self.verifier)
+        chosen = [voters[i] for i in order[:self.params.n]]
         returned = 0
         for index, path in enumerate(chosen):
             output_ids = path.seq.token_ids[len(self.prompt_ids):path.step_end]
@@ -57,11 +60,11 @@ class SearchOutput:
             self.plan.emit(Delta(
                 request_id=self.request_id, index=index, text=text, token_ids=tuple(output_ids),
                 finish_reason=path.finish_reason or "stop",
-                search=StepScore(score=_reported(path.score), step_scores=tuple(path.step_scores),
-                                 answer=candidates[self.final.index(path)].answer)))
+                search=StepScore(score=_reported(weights[voters.index(path)]), step_scores=tuple(path.step_scores),
+                                 answer=candidates[voters.index(path)].answer)))
         if self.search.include_events:
             self.plan.emit(SearchEvent(request_id=self.request_id, step=self.step_index, live_paths=0,
-                                         scores=tuple(_reported(p.score) for p in chosen)))
+                                         scores=tuple(_reported(weights[voters.index(p)]) for p in chosen)))
         self.tree.select(path.node for path in chosen)
         self.tree.flush(done=True)
         self.plan.emit(Finished(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.search.aggregate import allocate_children, refill
+from runtime.search.confidence import TraceConfidence, percentile
 
 
 class PathView(Protocol):
@@ -64,6 +65,14 @@ class Strategy:
     stops_on_boxed = False
     #: whether a path may get new children when it settles (speculation decodes them ahead)
     expands = True
+    #: every step runs its paths to their end (no step delimiter): a step is a wave of whole traces
+    whole_traces = False
+    #: whether the request's verifier scores the paths
+    uses_verifier = True
+    #: > 0: the sampler reports each token's confidence over this many top tokens (`observe`)
+    confidence_k = 0
+    #: the answer's selection rule, or None: the request's `select`
+    selection: str | None = None
 
     def __init__(self, n: int, beam_width: int, seed: int | None = None) -> None:
         self.n = n
@@ -80,6 +89,19 @@ class Strategy:
 
     def expand(self, live: Sequence[PathView]) -> Expansion:
         raise NotImplementedError
+
+    def num_first_wave(self) -> int:
+        """How many of the initial paths start at once; the others start, forked from the prompt, when
+        none of those is live any more."""
+        return len(self.initial_paths())
+
+    def observe(self, uid: int, confidence: float) -> bool:
+        """A token of path `uid` and its confidence (with `confidence_k`): whether the path stops here."""
+        return False
+
+    def candidates(self, final: Sequence[PathView]) -> tuple[list[PathView], list[float]]:
+        """The finished paths the answer is chosen among, and the score each is ranked and weighed by."""
+        return list(final), [p.score for p in final]
 
 
 class BestOfN(Strategy):
@@ -206,13 +228,80 @@ def _logit(score: float) -> float:
     return math.log(clipped / (1 - clipped))
 
 
+# The paper's k: a token's confidence is over the model's 20 most likely tokens at its position.
+CONFIDENCE_TOP_K = 20
+
+
+class DeepConf(Strategy):
+    """DeepConf online (Fu et al. 2025): no verifier. A warm-up of `warmup` traces runs to its end; the
+    stopping threshold is the (100 - eta)-th percentile of their lowest group confidences. The other
+    n - warmup traces then run, and each stops the moment its group confidence (the mean token
+    confidence over its latest `window` tokens) falls below the threshold; a stopped trace does not
+    vote. The answer is the confidence-weighted majority of the traces that finished (weight: a trace's
+    lowest group confidence), with `keep_top` only of the top `eta` % of them by that weight."""
+
+    name = "deepconf"
+    expands = False
+    whole_traces = True
+    uses_verifier = False
+    confidence_k = CONFIDENCE_TOP_K
+    selection = "weighted_majority"
+
+    def __init__(self, n: int, beam_width: int, seed: int | None = None, *, warmup: int | None = None,
+                 eta: float = 10.0, window: int = 256, keep_top: bool = False) -> None:
+        super().__init__(n, beam_width, seed)
+        self.warmup = min(n, warmup if warmup is not None else max(1, n // 4))
+        self.eta, self.window, self.keep_top = eta, window, keep_top
+        self.traces: dict[int, TraceConfidence] = {}
+        self.threshold: float | None = None  # set when the warm-up is done
+        self.stopped: set[int] = set()  # traces stopped by their confidence: pruned when they settle
+
+    def num_first_wave(self) -> int:
+        return self.warmup
+
+    def observe(self, uid: int, confidence: float) -> bool:
+        trace = self.traces.setdefault(uid, TraceConfidence(self.window))
+        trace.add(confidence)
+        if self.threshold is None or not trace.is_full or trace.group >= self.threshold:
+            return False
+        self.stopped.add(uid)
+        return True
+
+    def lowest(self, uid: int) -> float:
+        trace = self.traces.get(uid)
+        return trace.lowest if trace is not None else -math.inf
+
+    def settle(self, stepped: Sequence[PathView]) -> tuple[list[PathView], list[PathView]]:
+        kept = sorted((p for p in stepped if p.uid not in self.stopped), key=lambda p: p.uid)
+        final, live = [p for p in kept if p.is_done], [p for p in kept if not p.is_done]
+        if self.threshold is None and not live:  # the warm-up is done
+            lowest = [self.lowest(p.uid) for p in final]
+            self.threshold = percentile(lowest, 100.0 - self.eta) if lowest else None
+        return final, live
+
+    def expand(self, live: Sequence[PathView]) -> Expansion:
+        ordered = sorted(live, key=lambda p: p.uid)
+        return Expansion(tuple(p.uid for p in ordered), tuple(1 for _ in ordered))
+
+    def candidates(self, final: Sequence[PathView]) -> tuple[list[PathView], list[float]]:
+        final = list(final)
+        if self.keep_top and final:
+            ranked = sorted(final, key=lambda p: (-self.lowest(p.uid), p.uid))
+            kept = {id(p) for p in ranked[:max(1, math.ceil(len(ranked) * self.eta / 100.0))]}
+            final = [p for p in final if id(p) in kept]
+        return final, [self.lowest(p.uid) for p in final]
+
+
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BestOfN, BeamSearch, DynamicBranching, DVTS,
-                                                                   ParticleFiltering)}
+                                                                   ParticleFiltering, DeepConf)}
 
 
-def make_strategy(name: str, n: int, beam_width: int, seed: int | None = None) -> Strategy:
+def make_strategy(name: str, n: int, beam_width: int, seed: int | None = None, **options) -> Strategy:
+    """`options`: the knobs of a strategy that has them (DeepConf's `warmup`, `eta`, `window`, `keep_top`)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown search strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
     if name == "dvts" and n % beam_width:
         raise ValueError("dvts needs n to be a multiple of beam_width")
+    if name == "deepconf":
+        return DeepConf(n, beam_width, seed, **options)
     return STRATEGIES[name](n, beam_width, seed)

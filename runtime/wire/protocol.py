@@ -63,6 +63,13 @@ class SearchParams(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float | None = None  # past this, running steps end at their next token and the best path answers
     # One more path decoded at temperature 0; the answer unless a candidate outranks it (runtime.search.anchor).
     greedy_anchor: bool = True
+    # DeepConf (strategy "deepconf", runtime.search.strategies.DeepConf): traces run to their end first,
+    # None: max(1, n // 4); the percentage of traces whose confidence the stopping threshold keeps (10:
+    # DeepConf-low, 90: DeepConf-high); the tokens of a group confidence; vote only the top eta %.
+    deepconf_warmup: int | None = None
+    deepconf_eta: float = 10.0
+    deepconf_window: int = 256
+    deepconf_keep_top: bool = False
 
 
 class Constraint(msgspec.Struct, frozen=True, kw_only=True):

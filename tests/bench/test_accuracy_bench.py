@@ -101,7 +101,7 @@ def test_a_verifier_from_the_config_is_a_known_verifier():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--methods", "greedy,sampling"], "unknown method 'sampling'; expected one of greedy, majority, "
-                                       "best_of_n, beam, dvts, particle_filtering"),
+                                       "best_of_n, beam, dvts, particle_filtering, deepconf"),
     (["--n", "4,0"], "N must be at least 1, got 0"),
     (["--n", "four"], "N must be a comma-separated list of integers, got 'four'"),
     (["--verifiers", "judge,oracle"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
@@ -110,7 +110,7 @@ def test_a_verifier_from_the_config_is_a_known_verifier():
     (["--limit", "0"], "--limit must be at least 1, got 0"),
     (["--configs", "beam:calculator"], "--configs takes method[:verifier]@N, got 'beam:calculator'"),
     (["--configs", "beam@8"],
-     "'beam@8': best_of_n, beam, dvts, particle_filtering take a verifier, greedy and majority none"),
+     "'beam@8': best_of_n, beam, dvts, particle_filtering take a verifier, greedy, majority and deepconf none"),
     (["--configs", "beam:oracle@8"], "unknown verifier 'oracle'; expected one of judge, confidence, calculator"),
     (["--concurrency", "0"], "--concurrency must be at least 1, got 0"),
     (["--concurrency", "4"], "--concurrency above 1 needs --deterministic: otherwise a problem's answer would "

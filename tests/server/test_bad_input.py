@@ -194,6 +194,11 @@ def test_bad_completion_fields(server, body, param):
     ({**SEARCH, "strategy": "mcts"}, "search.strategy"),
     ({**SEARCH, "budget": 1}, "search.budget"),
     ({**SEARCH, "step_delimiter": ""}, "search.step_delimiter"),
+    ({**SEARCH, "strategy": "deepconf", "deepconf_warmup": 3}, "search.deepconf_warmup"),  # more than n
+    ({**SEARCH, "strategy": "deepconf", "deepconf_warmup": 0}, "search.deepconf_warmup"),
+    ({**SEARCH, "strategy": "deepconf", "deepconf_eta": 0}, "search.deepconf_eta"),
+    ({**SEARCH, "strategy": "deepconf", "deepconf_eta": 101}, "search.deepconf_eta"),
+    ({**SEARCH, "strategy": "deepconf", "deepconf_window": 0}, "search.deepconf_window"),
     ({**SEARCH, "answer_pattern": "(("}, None),
     ("beam", "search"),
 ])
