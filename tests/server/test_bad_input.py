@@ -232,7 +232,7 @@ def test_the_server_still_answers_after_all_that(server):
 # -- fuzzing ------------------------------------------------------------------------------------
 
 OPERATIONS = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-              ("POST", "/tokenize"), ("POST", "/detokenize")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/rewards")]
 
 
 @pytest.fixture(scope="module")
