@@ -2,17 +2,12 @@
 transformers' float load followed by `apply_quantize`, bit for bit, and in the memory its file takes."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
 from torch import nn
 
+from bench.gguf_memory import measure_loads, write_7b_shaped
 from runtime.kernels.cpu_kernels import q4_unavailable
 from runtime.model.cached_model import _tensors, gguf_config
 from runtime.model.gguf_load import load_gguf_blocks
@@ -123,84 +118,15 @@ def test_a_file_that_does_not_load_tensor_by_tensor_loads_through_transformers(t
 # 7B-class shapes (llama 2 7B's hidden and intermediate sizes and heads), four layers; a small vocabulary
 # (the embedding stays float32 for its row lookup: 32000 x 4096 of it would be 0.5 GB beside these four
 # layers' 0.5 GB of blocks, where a 7B's 32 layers make it an eighth of the file).
-HIDDEN, FFN, LAYERS, HEADS, VOCAB = 4096, 11008, 4, 32, 2048
+LAYERS = 4
 CODE_ALLOWANCE = 256 * 2 ** 20  # the modeling code imported and the config parsed on the way: not the model's
-
-
-def write_7b_shaped(path: Path) -> None:
-    rng = np.random.default_rng(0)
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_context_length(4096)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"<t{i}>".encode() for i in range(VOCAB)])
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([1] * VOCAB)
-
-    def blocks(name, rows, cols, qtype):
-        # gguf's quantizer on 64 rows, repeated: the file's bytes are what it writes, in a fraction of the time
-        data = quantize((rng.standard_normal((64, cols)) * 0.02).astype(np.float32), qtype)
-        data = np.tile(data, (rows // 64, 1))
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-
-    q4, q8 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
-    blocks("token_embd.weight", VOCAB, HIDDEN, q4)
-    blocks("output.weight", VOCAB, HIDDEN, q8)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    for i in range(LAYERS):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            blocks(f"blk.{i}.{name}.weight", HIDDEN, HIDDEN, q4)
-        blocks(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, q4)
-        blocks(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, q4)
-        blocks(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, q8)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-_MEASURE = """
-import json, sys, torch
-from runtime.kernels.cpu_kernels import q4_kernel
-from runtime.model.cached_model import load_quantized_model
-from runtime.model.loader import resolve_model
-import transformers, gguf  # every import loading needs, before the baseline
-q4_kernel()
-
-def status(field):  # kB
-    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
-
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak resident size (VmHWM) starts again from the current one
-before = status("VmRSS:")
-source = resolve_model(sys.argv[1])
-model, quantized = load_quantized_model(source, torch.device("cpu"), torch.float32, "sdpa", "auto")
-after = status("VmHWM:")
-held = sum(t.numel() * t.element_size() for t in {id(t): t for t in
-           [*model.parameters(), *model.buffers()]}.values())
-print(json.dumps({"before": before * 1024, "peak": after * 1024, "held": held, "detail": quantized.describe()}))
-"""
 
 
 def test_a_7b_shaped_gguf_loads_within_1_3x_its_file_size(tmp_path):
     path = tmp_path / "seven-b-shaped.gguf"
-    write_7b_shaped(path)
+    write_7b_shaped(path, LAYERS)
     size = path.stat().st_size
-    runs = []
-    for _ in range(2):  # from the file (and writing the start-up cache), then from the cache
-        env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-        result = subprocess.run([sys.executable, "-c", _MEASURE, str(path)], capture_output=True, text=True,
-                                timeout=600, cwd=Path(__file__).parents[3], env=env)
-        assert result.returncode == 0, result.stderr[-2000:]
-        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    runs = measure_loads(path, tmp_path / "cache")  # from the file (writing the start-up cache), then from the cache
     print(json.dumps({"file": size, "runs": runs}))
     for run in runs:
         assert "int4 (29 layers keep the GGUF's blocks (24 Q4_1, 5 Q8_0)" in run["detail"]

@@ -1,0 +1,151 @@
+"""The memory a GGUF's load takes: a 7B-shaped file (hidden 4096, intermediate 11008, Q4_1 and Q8_0
+linear tensors as a Q4_1 download holds them), loaded as `ponder serve` loads it, against its size.
+
+    ponder bench gguf-memory [--layers 32] [--dir DIR] [--json PATH]
+
+The file is written with gguf's own writer and quantizer (64 rows quantized, then repeated: the bytes
+are the types' real layout, made in seconds); with `--layers 32` it is a 7B's shape, 4.0 GB. Each load
+runs in a fresh process that imports everything loading needs first, resets Linux's peak resident size
+(VmHWM) and loads with `quantize = auto` on the CPU (no KV pool): once from the file (the first start,
+which also writes the start-up cache) and once from that cache. Reported: the file's bytes, what the
+served tensors hold, and per load the peak resident memory the load added, as bytes and as a multiple
+of the file. The imports done before the baseline are not counted; the modeling code's own
+allocations on the way (about 140 MB, whatever the model's size) are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.report import columns, emit
+
+HIDDEN, FFN, HEADS, VOCAB = 4096, 11008, 32, 2048
+
+MEASURE = """
+import json, sys, torch
+from runtime.kernels.cpu_kernels import q4_kernel
+from runtime.model.cached_model import load_quantized_model
+from runtime.model.loader import resolve_model
+import transformers, gguf  # every import loading needs, before the baseline
+q4_kernel()
+
+def status(field):  # kB
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident size (VmHWM) starts again from the current one
+before = status("VmRSS:")
+source = resolve_model(sys.argv[1])
+model, quantized = load_quantized_model(source, torch.device("cpu"), torch.float32, "sdpa", "auto")
+after = status("VmHWM:")
+held = sum(t.numel() * t.element_size() for t in {id(t): t for t in
+           [*model.parameters(), *model.buffers()]}.values())
+print(json.dumps({"before": before * 1024, "peak": after * 1024, "held": held, "detail": quantized.describe()}))
+"""
+
+
+def write_7b_shaped(path: Path, layers: int) -> None:
+    """A llama GGUF of a 7B's widths with `layers` layers: Q4_1 linear tensors, Q8_0 down projections
+    and head, float norms, a 2048-token vocabulary."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"<t{i}>".encode() for i in range(VOCAB)])
+    writer.add_token_scores([0.0] * VOCAB)
+    writer.add_token_types([1] * VOCAB)
+
+    def blocks(name, rows, cols, qtype):
+        # gguf's quantizer on 64 rows, repeated: the file's bytes are what it writes, in a fraction of the time
+        data = quantize((rng.standard_normal((64, cols)) * 0.02).astype(np.float32), qtype)
+        data = np.tile(data, (rows // 64, 1))
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+    q4, q8 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
+    blocks("token_embd.weight", VOCAB, HIDDEN, q4)
+    blocks("output.weight", VOCAB, HIDDEN, q8)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            blocks(f"blk.{i}.{name}.weight", HIDDEN, HIDDEN, q4)
+        blocks(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, q4)
+        blocks(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, q4)
+        blocks(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def measure_loads(path: Path, cache_dir: Path) -> list[dict]:
+    """Two loads of `path` in fresh processes (from the file, then from the start-up cache it wrote)."""
+    runs = []
+    for _ in range(2):
+        env = {"XDG_CACHE_HOME": str(cache_dir), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HUB_OFFLINE": "1"}
+        result = subprocess.run([sys.executable, "-c", MEASURE, str(path)], capture_output=True, text=True,
+                                timeout=1800, cwd=Path(__file__).parents[1], env=env)
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr[-2000:])
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def run(layers: int, directory: Path) -> dict:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"seven-b-shaped-{layers}.gguf"
+    write_7b_shaped(path, layers)
+    size = path.stat().st_size
+    runs = measure_loads(path, directory / "cache")
+    loads = [{"from": origin, "added_bytes": r["peak"] - r["before"], "of_file": round((r["peak"] - r["before"]) / size, 3),
+              "detail": r["detail"]} for origin, r in zip(("file", "start-up cache"), runs)]
+    return {"layers": layers, "file_bytes": size, "held_bytes": runs[0]["held"], "loads": loads}
+
+
+def table(results: dict) -> str:
+    gb = 1e9
+    body = [[load["from"], f"{load['added_bytes'] / gb:.2f}", f"{load['of_file']:.2f}x"] for load in results["loads"]]
+    return "\n".join([f"gguf-memory: a 7B-shaped GGUF with {results['layers']} layers, {results['file_bytes'] / gb:.2f} GB; "
+                      f"served tensors {results['held_bytes'] / gb:.2f} GB",
+                      *columns(["load from", "peak added GB", "of the file"], body, 16)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ponder bench gguf-memory", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=32, help="layers of the 7B-shaped file (32: a 7B's)")
+    parser.add_argument("--dir", default=None, help="where the file and its start-up cache go (default: a temporary folder)")
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error("--layers: at least 1")
+    if args.dir is not None:
+        results = run(args.layers, Path(args.dir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="ponder-gguf-memory-") as scratch:
+            results = run(args.layers, Path(scratch))
+    emit(results, table(results), args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
