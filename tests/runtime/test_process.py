@@ -27,6 +27,7 @@ class FakeEngine:
         self.error = error
         self.requests = {"a": object(), "b": object()}
         self.searches: dict = {}
+        self.rewards: dict = {}
         self.aborted: list[str] = []
         self.device = torch.device("cpu")
 
@@ -153,6 +154,7 @@ class IdleEngine:
         self.checks = 0
         self.requests: dict = {}
         self.searches: dict = {}
+        self.rewards: dict = {}
         self.device = torch.device("cpu")
 
     @property
