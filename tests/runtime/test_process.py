@@ -27,6 +27,7 @@ class FakeEngine:
         self.error = error
         self.requests = {"a": object(), "b": object()}
         self.searches: dict = {}
+        self.rewards: dict = {}
         self.aborted: list[str] = []
         self.device = torch.device("cpu")
 
@@ -117,7 +118,7 @@ SCRIPT = textwrap.dedent("""
         def runtime_stats(self):
             raise AssertionError("no statistics are due")
 
-    runtime.bootstrap.build_engine = lambda options: (Engine(), SimpleNamespace(name="fake"))
+    runtime.bootstrap.build_engine = lambda options: (Engine(), SimpleNamespace(name="fake", directory="", gguf_file="fake.gguf"))
     process.main(sys.argv[1:])
 """)
 
