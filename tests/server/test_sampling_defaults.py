@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from runtime.wire.protocol import SamplingParams
@@ -90,6 +91,10 @@ def test_served_with_the_authors_defaults(qwen_like, tmp_path):
         assert own == tokens(base, **{**QWEN25_DEFAULTS, "temperature": 1.0})
         assert own != authors
         assert tokens(base, **PONDER_DEFAULTS) != authors
+        sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)  # sends only what is set
+        reply = sdk.chat.completions.create(model=models(base)["id"], messages=MESSAGES, max_tokens=24, seed=7, n=3,
+                                            extra_body={"ignore_eos": True})
+        assert [c.message.content for c in reply.choices] == authors
         logged = log.read_text()
     assert logged.count("default sampling parameters from the model's generation_config.json: temperature=0.7, "
                         "top_p=0.8, top_k=20, repetition_penalty=1.05") == 1
