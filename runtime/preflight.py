@@ -21,6 +21,7 @@ from runtime.model.loader import (
 )
 from runtime.wire.protocol import RuntimeOptions, SettingsChecked, decode_options
 from runtime.model.quantize import check_device, check_mode
+from runtime.model import generation_config
 
 
 CHECKPOINT_REFUSED = 3  # the exit status for a checkpoint that does not fill its model (2: a setting)
@@ -32,6 +33,7 @@ def check(options: RuntimeOptions) -> None:
     dtype = pick_dtype(options.dtype, device)
     check_mode(options.quantize)
     check_device(options.quantize, device)
+    generation_config.check_mode(options.generation_config)
     if options.kv_granularity not in GRANULARITIES:
         check_budget(None, 0, 0, options.kv_granularity)
     fraction = options.gpu_memory_fraction

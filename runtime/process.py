@@ -58,8 +58,10 @@ def serve(channel: Channel) -> None:
         return
     try:
         from runtime.bootstrap import build_engine
+        from runtime.model.generation_config import sampling_defaults
 
         engine, source = build_engine(options)
+        defaults = sampling_defaults(source, options.generation_config)
     except Exception as exc:  # noqa: BLE001 - reported to the server, which shows it to the user
         log.error("model load failed: %s", exc)
         channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
@@ -69,7 +71,7 @@ def serve(channel: Channel) -> None:
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
                        verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode,
                        tool_call_format=engine.gate.tool_format,
-                       block_types=engine.quantized.block_types))
+                       block_types=engine.quantized.block_types, sampling_defaults=defaults))
     log.info("runtime ready: %s", source.name)
     from runtime.search.answers import warm_up
 

@@ -159,7 +159,8 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "ponder",
                                             "max_model_len": info.max_model_len if info else None,
                                             "quantize": info.quantize if info else None,
-                                            "block_types": list(info.block_types) if info else None}]}
+                                            "block_types": list(info.block_types) if info else None,
+                                            "sampling_defaults": dict(info.sampling_defaults) if info else None}]}
 
     async def generate(body, request: Request, endpoint: str, prompts: list[dict]):
         """Check the body against the served model and the caps, then run one runtime request per prompt."""
@@ -170,7 +171,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         constraint, tools = _output_shape(body)
         options = body.stream_options
         include_events = bool(options and options.include_search_events)
-        sampling = body.to_sampling()
+        sampling = body.to_sampling(client.info.sampling_defaults if client.info else {})
         # A stream reports every search step: as chunks when asked for, else as SSE comments.
         search = body.search.to_params(include_events or body.stream, settings.search.max_timeout_s) \
             if body.search else None

@@ -24,6 +24,9 @@ def _serve_parser(sub) -> None:
                    help="weight-only quantization of the model's linear layers, CPU only (default auto: a "
                         "GGUF's own quantized blocks kept on a CPU, float weights otherwise)")
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
+    p.add_argument("--generation-config", choices=["auto", "none"], dest="generation_config",
+                   help="auto (default): the sampling defaults of the model's generation_config.json apply where a "
+                        "request leaves them unset, as vLLM's; none: ponder's own (model.generation_config)")
     p.add_argument("--deterministic", action="store_true", default=None,
                    help="refuse to start where results cannot be the same bits however requests are batched "
                         "(scheduler.batch_invariant = true; the default, auto, serves without them there)")
@@ -47,7 +50,7 @@ def settings_from_args(args: argparse.Namespace):
         args.config,
         server={"host": args.host, "port": args.port, "api_key": args.api_key},
         model={"path": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
-               "quantize": args.quantize},
+               "quantize": args.quantize, "generation_config": args.generation_config},
         scheduler={"batch_invariant": args.deterministic})
 
 

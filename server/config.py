@@ -45,6 +45,10 @@ class ModelSettings(_Section):
     # The int4 kernel's instruction set on an x86-64 CPU: auto runs AVX512-VNNI where the CPU has it; avx2
     # keeps to the AVX2 path most desktop CPUs run (to time it on a server CPU). The same bits either way.
     cpu_isa: Literal["auto", "avx2"] = "auto"
+    # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty where they differ from transformers' defaults) apply where a request leaves them
+    # unset, as vLLM's `--generation-config auto`; none: ponder's own defaults (vLLM's `vllm`).
+    generation_config: Literal["auto", "none"] = "auto"
 
 
 class CacheSettings(_Section):
@@ -164,6 +168,7 @@ class Settings(BaseSettings):
             model=self.model.path, served_model_name=self.model.served_name, device=self.model.device,
             dtype=self.model.dtype, max_model_len=self.model.max_model_len,
             trust_remote_code=self.model.trust_remote_code, quantize=self.model.quantize, cpu_isa=self.model.cpu_isa,
+            generation_config=self.model.generation_config,
             block_size=self.cache.block_size,
             kv_memory_bytes=int((self.cache.compute_memory_gib or 2.0) * (1 << 30)), num_blocks=self.cache.num_blocks,
             gpu_memory_fraction=self.cache.gpu_memory_fraction if self.cache.compute_memory_gib is None else None,

@@ -5,6 +5,7 @@ Unknown top-level fields are ignored (clients send vendor extras); known ones ar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -142,6 +143,10 @@ class SearchRequest(_Wire):
 MAX_LOGPROBS = 20  # the most top logprobs a position may ask for (logprobs, top_logprobs, prompt_logprobs)
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+# The fields a model's generation config may give defaults for (Ready.sampling_defaults): each applies
+# where the request leaves its field unset; a request that sends one, even at ponder's default, keeps it.
+AUTHOR_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -218,13 +223,20 @@ class _Generation(_Body):
     def stop_list(self) -> list[str]:
         return self.stop or []  # type: ignore[return-value]
 
+    def sampled(self, defaults: Mapping[str, float] = {}) -> dict[str, Any]:
+        """The request's temperature, top_p, top_k, min_p and repetition_penalty, each from `defaults`
+        (the model author's) where the request did not send it."""
+        return {name: defaults[name] if name in defaults and name not in self.model_fields_set else getattr(self, name)
+                for name in AUTHOR_DEFAULTED}
+
     def sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int, echo: bool = False,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
+                 prompt_logprobs: int | None = None, defaults: Mapping[str, float] = {}) -> SamplingParams:
+        sampled = self.sampled(defaults)
+        top_k = int(sampled.pop("top_k"))
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p,
+            max_tokens=max_tokens, **sampled, top_k=0 if top_k == -1 else top_k,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(self.stop_list()),
+            seed=self.seed, stop=tuple(self.stop_list()),
             stop_token_ids=tuple(self.stop_token_ids), include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs, n=self.n, echo=echo,
             prompt_logprobs=prompt_logprobs,
@@ -292,9 +304,11 @@ class ChatCompletionRequest(_Generation):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
-    def to_sampling(self) -> SamplingParams:
+    def to_sampling(self, defaults: Mapping[str, float] = {}) -> SamplingParams:
+        """The runtime's sampling parameters; `defaults`: the model's sampling defaults (`sampled`)."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs)
+        return self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs,
+                             defaults=defaults)
 
     def wire_messages(self) -> tuple[dict[str, Any], ...]:
         return tuple(m.wire() for m in self.messages)
@@ -333,11 +347,12 @@ class CompletionRequest(_Generation):
         """The top logprobs each echoed prompt token carries, or None when the prompt's are not asked for."""
         return self.logprobs if self.echo else None
 
-    def to_sampling(self) -> SamplingParams:
+    def to_sampling(self, defaults: Mapping[str, float] = {}) -> SamplingParams:
+        """The runtime's sampling parameters; `defaults`: the model's sampling defaults (`sampled`)."""
         wants = self.logprobs is not None
         asks = [k for k in (self.echo_logprobs, self.prompt_logprobs) if k is not None]
         return self.sampling(self.max_tokens, wants, self.logprobs or 0, echo=self.echo,
-                             prompt_logprobs=max(asks) if asks else None)
+                             prompt_logprobs=max(asks) if asks else None, defaults=defaults)
 
 
 class TokenizeBody(_Body):

@@ -178,6 +178,9 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
     tool_call_format: str = "hermes"  # how the model writes a tool call: hermes | llama3_json | mistral
     block_types: tuple[str, ...] = ()  # the GGUF block types its int layers keep, e.g. ("Q4_K", "Q6_K")
+    # The model author's sampling defaults (runtime.model.generation_config), e.g. {"temperature": 0.7}: the
+    # server applies each to a request that leaves that field unset. Empty: ponder's own (SamplingParams').
+    sampling_defaults: dict[str, Union[int, float]] = {}
 
 
 class SettingsChecked(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
@@ -420,6 +423,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     trust_remote_code: bool = False
     quantize: str = "auto"  # auto | none | int8 | int4: the generator's linear layers (runtime.model.quantize)
     cpu_isa: str = "auto"  # auto | avx2: the int4 kernel's instruction set (runtime.kernels.cpu_kernels.use_isa)
+    generation_config: str = "auto"  # auto | none: the model's sampling defaults (runtime.model.generation_config)
     block_size: int = 16
     kv_memory_bytes: int = 2 << 30
     num_blocks: int | None = None  # overrides kv_memory_bytes

@@ -118,7 +118,7 @@ SCRIPT = textwrap.dedent("""
         def runtime_stats(self):
             raise AssertionError("no statistics are due")
 
-    runtime.bootstrap.build_engine = lambda options: (Engine(), SimpleNamespace(name="fake"))
+    runtime.bootstrap.build_engine = lambda options: (Engine(), SimpleNamespace(name="fake", directory="", gguf_file="fake.gguf"))
     process.main(sys.argv[1:])
 """)
 

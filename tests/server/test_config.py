@@ -105,9 +105,24 @@ def test_batch_invariance_is_auto_by_default_and_the_flags_insist_or_opt_out(tmp
     assert settings_from_args(build_parser().parse_args(["serve", "--config", str(config)])).scheduler.batch_invariant
 
 
+def test_the_models_sampling_defaults_apply_unless_turned_off(tmp_path, monkeypatch):
+    from server.cli import build_parser, settings_from_args
+
+    monkeypatch.delenv("PONDER_MODEL__GENERATION_CONFIG", raising=False)
+    default = settings_from_args(build_parser().parse_args(["serve"]))
+    assert default.model.generation_config == "auto" and default.runtime_options().generation_config == "auto"
+    off = settings_from_args(build_parser().parse_args(["serve", "--generation-config", "none"]))
+    assert off.runtime_options().generation_config == "none"
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\ngeneration_config = "none"\n')
+    assert settings_from_args(build_parser().parse_args(["serve", "--config", str(config)])).model.generation_config \
+        == "none"
+
+
 @pytest.mark.parametrize("section, line, message", [
     ("scheduler", 'policy = "fastest"', "scheduler.policy: Input should be 'lbs', 'lbs_no_prefix' or 'token'"),
     ("scheduler", 'kv_granularity = "layer"', "scheduler.kv_granularity: Input should be 'block' or 'head'"),
+    ("model", 'generation_config = "vllm"', "model.generation_config: Input should be 'auto' or 'none'"),
 ])
 def test_an_unknown_policy_or_granularity_stops_start_up(tmp_path, section, line, message):
     bad = tmp_path / "bad.toml"
