@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
-import torch.nn.functional as F
-from transformers import AutoTokenizer, Qwen2Model
 
 from tests.replicas.verifiers import write_verifier
-from tests.runtime.verify.test_replica_verifier_layouts import ATOL, QUESTION, STEPS, tensors_of
+from tests.runtime.verify.test_replica_verifier_layouts import (
+    ATOL, QUESTION, QWEN_SYSTEM as SYSTEM, STEPS, qwen_prm_card_scores,
+)
 from tests.server.live import live_server, metric
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 @pytest.fixture(scope="module")
@@ -38,32 +36,7 @@ def post(server, body, headers=AUTH):
 
 
 def model_card_scores(directory, steps: list[str]) -> list[float]:
-    """Qwen/Qwen2.5-Math-PRM-7B README: steps joined and ended by <extra_0> in the assistant turn,
-    `make_step_rewards(outputs[0], input_ids == step_sep_id)`; its remote-code head (score.0 -> ReLU
-    -> score.2) computed from the checkpoint's tensors (as tests/runtime/verify/test_replica_verifier_layouts)."""
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    body = Qwen2Model.from_pretrained(directory, dtype=torch.float32).eval()
-    t = {k: v.float() for k, v in tensors_of(directory).items()}
-
-    def make_step_rewards(logits, token_masks):
-        probabilities = F.softmax(logits, dim=-1)
-        probabilities = probabilities * token_masks.unsqueeze(-1)
-        all_scores_res = []
-        for i in range(probabilities.size(0)):
-            sample = probabilities[i]
-            positive_probs = sample[sample != 0].view(-1, 2)[:, 1]
-            all_scores_res.append(positive_probs.cpu().tolist())
-        return all_scores_res
-
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
-                {"role": "assistant", "content": "<extra_0>".join(steps) + "<extra_0>"}]
-    conversation_str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    input_ids = tokenizer.encode(conversation_str, return_tensors="pt")
-    with torch.no_grad():
-        hidden = body(input_ids=input_ids).last_hidden_state
-        logits = F.relu(hidden @ t["score.0.weight"].T + t["score.0.bias"]) @ t["score.2.weight"].T + t["score.2.bias"]
-    step_sep_id = tokenizer.encode("<extra_0>")[0]
-    return make_step_rewards(logits, input_ids == step_sep_id)[0]
+    return qwen_prm_card_scores(directory, QUESTION, steps)
 
 
 @pytest.mark.parametrize("form", ["messages", "steps", "input"])

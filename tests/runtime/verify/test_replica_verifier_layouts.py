@@ -137,11 +137,13 @@ def ponder_scores(directory, kind) -> list[float]:
     return verifier.score(QUESTION, [STEPS])[0]
 
 
-def test_qwen_prm_matches_the_model_card(replicas):
+QWEN_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def qwen_prm_card_scores(directory, question: str, steps: list[str]) -> list[float]:
     """Qwen/Qwen2.5-Math-PRM-7B README: steps joined and ended by <extra_0> in the assistant turn,
     `make_step_rewards(outputs[0], input_ids == step_sep_id)`. The published model is remote code; its
     head (score.0 -> ReLU -> score.2) is computed here from the checkpoint's tensors."""
-    directory = replicas["qwen-prm"]
     tokenizer = AutoTokenizer.from_pretrained(directory)
     body = Qwen2Model.from_pretrained(directory, dtype=torch.float32).eval()
     t = {k: v.float() for k, v in tensors_of(directory).items()}
@@ -156,17 +158,21 @@ def test_qwen_prm_matches_the_model_card(replicas):
             all_scores_res.append(positive_probs.cpu().tolist())
         return all_scores_res
 
-    messages = [{"role": "system", "content": "Please reason step by step, and put your final answer within "
-                                              "\\boxed{}."},
-                {"role": "user", "content": QUESTION},
-                {"role": "assistant", "content": "<extra_0>".join(STEPS) + "<extra_0>"}]
+    messages = [{"role": "system", "content": QWEN_SYSTEM},
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": "<extra_0>".join(steps) + "<extra_0>"}]
     conversation_str = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     input_ids = tokenizer.encode(conversation_str, return_tensors="pt")
     with torch.no_grad():
         hidden = body(input_ids=input_ids).last_hidden_state
         logits = F.relu(hidden @ t["score.0.weight"].T + t["score.0.bias"]) @ t["score.2.weight"].T + t["score.2.bias"]
     step_sep_id = tokenizer.encode("<extra_0>")[0]
-    expected = make_step_rewards(logits, input_ids == step_sep_id)[0]
+    return make_step_rewards(logits, input_ids == step_sep_id)[0]
+
+
+def test_qwen_prm_matches_the_model_card(replicas):
+    directory = replicas["qwen-prm"]
+    expected = qwen_prm_card_scores(directory, QUESTION, STEPS)
     assert len(expected) == len(STEPS)
     assert ponder_scores(directory, "qwen-prm") == pytest.approx(expected, abs=ATOL)
 
