@@ -47,18 +47,23 @@ def test_the_streamed_model_is_transformers_model_with_its_blocks_kept_bit_for_b
         assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
-def test_a_k_quant_file_serves_the_tokens_generate_gives_on_the_same_int_layers(tmp_path):
-    path = write_tiny_gguf(tmp_path, "Q4_K", kinds=K_MIXED, hidden=256, ffn=512)
-    engine = engine_for(path, batch_invariant=False)  # quantize left at its default, auto
-    assert engine.quantized.describe() == (
-        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, "
-        "4 Q6_K, 1 Q8_0); linear tensors in the file: 2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, 4 Q6_K, 1 Q8_0)")
+def assert_serves_generate_s_tokens(engine, path) -> None:
+    """The engine's greedy tokens equal `generate` on transformers' load of the file with the same int layers."""
     reference = load_causal_lm(resolve_model(str(path)), torch.device("cpu"), torch.float32, "sdpa")
     apply_quantize(reference, "auto", str(path))
     prompts = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
     results = run(engine, [request(str(i), p, max_tokens=10) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 10)
+
+
+def test_a_k_quant_file_serves_the_tokens_generate_gives_on_the_same_int_layers(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_K", kinds=K_MIXED, hidden=256, ffn=512)
+    engine = engine_for(path, batch_invariant=False)  # quantize left at its default, auto
+    assert engine.quantized.describe() == (
+        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, "
+        "4 Q6_K, 1 Q8_0); linear tensors in the file: 2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, 4 Q6_K, 1 Q8_0)")
+    assert_serves_generate_s_tokens(engine, path)
 
 
 def test_a_mixed_file_runs_the_whole_stack_kernel_and_serves_the_tokens_generate_gives(tmp_path):
@@ -67,12 +72,7 @@ def test_a_mixed_file_runs_the_whole_stack_kernel_and_serves_the_tokens_generate
     engine = engine_for(path, batch_invariant=False)
     assert engine.runner.decoder.int4
     assert engine.quantized.block_types == ("Q4_0", "Q5_0", "Q5_1", "Q8_0")  # what /v1/models shows
-    reference = load_causal_lm(resolve_model(str(path)), torch.device("cpu"), torch.float32, "sdpa")
-    apply_quantize(reference, "auto", str(path))
-    prompts = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 20, 21], [1, 40]]
-    results = run(engine, [request(str(i), p, max_tokens=10) for i, p in enumerate(prompts)])
-    for i, prompt in enumerate(prompts):
-        assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 10)
+    assert_serves_generate_s_tokens(engine, path)
 
 
 def test_the_mixed_file_s_start_up_line_names_every_type_kept(tmp_path):
