@@ -18,7 +18,11 @@ prompt as one plain request (`n` 16, 64 tokens; 8 with `--quick`), and the searc
 are given as a fraction of that rate: how close the search explores at the engine's own speed.
 Beside the decode steps stand the two figures that bound them, independent of the device: the
 search's longest path in tokens (a step lasts as long as its longest path, so no schedule takes
-fewer steps) and the steps 16 plain streams take for as many tokens (tokens / 16).
+fewer steps) and the steps 16 plain streams take for as many tokens (tokens / 16). And what those
+very steps would take a 7B model on a desktop GPU, A MODEL and not a measurement: each decode step
+(its rows and the KV they attend to) priced by the roofline with LLaMA-2-7B's weights and KV in fp16
+on `bench simulate`'s RTX 4090-class profile (165 TFLOP/s, 1 TB/s), where a step costs about the
+weights' read whatever its rows, so decode steps, not rows, make a search's time.
 `--speculative-extension` sets `[scheduler] speculative_extension` (default: the server's); `both`
 runs the search with it off and on, on one engine each, and reports both.
 `--verifier` and `--max-tokens` change the example's; `--quick` is a small search for a smoke run.
@@ -33,7 +37,9 @@ import torch
 
 from bench.report import columns, emit, kernel_isa
 from bench.search import searched
-from bench.steps import LongestPath, StepLog
+from bench.simulate import llama2_7b_cost
+from bench.steps import LongestPath, StepLog, gpu_decode_seconds
+from scheduler.roofline import DevicePeaks
 from runtime.search.answers import warm_up
 from runtime.bootstrap import build_engine
 from runtime.wire.protocol import Delta, GenerateRequest
@@ -98,7 +104,12 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
             "speculative_tokens_adopted": spec.get("adopted", 0),
             "output_digest": output_digest(messages), "longest_path_tokens": longest.tokens, "plain_16_steps": -(-summary.tokens_generated // 16),
             **model_steps,
+            "gpu_7b_decode_seconds": round(gpu_decode_seconds(steps, llama2_7b_cost(16), GPU), 2),
             "steps_per_longest_path": round(model_steps["decode_steps"] / max(1, longest.tokens), 2)}
+
+
+# bench simulate's desktop-GPU profile (RTX 4090 class: 165 fp16 TFLOP/s, 1 TB/s) for the decode steps' model time
+GPU = DevicePeaks(flops=165e12, bandwidth=1e12)
 
 
 def output_digest(messages) -> str:
@@ -137,6 +148,7 @@ def table(r: dict) -> str:
             ["longest path tokens / plain n=16 steps", f"{r['longest_path_tokens']} / {r['plain_16_steps']}"],
             ["decode steps / longest path", f"{r['steps_per_longest_path']:.2f}x"],
             ["s in decode steps", r["decode_seconds"]],
+            ["the same steps, a 7B on an RTX 4090-class GPU (a model)", f"{r['gpu_7b_decode_seconds']:.2f} s"],
             ["prefill steps (tokens)", f"{r['prefill_steps']} ({r['prefill_tokens']})"],
             ["s in prefill steps", r["prefill_seconds"]]]
     return "\n".join([head, *columns(["", "value"], rows, first_width=36)])

@@ -13,6 +13,7 @@ class StepLog:
         self.runner = runner
         self.execute = runner.execute
         self.decode: list[tuple[int, float]] = []  # (rows, seconds) of steps whose rows are one token each
+        self.decode_context: list[int] = []  # per decode step, the tokens its rows attend to, all rows
         self.prefill: list[tuple[int, float]] = []  # (tokens, seconds) of the other steps
         runner.execute = self
 
@@ -23,6 +24,7 @@ class StepLog:
         tokens = sum(entry.num_new_tokens for entry in scheduled)
         if tokens == len(scheduled):
             self.decode.append((len(scheduled), seconds))
+            self.decode_context.append(sum(entry.seq.num_computed_tokens + 1 for entry in scheduled))
         else:
             self.prefill.append((tokens, seconds))
         return logits
@@ -34,6 +36,14 @@ class StepLog:
                 "decode_seconds": round(sum(s for _, s in self.decode), 2),
                 "prefill_steps": len(self.prefill), "prefill_tokens": sum(t for t, _ in self.prefill),
                 "prefill_seconds": round(sum(s for _, s in self.prefill), 2)}
+
+
+def gpu_decode_seconds(log: StepLog, cost, peaks) -> float:
+    """A MODEL, not a measurement: the decode steps `log` recorded priced by the roofline
+    (scheduler.roofline) for the model `cost` on the device `peaks`: each step reads the weights once
+    and its rows' KV, so its rows cost little beside the weights until the batch is compute-bound."""
+    return sum(cost.decode_latency(peaks, rows, context // rows)
+               for (rows, _), context in zip(log.decode, log.decode_context))
 
 
 class LongestPath:

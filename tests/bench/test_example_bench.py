@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from bench import example as bench_example
+from bench.simulate import LLAMA2_7B_PARAMETERS, llama2_7b_cost
 from server.config import Settings
 
 
@@ -39,6 +40,8 @@ def test_quick_run_reports_the_search_and_its_model_steps(tiny_llama, tmp_path, 
     # No schedule takes fewer decode steps than the longest path has tokens (its first came from the prompt).
     assert 0 < results["longest_path_tokens"] - 1 <= results["decode_steps"]
     assert results["plain_16_steps"] == -(-results["tokens_generated"] // 16)
+    # The modelled 7B time: every decode step reads the 7B's fp16 weights (13.5 GB at 1 TB/s) at least.
+    assert results["gpu_7b_decode_seconds"] >= round(results["decode_steps"] * 2 * LLAMA2_7B_PARAMETERS / 1e12, 2) - 0.01
 
 
 def test_speculation_off_and_on_are_reported_side_by_side(tiny_llama, capsys):
@@ -67,3 +70,19 @@ def test_deterministic_runs_give_the_same_search(tiny_llama, capsys):
     assert runs[0]["deterministic"] is True
     keys = ("tokens_generated", "verifier_tokens_prefilled", "steps", "paths_explored", "decode_rows", "prefill_tokens")
     assert [r[k] for r in runs for k in keys][:len(keys)] == [runs[1][k] for k in keys]
+
+
+def test_the_gpu_model_prices_each_recorded_decode_step_by_the_roofline():
+    from types import SimpleNamespace
+
+    from bench.steps import StepLog, gpu_decode_seconds
+
+    runner = SimpleNamespace(execute=lambda scheduled, copies, sampled, *rest: None)
+    log = StepLog(runner)
+    seq = lambda computed: SimpleNamespace(num_computed_tokens=computed)  # noqa: E731
+    runner.execute([SimpleNamespace(num_new_tokens=1, seq=seq(99))], [], [0])  # one row attending 100 tokens
+    runner.execute([SimpleNamespace(num_new_tokens=1, seq=seq(c)) for c in (99, 199, 299, 399)], [], [0, 1, 2, 3])
+    runner.execute([SimpleNamespace(num_new_tokens=7, seq=seq(0))], [], [0])  # a prefill: not priced
+    cost, peaks = llama2_7b_cost(16), bench_example.GPU
+    assert log.decode_context == [100, 1000]
+    assert gpu_decode_seconds(log, cost, peaks) == cost.decode_latency(peaks, 1, 100) + cost.decode_latency(peaks, 4, 250)
