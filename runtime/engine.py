@@ -254,6 +254,9 @@ class Engine:
             log.info("speculative extension: %s (%s)", "on" if cap != 0 else "off", self.step_cost.describe())
         return cap
 
+    def observe_speculation(self, saved: int, speculated: int) -> None:
+        self.step_cost.observe_speculation(saved, speculated)
+
     def plan_step(self, seqs: list[Sequence], step_tokens: list[int]) -> list[list[int]]:
         """A search step's paths in groups that fit the pool now, in the order to run them. With the
         roofline split, the load now re-chooses the batch caps first (the decode batch caps a
@@ -295,8 +298,6 @@ class Engine:
             self.release_sequence(seq)  # the questions kept for a next verification
         self.stats["search_paths"] += controller.stats["paths_explored"]
         self.stats["search_steps"] += controller.step_index
-        spec = controller.spec_tokens
-        self.step_cost.observe_speculation(spec["used"] + spec["adopted"], spec["discarded"])
         for outcome, count in controller.spec_tokens.items():
             self.stats["speculative_tokens"][outcome] = self.stats["speculative_tokens"].get(outcome, 0) + count
 

@@ -206,6 +206,7 @@ class SearchController(SearchOutput):
         for path in paths:
             path.node = self.tree.add(path.node, self.step_index + 1)
             path.step_start = path.step_end
+            path.head_start = path.num_speculative
             path.chunk_logprobs.extend(path.spec_logprobs)
             path.spec_logprobs = []
             if not path.from_branch:  # a branch's tokens were counted when its child adopted them
@@ -292,6 +293,8 @@ class SearchController(SearchOutput):
         elif was_active:
             self.plan.park(seq)
         self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
+        if was_active and not self.active:
+            self.speculation.group_done(path)
         if not self.active and not self.advance_pending:
             # After the engine has handed out every token of this step: a speculating path's
             # token from the same batch must reach it before the search moves on.

@@ -45,3 +45,5 @@ class SearchHost(Protocol):
     def num_idle_slots(self) -> int: ...  # how many more may start
 
     def speculative_row_cap(self, num_speculative: int) -> int | None: ...  # the most that pay (the step-cost model), None: all
+
+    def observe_speculation(self, saved: int, speculated: int) -> None: ...  # decode steps saved by tokens decoded

@@ -54,6 +54,7 @@ class SearchPath:
     node: int = 0  # its node in the search tree: the step being decoded, or the prompt before the first
     seed_key: tuple[int, ...] = ()  # what its sampler's seed derives from (`SearchController.child_sampling`)
     from_branch: bool = False  # a child whose speculative tokens a branch decoded (until its step starts)
+    head_start: int = 0  # its tokens of the step running that were decoded before the step began
 
     def child_seed_key(self, ordinal: int) -> tuple[int, ...]:
         """What its `ordinal`-th new child's seed derives from: its own key, the fork point and the

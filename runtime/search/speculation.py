@@ -104,6 +104,8 @@ class Speculation:
         self.wants: list[tuple[int, int, int, SearchPath]] = []  # (-potential, ordinal, asked, parent)
         self.num_asked = 0
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
+        self.num_decoded = 0  # speculative tokens decoded, kept or not
+        self.num_reported = 0  # of them, those the step-cost model has heard of
 
     # -- the controller's questions ---------------------------------------------------------------
     def open(self, step: list[SearchPath], done: list[SearchPath], *, expands_next: bool, is_last_next: bool) -> None:
@@ -173,6 +175,15 @@ class Speculation:
         for branch in list(self.running):
             self._end_branch(branch)
 
+    def group_done(self, last: SearchPath) -> None:
+        """A group of the step is done, `last` its last path to finish: the head start that path had
+        shortened the group by as many decode steps (at least: without it, it alone would have run that
+        much longer). The step-cost model hears it with the speculative tokens decoded since it last
+        heard (scheduler.step_cost), so `auto` learns within a search what speculation saves."""
+        if self.num_decoded > self.num_reported or last.head_start:
+            self.search.host.observe_speculation(last.head_start, self.num_decoded - self.num_reported)
+            self.num_reported = self.num_decoded
+
     def sequences(self) -> list[Sequence]:
         return [b.seq for branches in self.branches.values() for b in branches.values()]
 
@@ -180,6 +191,7 @@ class Speculation:
     def on_path_token(self, path: SearchPath, out) -> None:
         """A token of branch 0, past `path.step_end`."""
         self.search.count_token()
+        self.num_decoded += 1
         if out.logprob is not None:
             path.spec_logprobs.append(out.logprob)
         reason, ends_step = self.search.rules.outcome(path, out.token_id, path.step_end,
@@ -193,6 +205,7 @@ class Speculation:
 
     def on_branch_token(self, branch: Branch, out) -> None:
         self.search.count_token()
+        self.num_decoded += 1
         if out.logprob is not None:
             branch.logprobs.append(out.logprob)
         reason, ends_step = self.search.rules.outcome(branch, out.token_id, branch.parent.step_end,

@@ -22,7 +22,7 @@ def test_fixed_and_per_row_seconds_are_fitted_exactly():
     assert fixed == pytest.approx(0.020) and per_row == pytest.approx(0.002)
     # useful x (fixed / per_row + rows) = 0.5 x (10 + 6)
     assert cost.useful == PRIOR_USEFUL and cost.speculative_rows(6) == 8
-    cost.observe_speculation(kept=30, discarded=70)
+    cost.observe_speculation(saved=30, speculated=100)
     assert cost.speculative_rows(6) == 4  # 0.3 x 16 = 4.8
 
 
@@ -34,7 +34,7 @@ def test_rows_that_cost_nothing_are_unbounded_and_a_costly_row_gets_none():
     cpu = StepCost()
     for rows in (1, 2, 3, 4, 5):
         cpu.observe(rows, 0.0001 + 0.010 * rows)
-    cpu.observe_speculation(kept=0, discarded=100)
+    cpu.observe_speculation(saved=0, speculated=100)
     assert cpu.speculative_rows(4) == 0
 
 

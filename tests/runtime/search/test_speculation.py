@@ -63,10 +63,14 @@ def test_a_search_takes_fewer_decode_steps_when_children_start_ahead(tiny_llama)
     """Children adopt branches whose steps are already under way, so the search takes fewer decode
     steps (fresh engines: the same pool, the same prefix cache), its answer unchanged."""
     request = search_request("steps", strategy="beam", verifier="judge", **dict(SEARCH, max_steps=6, max_step_tokens=16))
-    counts = {}
+    counts, saved = {}, {}
     for speculative in (False, True):
         engine = engine_for(tiny_llama, num_blocks=1024, speculative_extension=speculative)
         steps = StepLog(engine.runner)
         counts[speculative] = (outcome(run_search(engine, request)), len(steps.decode))
+        saved[speculative] = (engine.step_cost.saved, engine.step_cost.speculated)
     assert counts[True][0] == counts[False][0]
     assert counts[True][1] < counts[False][1]
+    # What the step-cost model learns: the groups' last paths' head starts, steps saved, and every
+    # speculative token decoded; none without speculation.
+    assert saved[False] == (0, 0) and 0 < saved[True][0] < saved[True][1]
