@@ -148,6 +148,9 @@ Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 # where the request leaves its field unset; a request that sends one, even at ponder's default, keeps it.
 AUTHOR_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# Fields with a non-null default that a client may send as null (OpenAI marks them nullable).
+NULLABLE = frozenset({"temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream", "logprobs",
+                      "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "echo", "best_of"})
 
 
 class _Generation(_Body):
@@ -173,6 +176,15 @@ class _Generation(_Body):
     # vLLM: each prompt token's logprob, rank and this many most likely tokens at its position
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     search: SearchRequest | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's sampling fields are nullable, null meaning the default (as vLLM reads them): a field
+        sent as null is treated as not sent, so its default (or the model author's) applies."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULLABLE):
+            return {key: value for key, value in data.items() if not (value is None and key in NULLABLE)}
+        return data
     # What the output must match (server.structured): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* names.
     response_format: ResponseFormat | None = None

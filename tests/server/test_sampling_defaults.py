@@ -35,6 +35,19 @@ def test_unset_fields_take_the_authors_values():
     assert sampled(completion.to_sampling(QWEN25_DEFAULTS)) == {**PONDER_DEFAULTS, **QWEN25_DEFAULTS}
 
 
+def test_a_field_sent_as_null_is_a_field_not_sent():
+    """OpenAI's sampling fields are nullable, null meaning the default: the author's values apply, and
+    the request is otherwise the one that left them out."""
+    nulls = {name: None for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "n",
+                                     "presence_penalty", "frequency_penalty", "stream", "logprobs",
+                                     "parallel_tool_calls")}
+    chat = ChatCompletionRequest.model_validate({"messages": MESSAGES, **nulls})
+    assert chat == ChatCompletionRequest.model_validate({"messages": MESSAGES})
+    assert sampled(chat.to_sampling(QWEN25_DEFAULTS)) == {**PONDER_DEFAULTS, **QWEN25_DEFAULTS}
+    completion = CompletionRequest.model_validate({"prompt": "w1", "echo": None, "temperature": None})
+    assert completion == CompletionRequest.model_validate({"prompt": "w1"})
+
+
 def test_a_field_the_request_sends_wins_even_at_ponders_default():
     chat = ChatCompletionRequest.model_validate({"messages": MESSAGES, "temperature": 1.0, "top_k": -1,
                                                  "min_p": 0.1})
