@@ -79,7 +79,8 @@ class SchedulerSettings(_Section):
     # choice, no search) streams (layer, KV-head group) pieces through it from the host and disk tiers.
     kv_granularity: Literal["block", "head"] = "block"
     # Paths done with their step keep decoding into the next one in idle batch slots while others finish.
-    # auto: on a GPU, where a slot in a decode batch is nearly free; off on a CPU, where every row costs.
+    # auto: as many rows as the measured step cost and the decode steps speculation saved say pay
+    # (scheduler.step_cost): on a GPU a row is nearly free; on a CPU every row costs and few pay.
     speculative_extension: bool | Literal["auto"] = "auto"
     # A result is the same bits whatever shares its steps, however its prompt was chunked or found in the
     # prefix cache (runtime.model.row_padding). auto: wherever the start-up probe shows the device
