@@ -37,7 +37,7 @@ import torch
 
 from bench.report import columns, emit, kernel_isa
 from bench.search import searched
-from bench.simulate import llama2_7b_cost
+from bench.simulate import DESKTOP_MEMORY_TBPS, DESKTOP_TFLOPS, llama2_7b_cost
 from bench.steps import LongestPath, StepLog, gpu_decode_seconds
 from scheduler.roofline import DevicePeaks
 from runtime.search.answers import warm_up
@@ -108,8 +108,8 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
             "steps_per_longest_path": round(model_steps["decode_steps"] / max(1, longest.tokens), 2)}
 
 
-# bench simulate's desktop-GPU profile (RTX 4090 class: 165 fp16 TFLOP/s, 1 TB/s) for the decode steps' model time
-GPU = DevicePeaks(flops=165e12, bandwidth=1e12)
+# bench simulate's desktop-GPU profile, for the decode steps' model time
+GPU = DevicePeaks(flops=DESKTOP_TFLOPS * 1e12, bandwidth=DESKTOP_MEMORY_TBPS * 1e12)
 
 
 def output_digest(messages) -> str:

@@ -218,8 +218,7 @@ class Engine:
             controller.is_finished = True
             for store in self.verifier_stores:
                 store.abort(controller)
-            sequences = controller.sequences() if isinstance(controller, SearchController) else []
-            for seq in sequences + self.scoring.pop(request_id, []):
+            for seq in controller.sequences() + self.scoring.pop(request_id, []):
                 self.release_sequence(seq)
 
     # -- what searches read and the judge asks of the engine (runtime.search.host, runtime.verify.host) --

@@ -63,6 +63,10 @@ class RewardScoring:
         paths = [GivenPath(c, steps[:k]) for c, steps in enumerate(self.candidates) for k in range(1, len(steps) + 1)]
         scorer.submit(self, paths)
 
+    def sequences(self) -> list:
+        """Sequences it holds itself (for aborts): none; its judge questions are the engine's `scoring`."""
+        return []
+
     # -- what the scorers call, as on a search's controller ---------------------------------------
     def on_score(self, path: GivenPath, score: float, prefilled: int = 0, cached: int = 0) -> None:
         self.step_scores[path.candidate][len(path.chunks) - 1] = float(score)
