@@ -102,7 +102,8 @@ def profile_table(engine, prompt_ids: list[int], n: int, tokens: int, rows: int 
 
     engine.add_request(_request(prompt_ids, n, tokens))
     engine.step()  # prefill: not profiled
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         while engine.has_work:
             engine.step()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
@@ -110,7 +111,7 @@ def profile_table(engine, prompt_ids: list[int], n: int, tokens: int, rows: int 
 
 @torch.inference_mode()
 def hf_tokens_per_s(model, prompt_ids: list[int], n: int, tokens: int) -> dict:
-    ids = torch.tensor([prompt_ids] * n)
+    ids = torch.tensor([prompt_ids] * n, device=model.device)
     kwargs = dict(do_sample=n > 1, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
     if n > 1:
         kwargs["temperature"] = 0.8
@@ -152,16 +153,16 @@ def _timed(fn) -> float:
 
 
 def run(model: str | None, tokens: int, parallel: int, systems: list[str], profile: bool = False,
-        repeats: int = 3, prefill: tuple[int, ...] = (512, 2048), cpu_isa: str = "auto") -> dict:
+        repeats: int = 3, prefill: tuple[int, ...] = (512, 2048), cpu_isa: str = "auto", device: str = "cpu") -> dict:
     threads = torch.get_num_threads()
-    results: dict = {"threads": threads, "new_tokens": tokens, "parallel": parallel,
+    results: dict = {"device": device, "threads": threads, "new_tokens": tokens, "parallel": parallel,
                      "read_bandwidth_gbs": round(read_bandwidth() / 1e9, 2), "systems": []}
     source = resolve_model(model)
     results["model"] = source.name
     prompt_ids: list[int] | None = None
     for name in [s for s in systems if s in PONDER]:
         torch.manual_seed(0)
-        engine, _ = build_engine(RuntimeOptions(model=model, device="cpu", max_num_seqs=max(64, parallel),
+        engine, _ = build_engine(RuntimeOptions(model=model, device=device, max_num_seqs=max(64, parallel),
                                                 cpu_isa=cpu_isa, **PONDER[name]))
         results["isa"] = kernel_isa()
         if prompt_ids is None:
@@ -183,12 +184,14 @@ def run(model: str | None, tokens: int, parallel: int, systems: list[str], profi
         results["systems"].append(entry)
         engine.close()
     if "transformers" in systems:
-        hf = load_causal_lm(source, torch.device("cpu"), torch.float32, "sdpa")
+        hf_device = torch.device(device)
+        hf_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        hf = load_causal_lm(source, hf_device, hf_dtype, "sdpa")
         if prompt_ids is None:
             from runtime.model.loader import load_tokenizer
 
             prompt_ids = chat_prompt_ids(load_tokenizer(source), PROMPT)
-        results["systems"].append({"system": "transformers", "setting": "generate, float32, eager, sdpa",
+        results["systems"].append({"system": "transformers", "setting": f"generate, {str(hf_dtype).removeprefix('torch.')}, eager, sdpa",
                                    "weight_bytes": step_weight_bytes(hf),
                                    **{f"tokens_per_s_{key}": best_of(repeats, lambda n=n: hf_tokens_per_s(
                                        hf, prompt_ids, n, tokens))["tokens_per_s"] for key, n in (("1", 1), ("n", parallel))}})
@@ -226,7 +229,8 @@ def _derive(results: dict) -> None:
 
 def table(results: dict) -> str:
     n = results["parallel"]
-    rows = [f"decode: {results['model']}, {results['threads']} threads, {results.get('isa', 'no ponder')} kernel, "
+    where = "" if results.get("device", "cpu") == "cpu" else f"on {results['device']}, "
+    rows = [f"decode: {results['model']}, {where}{results['threads']} threads, {results.get('isa', 'no ponder')} kernel, "
             f"{results['new_tokens']} new tokens per "
             f"sequence, read bandwidth {results['read_bandwidth_gbs']} GB/s",
             f"{'system':<14} {'weights MiB':>11} {'tok/s 1':>8} {'vs hf':>6} {'of bw':>6} "
@@ -314,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print a torch.profiler breakdown of the default system's decode steps")
     parser.add_argument("--cpu-isa", default="auto", choices=("auto", "avx2"),
                         help="ponder's int4 kernel: auto (AVX512-VNNI where present) or the AVX2 path (model.cpu_isa)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where ponder's engines and transformers run (cuda: transformers in bfloat16)")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--plot", dest="plot_path", default=None,
                         help="PNG path (default: next to --json, else bench/out/decode.png)")
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     prefill = tuple(int(n) for n in args.prefill.split(",") if n.strip())
     results = run(args.model, args.tokens, args.parallel, systems, args.profile, args.repeats, prefill,
-                  args.cpu_isa)
+                  args.cpu_isa, args.device)
     path = plot_path(args.plot_path, args.json_path, OUT_DIR / "decode.png")
     skipped = plot(results, path)
     results["plot"] = skipped or str(path)

@@ -68,11 +68,11 @@ def example_request(body: dict, settings: Settings, request_id: str) -> Generate
 
 
 def run(model: str | None, quick: bool, deterministic: bool = False, verifier: str | None = None,
-        max_tokens: int | None = None, speculative: bool | str | None = None) -> dict:
+        max_tokens: int | None = None, speculative: bool | str | None = None, device: str | None = None) -> dict:
     scheduler = {"batch_invariant": deterministic or None}
     if speculative is not None:
         scheduler["speculative_extension"] = speculative
-    settings = Settings.load(None, model={"path": model}, scheduler=scheduler)
+    settings = Settings.load(None, model={"path": model, "device": device}, scheduler=scheduler)
     engine, source = build_engine(settings.runtime_options())
     steps = StepLog(engine.runner)
     longest = LongestPath(engine)
@@ -87,7 +87,8 @@ def run(model: str | None, quick: bool, deterministic: bool = False, verifier: s
     model_steps = steps.summary()
     engine.runner.execute = steps.execute  # the plain rate runs unobserved
     plain = plain_rate(engine, request, 8 if quick else 64)
-    return {"model": source.name, "quantize": engine.quantized.mode, "threads": torch.get_num_threads(), "isa": kernel_isa(),
+    return {"model": source.name, "device": str(engine.device), "quantize": engine.quantized.mode,
+            "threads": torch.get_num_threads(), "isa": kernel_isa(),
             "deterministic": engine.padding is not None,
             "request": body, "seconds": round(seconds, 2),
             "tokens_generated": summary.tokens_generated,
@@ -132,7 +133,9 @@ def plain_rate(engine, request: GenerateRequest, tokens: int) -> float:
 def table(r: dict) -> str:
     search = r["request"]["search"]
     mode = ", deterministic" if r["deterministic"] else ""
-    head = (f"search example: {r['model']} ({r['quantize']}{mode}), {r['threads']} threads, {r['isa']} kernel, {search['strategy']} "
+    where = (f"{r['threads']} threads, {r['isa']} kernel" if r.get("device", "cpu") == "cpu"
+             else f"on {r['device']}")
+    head = (f"search example: {r['model']} ({r['quantize']}{mode}), {where}, {search['strategy']} "
             f"n={search['n']} width={search['beam_width']}, {search['verifier']}, max_tokens "
             f"{r['request']['max_tokens']}, seed {r['request']['seed']}")
     rows = [["seconds", r["seconds"]], ["generated tokens", r["tokens_generated"]], ["tok/s", r["tok_s"]],
@@ -166,10 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="the search's max_tokens (default: the example's)")
     parser.add_argument("--speculative-extension", choices=["true", "false", "auto", "both"], default=None,
                         help="[scheduler] speculative_extension for this run (both: off, then on)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None,
+                        help="[model] device for this run (default: the server's, auto)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     settings = {"true": [True], "false": [False], "auto": ["auto"], "both": [False, True], None: [None]}
-    runs = [run(args.model, args.quick, args.deterministic, args.verifier, args.max_tokens, speculative)
+    runs = [run(args.model, args.quick, args.deterministic, args.verifier, args.max_tokens, speculative, args.device)
             for speculative in settings[args.speculative_extension]]
     results = runs[0] if len(runs) == 1 else {"speculation_off": runs[0], "speculation_on": runs[1]}
     emit(results, "\n\n".join(table(r) for r in runs), args.json_path)
