@@ -10,6 +10,9 @@ only. It needs an x86-64 CPU with AVX2, FMA and F16C (and runs AVX512-VNNI where
 `runtime/kernels/csrc/decode_attention.cpp`): each query attends to exactly its own context, read from its
 blocks where they lie, so nothing is gathered or padded and no query's result depends on the others.
 
+`float_linear` is the float layers' kernel (see `runtime/kernels/csrc/float_linear.cpp`): float32 or
+bfloat16 weights as nn.Linear holds them, each output's sum in one fixed order, whatever the batch.
+
 `int4_layers` runs a whole int4 decoder stack (`runtime/kernels/csrc/int4_layers.cpp`) through those two
 kernels in one call, operator for operator as runtime.model.decoder's int4 loop, so with the same bits.
 
@@ -37,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
-_FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp")
+_FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "float_linear.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"
@@ -116,6 +119,16 @@ def q4_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's int4 CPU kernel cannot run here: {reason}")
     return torch.ops.ponder.q4_linear.default
+
+
+def float_kernel():
+    """`torch.ops.ponder.float_linear` with the instruction set `model.cpu_isa` allows; raises
+    KernelUnavailable where it cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's float CPU kernel cannot run here: {reason}")
+    op = torch.ops.ponder.float_linear.default
+    return lambda x, weight, bias=None: op(x, weight, bias, -1 if torch.ops.ponder.q4_best_isa() >= 1 else 0)
 
 
 def attention_kernel():

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.kernels.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
+from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel, q4_kernel, q4_unavailable
 from runtime.model.block_pack import (pack_codes, pack_compact, pack_nibbles, pack_scales, unpack_codes,
                                       unpack_scales)
 from runtime.model.loader import SettingError
@@ -98,6 +98,44 @@ class Int8Linear(QuantizedLinear):
         fused.bias = _cat_bias(layers)
         _share_rows(layers, fused, ("weight", "scales"))
         return fused
+
+
+class FloatLinear(QuantizedLinear):
+    """nn.Linear's own float32 or bfloat16 weights (not copied: a head tied to the embedding stays
+    tied) run by ponder's CPU kernel, which computes every output in one fixed order whatever the
+    batch, so no padding is needed for invariance. Its bits differ from torch's matmul in the last
+    places; `quantize = "none"` keeps torch's."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.kernel = float_kernel()
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        y = self.kernel(x.float(), self.weight, bias)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+    @classmethod
+    def concatenated(cls, layers: list["FloatLinear"]) -> "FloatLinear":
+        """As `Int8Linear.concatenated` (the kernel computes a column from its own weights only)."""
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = layers[0].in_features, sum(l.out_features for l in layers)
+        fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
+        fused.bias = _cat_bias(layers)
+        fused.kernel = layers[0].kernel
+        _share_rows(layers, fused)
+        return fused
+
+    @staticmethod
+    def takes(layer: nn.Linear) -> bool:
+        return layer.weight.dtype in (torch.float32, torch.bfloat16) and layer.in_features % 16 == 0
 
 
 class Int4Linear(QuantizedLinear):
@@ -345,7 +383,7 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
     if device.type != "cpu":
         return Quantized(setting, "none", 0, f"the quantized kernels are the CPU's, and the model is on {device.type}")
     if gguf_path is None:
-        return Quantized(setting, "none", 0, "not a GGUF model")
+        return _float_layers(model, setting)
     try:
         q4_kernel()
     except KernelUnavailable as exc:
@@ -368,6 +406,26 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
             kept[b.kind] = kept.get(b.kind, 0) + 1
     _untie(model)
     return Quantized(setting, "int4", len(blocks), blocks_detail(kept, len(layers) - len(blocks), found), tuple(sorted(kept)))
+
+
+def _float_layers(model: nn.Module, setting: str) -> Quantized:
+    """`auto` on a float model on a CPU: every linear layer whose weights ponder's float kernel takes
+    runs there (`FloatLinear`); the others, and every layer where the kernel cannot run, keep torch's."""
+    try:
+        float_kernel()
+    except KernelUnavailable as exc:
+        return Quantized(setting, "none", 0, f"not a GGUF model; torch's matmuls ({exc})")
+    layers = linear_layers(model)
+    taken = [(parent, attribute, layer) for _, parent, attribute, layer in layers if FloatLinear.takes(layer)]
+    if not taken:
+        return Quantized(setting, "none", 0, "not a GGUF model; no layer ponder's float kernel takes")
+    for parent, attribute, layer in taken:
+        setattr(parent, attribute, FloatLinear(layer))
+    dtypes = "/".join(sorted({str(layer.weight.dtype).removeprefix("torch.") for _, _, layer in taken}))
+    rest = len(layers) - len(taken)
+    detail = f"{len(taken)} layers' {dtypes} weights in ponder's float kernel" + (
+        f", {rest} in torch's matmul (in_features not a multiple of 16, or float16)" if rest else "")
+    return Quantized(setting, "float", len(taken), detail)
 
 
 def blocks_detail(kept: dict[str, int], floats: int, found: str) -> str:

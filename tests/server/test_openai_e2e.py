@@ -42,7 +42,7 @@ def test_models_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [models.data[0].id] and models.data[0].id.startswith("tiny-llama")
     [entry] = httpx.get(server + "/v1/models", headers=AUTH).json()["data"]
-    assert (entry["quantize"], entry["block_types"]) == ("none", [])  # a float safetensors model keeps no GGUF blocks
+    assert (entry["quantize"], entry["block_types"]) == ("float", [])  # float weights in ponder's float kernel, no GGUF blocks
     assert entry["sampling_defaults"] == {}  # its generation_config.json holds token ids, no sampling field
 
 

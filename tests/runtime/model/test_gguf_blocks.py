@@ -73,9 +73,15 @@ def test_the_default_engine_serves_the_gguf_s_int4_and_matches_generate_on_it(ti
 
 
 def test_auto_keeps_float_weights_for_a_safetensors_model(tiny_llama):
+    """The float weights stay as they are, run by ponder's float kernel (tests/runtime/model/test_float_linear.py);
+    `none` keeps torch's layers."""
     engine = engine_for(tiny_llama)
-    assert (engine.quantized.mode, engine.quantized.detail) == ("none", "not a GGUF model")
-    assert any(isinstance(m, nn.Linear) for m in engine.model.modules())
+    assert engine.quantized.mode == "float"
+    assert engine.quantized.detail == "15 layers' float32 weights in ponder's float kernel"
+    assert not any(type(m) is nn.Linear for m in engine.model.modules())
+    engine = engine_for(tiny_llama, quantize="none")
+    assert (engine.quantized.mode, engine.quantized.detail) == ("none", "float weights")
+    assert any(type(m) is nn.Linear for m in engine.model.modules())
 
 
 def test_auto_keeps_float_weights_off_the_cpu(tiny_gguf):

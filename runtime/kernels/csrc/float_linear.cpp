@@ -1,0 +1,222 @@
+// ponder's float linear kernel for the CPU (runtime.kernels.cpu_kernels builds it; runtime.model.quantize's
+// FloatLinear uses it): y = x @ W.T + bias for float32 x [R, K] and W [N, K] in float32 or bfloat16, as
+// nn.Linear holds it (no repacking, so the weights stay where the checkpoint put them).
+//
+// Every output is computed in one fixed order, whatever the batch, the tile it falls in, the thread
+// count or the instruction set: 16 lanes of fused multiply-add chains over K (lane i takes the inputs
+// k = i mod 16, in order), the lanes summed as a fixed tree (i + 8, then i + 4, i + 2, i + 1), then the
+// bias added. A bfloat16 weight widens to float32 exactly, so its products are the same fused
+// multiply-adds. The AVX2 path keeps the 16 lanes as two 8-lane registers and sums them in the same
+// tree, so both paths give the same bits. A row's outputs never depend on the other rows: batch
+// invariance needs no padding for these layers (runtime.model.row_padding probes only torch's).
+//
+// Tiles: AVX512 computes 4 rows x 4 columns at once (16 accumulators), AVX2 2 x 2 (8 pairs); the
+// threads split the columns; rows go in blocks of 64 so a block's activations stay in cache while
+// the thread's weights stream past them once a block (once a step in decode).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t ROW_BLOCK = 64;
+
+bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx2,fma")
+namespace avx512 {
+
+template <bool BF16>
+inline __m512 load_w(const void* w, int64_t k) {
+  if constexpr (BF16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float*>(w) + k);
+  }
+}
+
+inline float reduce(__m512 v) {  // (i + 8), (i + 4), (i + 2), (i + 1): the order the AVX2 path repeats
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+template <bool BF16, int RT, int CT>
+void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N) {
+  __m512 acc[RT][CT];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[CT];
+    for (int c = 0; c < CT; ++c)
+      wv[c] = load_w<BF16>(static_cast<const char*>(w) + c * wstride, k);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int c = 0; c < CT; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) y[r * N + c] = reduce(acc[r][c]) + (bias ? bias[c] : 0.0f);
+}
+
+template <bool BF16, int CT>
+void rows(const float* x, int64_t R, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) tile<BF16, 4, CT>(x + r * K, K, w, wstride, bias, y + r * N, N);
+  switch (R - r) {
+    case 3: tile<BF16, 3, CT>(x + r * K, K, w, wstride, bias, y + r * N, N); break;
+    case 2: tile<BF16, 2, CT>(x + r * K, K, w, wstride, bias, y + r * N, N); break;
+    case 1: tile<BF16, 1, CT>(x + r * K, K, w, wstride, bias, y + r * N, N); break;
+    default: break;
+  }
+}
+
+template <bool BF16>
+void columns(const float* x, int64_t R, int64_t K, const void* w, const float* bias, float* y, int64_t N,
+             int64_t c0, int64_t c1) {
+  const int64_t wstride = K * (BF16 ? 2 : 4);
+  const char* wb = static_cast<const char*>(w);
+  for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+    const int64_t rows_here = std::min(ROW_BLOCK, R - r0);
+    const float* xr = x + r0 * K;
+    float* yr = y + r0 * N;
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4)
+      rows<BF16, 4>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N);
+    for (; c < c1; ++c)
+      rows<BF16, 1>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N);
+  }
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+struct Pair {  // the 16 lanes of the AVX512 path: lanes 0-7 and 8-15
+  __m256 lo, hi;
+};
+
+template <bool BF16>
+inline Pair load_w(const void* w, int64_t k) {
+  if constexpr (BF16) {
+    const auto* p = static_cast<const uint16_t*>(w) + k;
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
+  } else {
+    const float* p = static_cast<const float*>(w) + k;
+    return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  }
+}
+
+inline float reduce(Pair v) {
+  const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+template <bool BF16, int RT, int CT>
+void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N) {
+  Pair acc[RT][CT];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) acc[r][c] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t k = 0; k < K; k += 16) {
+    Pair wv[CT];
+    for (int c = 0; c < CT; ++c)
+      wv[c] = load_w<BF16>(static_cast<const char*>(w) + c * wstride, k);
+    for (int r = 0; r < RT; ++r) {
+      const __m256 xlo = _mm256_loadu_ps(x + r * K + k), xhi = _mm256_loadu_ps(x + r * K + k + 8);
+      for (int c = 0; c < CT; ++c) {
+        acc[r][c].lo = _mm256_fmadd_ps(xlo, wv[c].lo, acc[r][c].lo);
+        acc[r][c].hi = _mm256_fmadd_ps(xhi, wv[c].hi, acc[r][c].hi);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) y[r * N + c] = reduce(acc[r][c]) + (bias ? bias[c] : 0.0f);
+}
+
+template <bool BF16, int CT>
+void rows(const float* x, int64_t R, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N) {
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) tile<BF16, 2, CT>(x + r * K, K, w, wstride, bias, y + r * N, N);
+  if (r < R) tile<BF16, 1, CT>(x + r * K, K, w, wstride, bias, y + r * N, N);
+}
+
+template <bool BF16>
+void columns(const float* x, int64_t R, int64_t K, const void* w, const float* bias, float* y, int64_t N,
+             int64_t c0, int64_t c1) {
+  const int64_t wstride = K * (BF16 ? 2 : 4);
+  const char* wb = static_cast<const char*>(w);
+  for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+    const int64_t rows_here = std::min(ROW_BLOCK, R - r0);
+    const float* xr = x + r0 * K;
+    float* yr = y + r0 * N;
+    int64_t c = c0;
+    for (; c + 2 <= c1; c += 2)
+      rows<BF16, 2>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N);
+    for (; c < c1; ++c)
+      rows<BF16, 1>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N);
+  }
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+// isa: -1 the best this CPU has, 0 AVX2, 1 AVX512. The bits are the same either way.
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "float_linear: x must be float32 [rows, in]");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+              (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
+              "float_linear: weight must be contiguous float32 or bfloat16 [out, in]");
+  const int64_t R = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "float_linear: weight has ", weight.size(1), " inputs, x ", K);
+  TORCH_CHECK(K % 16 == 0, "float_linear: in_features must be a multiple of 16");
+  const bool with_bias = bias.has_value() && bias->defined();
+  if (with_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "float_linear: bias must be contiguous float32 [out]");
+  if (isa < 0) isa = has_avx512() ? 1 : has_avx2() ? 0 : -1;
+  TORCH_CHECK(isa == 0 ? has_avx2() : isa == 1 && has_avx512(), "float_linear: this CPU lacks instruction set ", isa);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({R, N}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const void* wp = weight.data_ptr();
+  const float* bp = with_bias ? bias->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  if (R == 0 || N == 0) return out;
+  // Threads take runs of 16 columns (a multiple of either path's tile width).
+  const int64_t chunks = (N + 15) / 16;
+  at::parallel_for(0, chunks, 1, [&](int64_t a, int64_t b) {
+    const int64_t c0 = a * 16, c1 = std::min(N, b * 16);
+    if (isa == 1)
+      bf16 ? avx512::columns<true>(xp, R, K, wp, bp, op, N, c0, c1) : avx512::columns<false>(xp, R, K, wp, bp, op, N, c0, c1);
+    else
+      bf16 ? avx2::columns<true>(xp, R, K, wp, bp, op, N, c0, c1) : avx2::columns<false>(xp, R, K, wp, bp, op, N, c0, c1);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ponder, m) {
+  m.def("float_linear(Tensor x, Tensor weight, Tensor? bias=None, int isa=-1) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("float_linear", &float_linear); }

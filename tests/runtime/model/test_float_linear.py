@@ -1,0 +1,118 @@
+"""ponder's float kernel (runtime/kernels/csrc/float_linear.cpp, `FloatLinear`): float32 and bfloat16
+weights as nn.Linear holds them, every output summed in one fixed order, so a row's bits never depend
+on the batch, the thread count or the instruction set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
+from runtime.model.decoder import fuse_linears
+from runtime.model.quantize import FloatLinear, apply_quantize
+
+try:
+    float_kernel()
+    OP = torch.ops.ponder.float_linear.default
+except KernelUnavailable as exc:  # pragma: no cover - every CI machine is x86-64 with AVX2
+    pytest.skip(str(exc), allow_module_level=True)
+
+HAS_AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+ISAS = (0, 1) if HAS_AVX512 else (0,)
+SHAPES = [(37, 48), (1536, 576), (576, 1536)]  # a column tail, and SmolLM2's gate/up and down
+
+
+def operands(n: int, k: int, dtype: torch.dtype, rows: int = 70, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    return torch.randn(rows, k, generator=generator), weight, torch.randn(n, generator=generator)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_outputs_match_a_float64_product(n, k, dtype):
+    x, weight, bias = operands(n, k, dtype)
+    reference = x.double() @ weight.double().T + bias.double()
+    for isa in ISAS:
+        for b in (bias, None):
+            y = OP(x, weight, b, isa)
+            want = reference if b is not None else reference - bias.double()
+            # float32 sums of k products of unit normals: an error of a few ulps of sqrt(k)
+            assert (y.double() - want).abs().max().item() < 2e-6 * k ** 0.5 * 8
+
+
+def test_exact_where_every_product_and_sum_is_exact():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(-8, 9, (9, 64), generator=generator).float()
+    weight = torch.randint(-8, 9, (21, 64), generator=generator).float()
+    bias = torch.randint(-8, 9, (21,), generator=generator).float()
+    for isa in ISAS:
+        assert torch.equal(OP(x, weight, bias, isa), x @ weight.T + bias)
+        assert torch.equal(OP(x, weight.bfloat16(), bias, isa), x @ weight.T + bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_row_has_the_same_bits_alone_in_any_batch_on_any_path(n, k, dtype):
+    x, weight, bias = operands(n, k, dtype)
+    whole = OP(x, weight, bias, ISAS[-1])
+    for isa in ISAS:
+        assert torch.equal(OP(x, weight, bias, isa), whole)
+        assert torch.equal(torch.cat([OP(x[i:i + 1], weight, bias, isa) for i in range(len(x))]), whole)
+        for rows in (2, 3, 5, 13, 64, 65):
+            assert torch.equal(OP(x[:rows], weight, bias, isa), whole[:rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(OP(x, weight, bias, -1), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fused_layers_give_each_column_its_own_bits():
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, n, bias=True) for n in (24, 40, 8)]
+    x = torch.randn(5, 64)
+    separate = [FloatLinear(layer) for layer in layers]
+    alone = torch.cat([layer.rows(x) for layer in separate], dim=-1)
+    fused = fuse_linears(separate)
+    assert isinstance(fused, FloatLinear) and fused.out_features == 72
+    assert torch.equal(fused.rows(x), alone)
+    assert separate[1].weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+
+
+def test_a_bfloat16_layer_computes_in_float32_and_rounds_once():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 33).to(torch.bfloat16)
+    x = torch.randn(4, 96).to(torch.bfloat16)
+    y = FloatLinear(linear).rows(x)
+    assert y.dtype == torch.bfloat16
+    exact = x.double() @ linear.weight.double().T + linear.bias.double()
+    assert torch.equal(y, exact.float().to(torch.bfloat16)) or \
+        (y.double() - exact).abs().max().item() <= 2 ** -7 * exact.abs().max().item()
+    assert (y.float() - F.linear(x, linear.weight, linear.bias).float()).abs().max().item() < 0.1
+
+
+def test_auto_runs_a_float_model_s_layers_in_the_kernel_and_keeps_a_tied_head_tied(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    ids = torch.tensor([[1, 5, 9, 3]])
+    before = model(ids).logits
+    quantized = apply_quantize(model, "auto")
+    assert quantized.mode == "float" and quantized.layers == 15
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert (model(ids).logits - before).abs().max().item() < 1e-4
+
+
+def test_none_keeps_torch_s_layers(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert apply_quantize(model, "none").mode == "none"
+    assert any(type(m) is nn.Linear for m in model.modules())
