@@ -356,8 +356,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 def wait_until(proc: subprocess.Popen, name: str, log_path: Path, ready, timeout_s: float,
                interval_s: float = 0.2) -> None:
-    """Poll `ready()` (an HTTP error or a bad body counts as not yet) until it is true; raise if `proc`
-    exits first (with the tail of its log) or `timeout_s` passes."""
+    """Poll `ready()` (an HTTP error or a bad body counts as not yet) until it is true; raise, with the
+    tail of its log, if `proc` exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
@@ -366,20 +366,22 @@ def wait_until(proc: subprocess.Popen, name: str, log_path: Path, ready, timeout
             if ready():
                 return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} was not ready within {timeout_s:.0f} s")
+            raise TimeoutError(f"{name} was not ready within {timeout_s:.0f} s:\n{log_path.read_text()[-4000:]}")
         time.sleep(interval_s)
 
 
 @contextlib.contextmanager
 def serve(model: Path, log_path: Path, device: str = "auto", env: dict | None = None,
-          timeout_s: float = 300.0) -> Iterator[str]:
-    """`ponder serve` on a free loopback port; yields its base URL once /health is 200."""
+          timeout_s: float = 300.0, dtype: str | None = None) -> Iterator[str]:
+    """`ponder serve` on a free loopback port; yields its base URL once /health is 200. `dtype`: its
+    `--dtype` (None: the settings' own)."""
     port = free_port()
     full_env = {**os.environ, "PONDER_SERVER__STATS_INTERVAL_S": "0.2", "PONDER_SERVER__LOG_LEVEL": "WARNING",
                 **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port",
-                                 str(port), "--model", str(model), "--device", device],
+                                 str(port), "--model", str(model), "--device", device,
+                                 *(["--dtype", dtype] if dtype else [])],
                                 cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
