@@ -101,15 +101,24 @@ class Int8Linear(QuantizedLinear):
 
 
 class FloatLinear(QuantizedLinear):
-    """nn.Linear's own float32 or bfloat16 weights (not copied: a head tied to the embedding stays
-    tied) run by ponder's CPU kernel, which computes every output in one fixed order whatever the
-    batch, so no padding is needed for invariance. Its bits differ from torch's matmul in the last
-    places; `quantize = "none"` keeps torch's."""
+    """nn.Linear's own float32 or bfloat16 weights run by ponder's CPU kernel, which computes every
+    output in one fixed order whatever the batch, so no padding is needed for invariance. Its bits
+    differ from torch's matmul in the last places; `quantize = "none"` keeps torch's.
+
+    float32 weights that are all bfloat16 values (a bfloat16 checkpoint computed in float32, the CPU's
+    default dtype) are kept as bfloat16: the kernel widens them back exactly, so the outputs are the
+    same bits, read in half the bytes. Other weights are not copied (a head tied to the embedding
+    stays tied)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", linear.weight.detach())
+        weight = linear.weight.detach()
+        if weight.dtype == torch.float32:
+            narrow = weight.to(torch.bfloat16)
+            if torch.equal(narrow.to(torch.float32), weight):
+                weight = narrow
+        self.register_buffer("weight", weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.kernel = float_kernel()
 
@@ -419,11 +428,16 @@ def _float_layers(model: nn.Module, setting: str) -> Quantized:
     taken = [(parent, attribute, layer) for _, parent, attribute, layer in layers if FloatLinear.takes(layer)]
     if not taken:
         return Quantized(setting, "none", 0, "not a GGUF model; no layer ponder's float kernel takes")
+    kept: dict[str, int] = {}
     for parent, attribute, layer in taken:
-        setattr(parent, attribute, FloatLinear(layer))
-    dtypes = "/".join(sorted({str(layer.weight.dtype).removeprefix("torch.") for _, _, layer in taken}))
+        float_layer = FloatLinear(layer)
+        setattr(parent, attribute, float_layer)
+        name = str(float_layer.weight.dtype).removeprefix("torch.")
+        if float_layer.weight.dtype != layer.weight.dtype:
+            name += " (float32 weights of bfloat16 values, kept as bfloat16)"
+        kept[name] = kept.get(name, 0) + 1
     rest = len(layers) - len(taken)
-    detail = f"{len(taken)} layers' {dtypes} weights in ponder's float kernel" + (
+    detail = f"{len(taken)} layers in ponder's float kernel ({', '.join(f'{n} {k}' for k, n in sorted(kept.items()))})" + (
         f", {rest} in torch's matmul (in_features not a multiple of 16, or float16)" if rest else "")
     return Quantized(setting, "float", len(taken), detail)
 

@@ -19,7 +19,7 @@ def test_reports_each_system_against_transformers(tiny_llama, tmp_path, capsys):
     assert list(systems) == ["default", "int4", "transformers"]
     assert results["llama_cpp_skipped"] == "the model is not a GGUF file"
     assert systems["transformers"]["vs_transformers_1"] == systems["transformers"]["vs_transformers_n"] == 1.0
-    assert systems["default"]["setting"] == "model.quantize = auto: float (15 layers' float32 weights in ponder's float kernel)"
+    assert systems["default"]["setting"] == "model.quantize = auto: float (15 layers in ponder's float kernel (15 float32))"
     assert systems["default"]["weight_bytes"] == systems["transformers"]["weight_bytes"] > systems["int4"]["weight_bytes"]
     for s in systems.values():
         assert s["tokens_per_s_1"] > 0 and s["tokens_per_s_n"] > 0 and 0 < s["bandwidth_fraction_1"]

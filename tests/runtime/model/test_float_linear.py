@@ -116,3 +116,25 @@ def test_none_keeps_torch_s_layers(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     assert apply_quantize(model, "none").mode == "none"
     assert any(type(m) is nn.Linear for m in model.modules())
+
+
+def test_float32_weights_of_bfloat16_values_are_read_as_bfloat16_with_the_same_bits():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    linear.weight.data = linear.weight.data.to(torch.bfloat16).float()  # a bfloat16 checkpoint loaded as float32
+    x = torch.randn(7, 64)
+    layer = FloatLinear(linear)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.nbytes == linear.weight.nbytes // 2
+    assert torch.equal(layer.rows(x), OP(x, linear.weight.detach(), linear.bias.detach(), -1))
+    other = nn.Linear(64, 48)  # float32 values: kept as they are, not copied
+    assert FloatLinear(other).weight.data_ptr() == other.weight.data_ptr()
+
+
+def test_the_start_up_line_says_a_bfloat16_checkpoint_s_weights_stay_bfloat16(tiny_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    model.to(torch.float32)
+    quantized = apply_quantize(model, "auto")
+    assert quantized.detail == ("15 layers in ponder's float kernel "
+                                "(15 bfloat16 (float32 weights of bfloat16 values, kept as bfloat16))")

@@ -77,7 +77,7 @@ def test_auto_keeps_float_weights_for_a_safetensors_model(tiny_llama):
     `none` keeps torch's layers."""
     engine = engine_for(tiny_llama)
     assert engine.quantized.mode == "float"
-    assert engine.quantized.detail == "15 layers' float32 weights in ponder's float kernel"
+    assert engine.quantized.detail == "15 layers in ponder's float kernel (15 float32)"
     assert not any(type(m) is nn.Linear for m in engine.model.modules())
     engine = engine_for(tiny_llama, quantize="none")
     assert (engine.quantized.mode, engine.quantized.detail) == ("none", "float weights")
