@@ -6,12 +6,12 @@
 // count or the instruction set: 16 lanes of fused multiply-add chains over K (lane i takes the inputs
 // k = i mod 16, in order), the lanes summed as a fixed tree (i + 8, then i + 4, i + 2, i + 1), then the
 // bias added. A bfloat16 weight widens to float32 exactly, so its products are the same fused
-// multiply-adds. The AVX2 path keeps the 16 lanes as two 8-lane registers and sums them in the same
+// multiply-adds. The AVX2 path runs lanes 0-7 and 8-15 as two 8-lane chains and sums them in the same
 // tree, so both paths give the same bits. A row's outputs never depend on the other rows: batch
 // invariance needs no padding for these layers (runtime.model.row_padding probes only torch's).
 //
-// Tiles: AVX512 computes 4 rows x 4 columns at once (16 accumulators), AVX2 2 x 2 (8 pairs); the
-// threads split the columns; rows go in blocks of 64 so a block's activations stay in cache while
+// Tiles: AVX512 computes 4 rows x 4 columns at once (16 accumulators), AVX2 3 x 3, a half of the lanes
+// at a time; the threads split the columns; rows go in blocks of 64 so a block's activations stay in cache while
 // the thread's weights stream past them once a block (once a step in decode).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -115,59 +115,65 @@ void columns(const float* x, int64_t R, int64_t K, const void* w, const float* b
 #pragma GCC target("avx2,fma")
 namespace avx2 {
 
-struct Pair {  // the 16 lanes of the AVX512 path: lanes 0-7 and 8-15
-  __m256 lo, hi;
-};
+// Lanes 0-7 and 8-15 of the AVX512 path are independent chains, so a tile runs the low half over all
+// of K, then the high half (its weights still in L1), each in single 8-lane registers: 3 x 3 chains
+// fit AVX2's 16 registers, where pairs held only 2 x 2.
+constexpr int ROWS = 3, COLS = 3;
 
 template <bool BF16>
-inline Pair load_w(const void* w, int64_t k) {
+inline __m256 load_w(const void* w, int64_t k) {
   if constexpr (BF16) {
-    const auto* p = static_cast<const uint16_t*>(w) + k;
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)),
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16))};
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
   } else {
-    const float* p = static_cast<const float*>(w) + k;
-    return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    return _mm256_loadu_ps(static_cast<const float*>(w) + k);
   }
 }
 
-inline float reduce(Pair v) {
-  const __m256 s8 = _mm256_add_ps(v.lo, v.hi);
+inline float reduce(__m256 lo, __m256 hi) {  // the AVX512 path's tree
+  const __m256 s8 = _mm256_add_ps(lo, hi);
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
   return _mm_cvtss_f32(s1);
 }
 
+// The chains of lanes `half` * 8 to `half` * 8 + 7 over all of K.
 template <bool BF16, int RT, int CT>
-void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N) {
-  Pair acc[RT][CT];
+void half_tile(const float* x, int64_t K, const void* w, int64_t wstride, int64_t half, __m256 (&acc)[RT][CT],
+               const char* next) {
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < CT; ++c) acc[r][c] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t k = 0; k < K; k += 16) {
-    Pair wv[CT];
+    for (int c = 0; c < CT; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = half * 8; k < K; k += 16) {
+    __m256 wv[CT];
     for (int c = 0; c < CT; ++c)
       wv[c] = load_w<BF16>(static_cast<const char*>(w) + c * wstride, k);
+    if (next != nullptr && (!BF16 || k % 32 == 0))
+      for (int c = 0; c < CT; ++c) _mm_prefetch(next + c * wstride + k * (BF16 ? 2 : 4), _MM_HINT_T0);
     for (int r = 0; r < RT; ++r) {
-      const __m256 xlo = _mm256_loadu_ps(x + r * K + k), xhi = _mm256_loadu_ps(x + r * K + k + 8);
-      for (int c = 0; c < CT; ++c) {
-        acc[r][c].lo = _mm256_fmadd_ps(xlo, wv[c].lo, acc[r][c].lo);
-        acc[r][c].hi = _mm256_fmadd_ps(xhi, wv[c].hi, acc[r][c].hi);
-      }
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int c = 0; c < CT; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
+}
+
+template <bool BF16, int RT, int CT>
+void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N,
+          const char* next) {
+  __m256 lo[RT][CT], hi[RT][CT];
+  half_tile<BF16, RT, CT>(x, K, w, wstride, 0, lo, next);
+  half_tile<BF16, RT, CT>(x, K, w, wstride, 1, hi, nullptr);
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < CT; ++c) y[r * N + c] = reduce(acc[r][c]) + (bias ? bias[c] : 0.0f);
+    for (int c = 0; c < CT; ++c) y[r * N + c] = reduce(lo[r][c], hi[r][c]) + (bias ? bias[c] : 0.0f);
 }
 
 template <bool BF16, int CT, int RT>
-void rows(const float* x, int64_t R, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N) {
+void rows(const float* x, int64_t R, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N,
+          const char* next) {
   int64_t r = 0;
-  for (; r + RT <= R; r += RT) tile<BF16, RT, CT>(x + r * K, K, w, wstride, bias, y + r * N, N);
+  for (; r + RT <= R; r += RT, next = nullptr) tile<BF16, RT, CT>(x + r * K, K, w, wstride, bias, y + r * N, N, next);
   if constexpr (RT > 1) {
-    if (r < R) rows<BF16, CT, RT - 1>(x + r * K, R - r, K, w, wstride, bias, y + r * N, N);
+    if (r < R) rows<BF16, CT, RT - 1>(x + r * K, R - r, K, w, wstride, bias, y + r * N, N, next);
   }
 }
 
@@ -180,11 +186,13 @@ void columns(const float* x, int64_t R, int64_t K, const void* w, const float* b
     const int64_t rows_here = std::min(ROW_BLOCK, R - r0);
     const float* xr = x + r0 * K;
     float* yr = y + r0 * N;
+    const bool prefetch = rows_here > ROWS;  // as the AVX512 path
     int64_t c = c0;
-    for (; c + 2 <= c1; c += 2)
-      rows<BF16, 2, 2>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N);
+    for (; c + COLS <= c1; c += COLS)
+      rows<BF16, COLS, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
+                             prefetch && c + 2 * COLS <= c1 ? wb + (c + COLS) * wstride : nullptr);
     for (; c < c1; ++c)
-      rows<BF16, 1, 2>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N);
+      rows<BF16, 1, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N, nullptr);
   }
 }
 
@@ -215,10 +223,10 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   float* op = out.data_ptr<float>();
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   if (R == 0 || N == 0) return out;
-  // Threads take runs of 16 columns (a multiple of either path's tile width).
-  const int64_t chunks = (N + 15) / 16;
+  // Threads take runs of 48 columns (a multiple of either path's tile width).
+  const int64_t chunks = (N + 47) / 48;
   at::parallel_for(0, chunks, 1, [&](int64_t a, int64_t b) {
-    const int64_t c0 = a * 16, c1 = std::min(N, b * 16);
+    const int64_t c0 = a * 48, c1 = std::min(N, b * 48);
     if (isa == 1)
       bf16 ? avx512::columns<true>(xp, R, K, wp, bp, op, N, c0, c1) : avx512::columns<false>(xp, R, K, wp, bp, op, N, c0, c1);
     else
