@@ -140,6 +140,10 @@ class RowPadding:
         for module in executed_linears(model):
             key = (module.in_features, module.out_features, module.bias is not None, module is head)
             shapes.setdefault(key, module)
+        parameter = next(model.parameters())
+        if not shapes and not decode_attention_is_batched(parameter.device, parameter.dtype,
+                                                          _head_dim(_text_config(model))):
+            return cls(list(range(1, max_rows + 1)), max_rows)  # every layer and attention: ponder's own kernels
         failing: set[int] = set()
         generator = torch.Generator().manual_seed(0)
         head_rows = max_rows if max_head_rows is None else min(max_rows, _round_up(max_head_rows))
@@ -159,7 +163,6 @@ class RowPadding:
         config = _text_config(model)
         if max_model_len is None:
             max_model_len = getattr(config, "max_position_embeddings", None) or 2048
-        parameter = next(model.parameters())
         if decode_attention_is_batched(parameter.device, parameter.dtype, _head_dim(config)):
             _probe_attention(model, attention_windows(max_model_len, block_size), generator)
         return cls([r for r in candidates if r not in failing], max_rows)

@@ -138,3 +138,18 @@ def test_the_start_up_line_says_a_bfloat16_checkpoint_s_weights_stay_bfloat16(ti
     quantized = apply_quantize(model, "auto")
     assert quantized.detail == ("15 layers in ponder's float kernel "
                                 "(15 bfloat16 (float32 weights of bfloat16 values, kept as bfloat16))")
+
+
+def test_a_model_run_wholly_by_ponder_s_kernels_pads_no_step(tiny_llama):
+    """float32 layers in the float kernel and attention in the decode kernel: every row is computed on
+    its own, so no row count needs padding (a step of 57 rows runs 57, not 64)."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.model.row_padding import RowPadding
+
+    torch_layers = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert RowPadding.probe(torch_layers, max_rows=300, block_size=4).pad(57) == 64  # probed buckets
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    apply_quantize(model, "auto")
+    padding = RowPadding.probe(model, max_rows=300, block_size=4)
+    assert [padding.pad(rows) for rows in (1, 57, 129, 300)] == [1, 57, 129, 300]
