@@ -40,7 +40,9 @@ class ModelSettings(_Section):
     max_model_len: int | None = Field(None, ge=16)
     trust_remote_code: bool = False
     # Weight-only quantization of the generator's linear layers on a CPU (runtime.model.quantize); auto keeps
-    # a GGUF's own quantized blocks (Q4_0 to Q8_0, K-quants, IQ4) on a CPU and float weights otherwise.
+    # a GGUF's own quantized blocks (Q4_0 to Q8_0, K-quants, IQ4) on a CPU and float weights otherwise, which
+    # on a CPU run in ponder's float kernel (each output summed in one fixed order: no padding for batch
+    # invariance); none keeps torch's nn.Linear.
     quantize: Literal["auto", "none", "int8", "int4"] = "auto"
     # The int4 kernel's instruction set on an x86-64 CPU: auto runs AVX512-VNNI where the CPU has it; avx2
     # keeps to the AVX2 path most desktop CPUs run (to time it on a server CPU). The same bits either way.
