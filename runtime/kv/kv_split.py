@@ -49,7 +49,7 @@ def model_cost(model: torch.nn.Module, block_size: int, *, with_head: bool) -> M
     skip = (embedding - head) if with_head else (embedding | head)
     counted = [p for p in model.parameters() if id(p) not in skip]
     # Quantized layers keep their weights as buffers: their bytes as stored, their FLOPs as a matmul's.
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear) and (with_head or m is not head_module)]
     quantized_bytes = sum(b.numel() * b.element_size() for m in quantized for b in m.buffers())
     quantized_flops = 2 * sum(m.in_features * m.out_features for m in quantized)
     dtype = next(model.parameters()).dtype

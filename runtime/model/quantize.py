@@ -119,7 +119,7 @@ class FloatLinear(QuantizedLinear):
             if torch.equal(narrow.to(torch.float32), weight):
                 weight = narrow
         self.register_buffer("weight", weight)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = linear.bias
         self.kernel = float_kernel()
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
