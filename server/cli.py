@@ -22,7 +22,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantize", choices=["auto", "none", "int8", "int4"],
                    help="weight-only quantization of the model's linear layers, CPU only (default auto: a "
-                        "GGUF's own quantized blocks kept on a CPU, float weights otherwise)")
+                        "GGUF's own quantized blocks kept on a CPU, float weights otherwise, run in ponder's "
+                        "float kernel on a CPU; none: torch's matmul)")
     p.add_argument("--max-model-len", type=int, dest="max_model_len")
     p.add_argument("--generation-config", choices=["auto", "none"], dest="generation_config",
                    help="auto (default): the sampling defaults of the model's generation_config.json apply where a "

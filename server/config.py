@@ -44,8 +44,9 @@ class ModelSettings(_Section):
     # on a CPU run in ponder's float kernel (each output summed in one fixed order: no padding for batch
     # invariance); none keeps torch's nn.Linear.
     quantize: Literal["auto", "none", "int8", "int4"] = "auto"
-    # The int4 kernel's instruction set on an x86-64 CPU: auto runs AVX512-VNNI where the CPU has it; avx2
-    # keeps to the AVX2 path most desktop CPUs run (to time it on a server CPU). The same bits either way.
+    # The int4 and float kernels' instruction set on an x86-64 CPU: auto runs AVX512 (AVX512-VNNI for int4)
+    # where the CPU has it; avx2 keeps to the AVX2 path most desktop CPUs run (to time it on a server CPU).
+    # The same bits either way.
     cpu_isa: Literal["auto", "avx2"] = "auto"
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty where they differ from transformers' defaults) apply where a request leaves them

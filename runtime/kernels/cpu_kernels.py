@@ -128,7 +128,7 @@ def float_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's float CPU kernel cannot run here: {reason}")
     op = torch.ops.ponder.float_linear.default
-    return lambda x, weight, bias=None: op(x, weight, bias, -1 if torch.ops.ponder.q4_best_isa() >= 1 else 0)
+    return lambda x, weight, bias=None: op(x, weight, bias, 0 if _isa_limit == "avx2" else -1)
 
 
 def attention_kernel():
@@ -157,16 +157,19 @@ def describe_isa() -> str:
 
 
 ISAS = ("auto", "avx2")
+_isa_limit = "auto"  # use_isa's: the float kernel reads it at each call, the int kernel keeps its own
 
 
 def use_isa(name: str) -> str:
-    """Keep the int4 kernel at or below instruction set `name` for this process (the `model.cpu_isa`
-    setting): `auto` runs AVX512-VNNI where the CPU has it, `avx2` the AVX2 path most desktop CPUs run,
-    to time it on a server CPU. The bits are the same either way. Returns the instruction set the
-    kernel now runs ("none" where it cannot run here)."""
+    """Keep the int4 and float kernels at or below instruction set `name` for this process (the
+    `model.cpu_isa` setting): `auto` runs AVX512 (AVX512-VNNI for int4) where the CPU has it, `avx2`
+    the AVX2 path most desktop CPUs run, to time it on a server CPU. The bits are the same either way.
+    Returns the instruction set the int4 kernel now runs ("none" where it cannot run here)."""
+    global _isa_limit
     if name not in ISAS:
         raise ValueError(f"model.cpu_isa = {name!r} is not one of {', '.join(ISAS)}")
     if _load() is not None:
         return "none"
+    _isa_limit = name
     torch.ops.ponder.q4_limit_isa(0 if name == "avx2" else 1)
     return describe_isa()

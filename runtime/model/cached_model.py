@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.model.float_layers import float_layers
 from runtime.model.loader import CheckpointMismatch, ModelSource, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
@@ -80,6 +81,8 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
     else:
         model = load_causal_lm(source, device, dtype, attn_implementation, trust_remote_code)
         quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)
+        if setting == "auto" and not source.gguf_file and device.type == "cpu":
+            quantized = float_layers(model, setting)
     if entry is not None and quantized.mode == "int4" and entry.write(lambda directory: write_model(directory, model, quantized)):
         log.info("model saved to the start-up cache %s", entry.path)
     return model, quantized

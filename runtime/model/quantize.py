@@ -6,7 +6,8 @@ quantized weight and calls one kernel. `auto` (the default), on a CPU that can r
 (x86-64 with AVX2), keeps a GGUF's linear layers stored in any block type the kernel runs
 (runtime.model.gguf_blocks.SUPPORTED) as those very blocks rather than quantizing the dequantized
 floats again (runtime.model.gguf_load does so while loading; `apply_quantize` on a loaded float model);
-a layer of another type, and any other model, keeps float weights. `apply_quantize` says what a setting became (`Quantized`).
+a layer of another type keeps float weights. A float model's float32 and bfloat16 layers then run in
+ponder's float kernel (runtime.model.float_layers); `none` keeps torch's nn.Linear. `apply_quantize` says what a setting became (`Quantized`).
 
 - int8: int8 weights with a scale per output channel, `aten._weight_int8pack_mm`, weight-only: the
   activations enter the kernel rounded to bfloat16 (vectorized on a CPU with AVX512-BF16).
@@ -15,8 +16,8 @@ a layer of another type, and any other model, keeps float weights. `apply_quanti
   per group of 32 to int8 on the way in, as llama.cpp does for the same blocks, and the products
   are summed exactly in integers.
 
-Both kernels compute each output row from its own input row only (tested), so batching never
-changes a row's bits. A model whose layers a mode cannot take, or an `int4` setting on a machine
+The int and float kernels compute each output row from its own input row only (tested), so batching
+never changes a row's bits. A model whose layers a mode cannot take, or an `int4` setting on a machine
 where the kernel cannot run, stops start-up with a `QuantizeError` naming the setting; nothing falls
 back to float weights silently.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel, q4_kernel, q4_unavailable
+from runtime.kernels.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
 from runtime.model.block_pack import (pack_codes, pack_compact, pack_nibbles, pack_scales, unpack_codes,
                                       unpack_scales)
 from runtime.model.loader import SettingError
@@ -95,56 +96,9 @@ class Int8Linear(QuantizedLinear):
         fused.in_features, fused.out_features = layers[0].in_features, sum(l.out_features for l in layers)
         fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
         fused.register_buffer("scales", torch.cat([l.scales for l in layers]))
-        fused.bias = _cat_bias(layers)
-        _share_rows(layers, fused, ("weight", "scales"))
+        fused.bias = cat_bias(layers)
+        share_rows(layers, fused, ("weight", "scales"))
         return fused
-
-
-class FloatLinear(QuantizedLinear):
-    """nn.Linear's own float32 or bfloat16 weights run by ponder's CPU kernel, which computes every
-    output in one fixed order whatever the batch, so no padding is needed for invariance. Its bits
-    differ from torch's matmul in the last places; `quantize = "none"` keeps torch's.
-
-    float32 weights that are all bfloat16 values (a bfloat16 checkpoint computed in float32, the CPU's
-    default dtype) are kept as bfloat16: the kernel widens them back exactly, so the outputs are the
-    same bits, read in half the bytes. Other weights are not copied (a head tied to the embedding
-    stays tied)."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        if weight.dtype == torch.float32:
-            narrow = weight.to(torch.bfloat16)
-            if torch.equal(narrow.to(torch.float32), weight):
-                weight = narrow
-        self.register_buffer("weight", weight)
-        self.bias = linear.bias
-        self.kernel = float_kernel()
-
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        y = self.kernel(x.float(), self.weight, bias)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.weight.float()
-
-    @classmethod
-    def concatenated(cls, layers: list["FloatLinear"]) -> "FloatLinear":
-        """As `Int8Linear.concatenated` (the kernel computes a column from its own weights only)."""
-        fused = cls.__new__(cls)
-        nn.Module.__init__(fused)
-        fused.in_features, fused.out_features = layers[0].in_features, sum(l.out_features for l in layers)
-        fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
-        fused.bias = _cat_bias(layers)
-        fused.kernel = layers[0].kernel
-        _share_rows(layers, fused)
-        return fused
-
-    @staticmethod
-    def takes(layer: nn.Linear) -> bool:
-        return layer.weight.dtype in (torch.float32, torch.bfloat16) and layer.in_features % 16 == 0
 
 
 class Int4Linear(QuantizedLinear):
@@ -242,8 +196,8 @@ class Int4Linear(QuantizedLinear):
         fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
         fused.register_buffer("d", torch.cat([l.d for l in layers]))
         fused.register_buffer("m", None if layers[0].m is None else torch.cat([l.m for l in layers]))
-        fused.bias = _cat_bias(layers)
-        _share_rows(layers, fused, ("weight", "d", "m"))
+        fused.bias = cat_bias(layers)
+        share_rows(layers, fused, ("weight", "d", "m"))
         return fused
 
     @torch.no_grad()
@@ -290,11 +244,11 @@ def pack_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
     return pack_nibbles(codes), pack_scales(d, torch.float16), None if m is None else pack_scales(m, torch.float16)
 
 
-def _cat_bias(layers: list[nn.Module]) -> torch.Tensor | None:
+def cat_bias(layers: list[nn.Module]) -> torch.Tensor | None:
     return None if layers[0].bias is None else torch.cat([l.bias.detach() for l in layers])
 
 
-def _share_rows(layers: list[nn.Module], fused: nn.Module, names: tuple[str, ...] = ("weight",)) -> None:
+def share_rows(layers: list[nn.Module], fused: nn.Module, names: tuple[str, ...] = ("weight",)) -> None:
     """Make each layer's buffers `names` views of its rows of `fused`'s, so fusing costs no memory."""
     for name in names:
         whole, start = getattr(fused, name), 0
@@ -392,7 +346,7 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
     if device.type != "cpu":
         return Quantized(setting, "none", 0, f"the quantized kernels are the CPU's, and the model is on {device.type}")
     if gguf_path is None:
-        return _float_layers(model, setting)
+        return Quantized(setting, "none", 0, "not a GGUF model")
     try:
         q4_kernel()
     except KernelUnavailable as exc:
@@ -415,31 +369,6 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
             kept[b.kind] = kept.get(b.kind, 0) + 1
     _untie(model)
     return Quantized(setting, "int4", len(blocks), blocks_detail(kept, len(layers) - len(blocks), found), tuple(sorted(kept)))
-
-
-def _float_layers(model: nn.Module, setting: str) -> Quantized:
-    """`auto` on a float model on a CPU: every linear layer whose weights ponder's float kernel takes
-    runs there (`FloatLinear`); the others, and every layer where the kernel cannot run, keep torch's."""
-    try:
-        float_kernel()
-    except KernelUnavailable as exc:
-        return Quantized(setting, "none", 0, f"not a GGUF model; torch's matmuls ({exc})")
-    layers = linear_layers(model)
-    taken = [(parent, attribute, layer) for _, parent, attribute, layer in layers if FloatLinear.takes(layer)]
-    if not taken:
-        return Quantized(setting, "none", 0, "not a GGUF model; no layer ponder's float kernel takes")
-    kept: dict[str, int] = {}
-    for parent, attribute, layer in taken:
-        float_layer = FloatLinear(layer)
-        setattr(parent, attribute, float_layer)
-        name = str(float_layer.weight.dtype).removeprefix("torch.")
-        if float_layer.weight.dtype != layer.weight.dtype:
-            name += " (float32 weights of bfloat16 values, kept as bfloat16)"
-        kept[name] = kept.get(name, 0) + 1
-    rest = len(layers) - len(taken)
-    detail = f"{len(taken)} layers in ponder's float kernel ({', '.join(f'{n} {k}' for k, n in sorted(kept.items()))})" + (
-        f", {rest} in torch's matmul (in_features not a multiple of 16, or float16)" if rest else "")
-    return Quantized(setting, "float", len(taken), detail)
 
 
 def blocks_detail(kept: dict[str, int], floats: int, found: str) -> str:

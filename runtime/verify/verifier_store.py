@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model.model_runner import ModelRunner
-from runtime.model.quantize import apply_quantize
+from runtime.model.float_layers import float_layers
 from runtime.model.row_padding import padding_for
 from runtime.verify.host import VerifierHost
 from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer, ScoreBatch
@@ -79,7 +79,7 @@ class VerifierStore:
         self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode())
         self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
         if self.device.type == "cpu":  # float layers in ponder's kernel, as a float generator's: no padding
-            log.info("reward model %s: %s", name, apply_quantize(model, "auto").describe())
+            log.info("reward model %s: %s", name, float_layers(model).describe())
         padding = padding_for(model, batch_invariant, max_batched_tokens, max_model_len=max_model_len,
                               block_size=shape.block_size)
         self.runner = ModelRunner(model, self.cache, padding)

@@ -77,36 +77,7 @@ void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float
     for (int c = 0; c < CT; ++c) y[r * N + c] = reduce(acc[r][c]) + (bias ? bias[c] : 0.0f);
 }
 
-// `next`: the weights the next tile reads, prefetched while the first row tile streams its own.
-template <bool BF16, int CT, int RT>
-void rows(const float* x, int64_t R, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N,
-          const char* next) {
-  int64_t r = 0;
-  for (; r + RT <= R; r += RT, next = nullptr) tile<BF16, RT, CT>(x + r * K, K, w, wstride, bias, y + r * N, N, next);
-  if constexpr (RT > 1) {
-    if (r < R) rows<BF16, CT, RT - 1>(x + r * K, R - r, K, w, wstride, bias, y + r * N, N, next);
-  }
-}
-
-template <bool BF16>
-void columns(const float* x, int64_t R, int64_t K, const void* w, const float* bias, float* y, int64_t N,
-             int64_t c0, int64_t c1) {
-  const int64_t wstride = K * (BF16 ? 2 : 4);
-  const char* wb = static_cast<const char*>(w);
-  for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-    const int64_t rows_here = std::min(ROW_BLOCK, R - r0);
-    const float* xr = x + r0 * K;
-    float* yr = y + r0 * N;
-    // With one row tile the hardware's prefetcher streams the weights better alone (measured).
-    const bool prefetch = rows_here > ROWS;
-    int64_t c = c0;
-    for (; c + COLS <= c1; c += COLS)
-      rows<BF16, COLS, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
-                             prefetch && c + 2 * COLS <= c1 ? wb + (c + COLS) * wstride : nullptr);
-    for (; c < c1; ++c)
-      rows<BF16, 1, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N, nullptr);
-  }
-}
+#include "float_loops.h"
 
 }  // namespace avx512
 #pragma GCC pop_options
@@ -167,34 +138,7 @@ void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float
     for (int c = 0; c < CT; ++c) y[r * N + c] = reduce(lo[r][c], hi[r][c]) + (bias ? bias[c] : 0.0f);
 }
 
-template <bool BF16, int CT, int RT>
-void rows(const float* x, int64_t R, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N,
-          const char* next) {
-  int64_t r = 0;
-  for (; r + RT <= R; r += RT, next = nullptr) tile<BF16, RT, CT>(x + r * K, K, w, wstride, bias, y + r * N, N, next);
-  if constexpr (RT > 1) {
-    if (r < R) rows<BF16, CT, RT - 1>(x + r * K, R - r, K, w, wstride, bias, y + r * N, N, next);
-  }
-}
-
-template <bool BF16>
-void columns(const float* x, int64_t R, int64_t K, const void* w, const float* bias, float* y, int64_t N,
-             int64_t c0, int64_t c1) {
-  const int64_t wstride = K * (BF16 ? 2 : 4);
-  const char* wb = static_cast<const char*>(w);
-  for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-    const int64_t rows_here = std::min(ROW_BLOCK, R - r0);
-    const float* xr = x + r0 * K;
-    float* yr = y + r0 * N;
-    const bool prefetch = rows_here > ROWS;  // as the AVX512 path
-    int64_t c = c0;
-    for (; c + COLS <= c1; c += COLS)
-      rows<BF16, COLS, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
-                             prefetch && c + 2 * COLS <= c1 ? wb + (c + COLS) * wstride : nullptr);
-    for (; c < c1; ++c)
-      rows<BF16, 1, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N, nullptr);
-  }
-}
+#include "float_loops.h"
 
 }  // namespace avx2
 #pragma GCC pop_options

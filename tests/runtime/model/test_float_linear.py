@@ -1,4 +1,4 @@
-"""ponder's float kernel (runtime/kernels/csrc/float_linear.cpp, `FloatLinear`): float32 and bfloat16
+"""ponder's float kernel (runtime/kernels/csrc/float_linear.cpp, `FloatLinear` in runtime.model.float_layers): float32 and bfloat16
 weights as nn.Linear holds them, every output summed in one fixed order, so a row's bits never depend
 on the batch, the thread count or the instruction set."""
 
@@ -11,7 +11,8 @@ from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
 from runtime.model.decoder import fuse_linears
-from runtime.model.quantize import FloatLinear, apply_quantize
+from runtime.model.float_layers import FloatLinear, float_layers
+from runtime.model.quantize import apply_quantize
 
 try:
     float_kernel()
@@ -103,7 +104,8 @@ def test_auto_runs_a_float_model_s_layers_in_the_kernel_and_keeps_a_tied_head_ti
     model.lm_head.weight = model.model.embed_tokens.weight
     ids = torch.tensor([[1, 5, 9, 3]])
     before = model(ids).logits
-    quantized = apply_quantize(model, "auto")
+    assert apply_quantize(model, "auto").mode == "none"  # no GGUF: float_layers decides
+    quantized = float_layers(model)
     assert quantized.mode == "float" and quantized.layers == 15
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -135,7 +137,7 @@ def test_the_start_up_line_says_a_bfloat16_checkpoint_s_weights_stay_bfloat16(ti
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     model.to(torch.float32)
-    quantized = apply_quantize(model, "auto")
+    quantized = float_layers(model)
     assert quantized.detail == ("15 layers in ponder's float kernel "
                                 "(15 bfloat16 (float32 weights of bfloat16 values, kept as bfloat16))")
 
@@ -150,6 +152,6 @@ def test_a_model_run_wholly_by_ponder_s_kernels_pads_no_step(tiny_llama):
     torch_layers = AutoModelForCausalLM.from_pretrained(tiny_llama)
     assert RowPadding.probe(torch_layers, max_rows=300, block_size=4).pad(57) == 64  # probed buckets
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    apply_quantize(model, "auto")
+    float_layers(model)
     padding = RowPadding.probe(model, max_rows=300, block_size=4)
     assert [padding.pad(rows) for rows in (1, 57, 129, 300)] == [1, 57, 129, 300]
