@@ -1,4 +1,4 @@
-// ponder's float linear kernel for the CPU (runtime.kernels.cpu_kernels builds it; runtime.model.quantize's
+// ponder's float linear kernel for the CPU (runtime.kernels.cpu_kernels builds it; runtime.model.float_layers'
 // FloatLinear uses it): y = x @ W.T + bias for float32 x [R, K] and W [N, K] in float32 or bfloat16, as
 // nn.Linear holds it (no repacking, so the weights stay where the checkpoint put them).
 //
@@ -11,8 +11,8 @@
 // invariance needs no padding for these layers (runtime.model.row_padding probes only torch's).
 //
 // Tiles: AVX512 computes 4 rows x 4 columns at once (16 accumulators), AVX2 3 x 3, a half of the lanes
-// at a time; the threads split the columns; rows go in blocks of 64 so a block's activations stay in cache while
-// the thread's weights stream past them once a block (once a step in decode).
+// at a time; the threads split the columns; rows go in blocks of 64 so a block's activations stay in
+// cache while the thread's weights stream past them once a block (once a step in decode).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,11 +32,7 @@ bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_support
 #pragma GCC target("avx512f,avx512bw,avx2,fma")
 namespace avx512 {
 
-#ifndef F512_ROWS
-#define F512_ROWS 4
-#define F512_COLS 4
-#endif
-constexpr int ROWS = F512_ROWS, COLS = F512_COLS;
+constexpr int ROWS = 4, COLS = 4;
 
 template <bool BF16>
 inline __m512 load_w(const void* w, int64_t k) {
