@@ -155,3 +155,14 @@ def test_a_model_run_wholly_by_ponder_s_kernels_pads_no_step(tiny_llama):
     float_layers(model)
     padding = RowPadding.probe(model, max_rows=300, block_size=4)
     assert [padding.pad(rows) for rows in (1, 57, 129, 300)] == [1, 57, 129, 300]
+
+
+def test_layers_the_kernel_cannot_take_keep_torch_s_and_the_line_says_how_many():
+    model = nn.Sequential(nn.Linear(32, 40), nn.Linear(40, 16), nn.Linear(16, 8).half())
+    quantized = float_layers(model)
+    assert (quantized.mode, quantized.layers) == ("float", 1)
+    assert quantized.detail == ("1 layers in ponder's float kernel (1 float32), 2 in torch's matmul "
+                                "(in_features not a multiple of 16, or float16)")
+    assert [type(m).__name__ for m in model] == ["FloatLinear", "Linear", "Linear"]
+    assert float_layers(nn.Sequential(nn.Linear(8, 8))).detail == \
+        "not a GGUF model; no layer ponder's float kernel takes"
