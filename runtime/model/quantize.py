@@ -337,7 +337,8 @@ class Quantized:
 def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None) -> Quantized:
     """Apply the `quantize` setting to a loaded model. `auto`: on a CPU that runs the int kernel, a model
     loaded from a GGUF keeps every linear layer stored in a supported block type as those very blocks
-    (a head tied to the embedding keeps the embedding's); any other layer or model keeps float weights."""
+    (a head tied to the embedding keeps the embedding's); any other layer or model keeps float weights,
+    which the caller hands to runtime.model.float_layers for a float model on a CPU."""
     check_mode(setting)
     if setting != "auto":
         layers = quantize_model(model, setting)

@@ -166,3 +166,17 @@ def test_layers_the_kernel_cannot_take_keep_torch_s_and_the_line_says_how_many()
     assert [type(m).__name__ for m in model] == ["FloatLinear", "Linear", "Linear"]
     assert float_layers(nn.Sequential(nn.Linear(8, 8))).detail == \
         "not a GGUF model; no layer ponder's float kernel takes"
+
+
+def test_a_reward_model_on_a_cpu_runs_its_float_layers_in_the_kernel(tiny_llama, tmp_path):
+    from runtime.bootstrap import build_engine
+    from runtime.wire.protocol import RuntimeOptions
+    from tests.conftest import build_model
+
+    prm = build_model(tmp_path / "prm", "qwen2", seed=2, layers=3)
+    engine, _ = build_engine(RuntimeOptions(model=str(tiny_llama), device="cpu", block_size=4,
+                                            kv_memory_bytes=4 << 20, verifier_kv_memory_bytes=2 << 20,
+                                            verifiers={"prm": {"kind": "math-shepherd", "path": str(prm)}}))
+    model = engine.scorers["prm"].verifier.model
+    assert any(isinstance(m, FloatLinear) for m in model.modules())
+    assert not any(type(m) is nn.Linear for m in model.modules())
