@@ -12,7 +12,7 @@ from gguf.quants import quantize
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 2, 4, 2, 128
 # Where each type gguf cannot quantize holds its float16 super-block scale(s); the rest of its block
 # may be any bytes.
-SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82)}
 
 
 def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
@@ -32,10 +32,10 @@ def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.0
 
 
 def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: dict[str, str] | None = None,
-                    hidden: int = HIDDEN, ffn: int = FFN) -> Path:
+                    hidden: int = HIDDEN, ffn: int = FFN, embedding: str = "Q8_0") -> Path:
     """`directory`/tiny.gguf with every projection stored as `kind`, but those named in `kinds` (e.g.
     {"attn_v": "Q8_0", "ffn_down": "F16"}), as llama-quantize mixes them (K-quants need `hidden` and
-    `ffn` multiples of 256)."""
+    `ffn` multiples of 256), and the embedding (the tied head) as `embedding`."""
     HIDDEN, FFN = hidden, ffn  # noqa: N806 - the module's sizes, overridden
     rng = np.random.default_rng(seed)
     path = directory / "tiny.gguf"
@@ -56,8 +56,8 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
     writer.add_eos_token_id(2)
 
     def blocks(name: str, shape: tuple[int, int], qtype: GGMLQuantizationType) -> None:
-        if qtype == GGMLQuantizationType.F16:
-            writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float16))
+        if qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):
+            writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.dtype(qtype.name.lower().replace("f", "float"))))
             return
         if qtype.name in SCALE_OFFSETS:
             data = blocks_of(qtype.name, *shape, seed=int(rng.integers(1 << 30)), scale=0.002)
@@ -68,7 +68,7 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
     def floats(name: str) -> None:
         writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
 
-    blocks("token_embd.weight", (VOCAB, HIDDEN), GGMLQuantizationType.Q8_0)
+    blocks("token_embd.weight", (VOCAB, HIDDEN), GGMLQuantizationType[embedding])
     floats("output_norm.weight")
     head_dim = HIDDEN // HEADS
     for i in range(LAYERS):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.model.float_layers import float_layers
+from runtime.model.float_layers import FloatLinear, float_layers
 from runtime.model.loader import CheckpointMismatch, ModelSource, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
@@ -34,7 +34,7 @@ _LAYOUT = "layout.json"
 _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
 _CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
-         "model/cached_model.py", "startup_cache.py")
+         "model/float_layers.py", "model/cached_model.py", "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -83,7 +83,7 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
         quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)
         if setting == "auto" and not source.gguf_file and device.type == "cpu":
             quantized = float_layers(model, setting)
-    if entry is not None and quantized.mode == "int4" and entry.write(lambda directory: write_model(directory, model, quantized)):
+    if entry is not None and quantized.mode in ("int4", "float") and entry.write(lambda directory: write_model(directory, model, quantized)):
         log.info("model saved to the start-up cache %s", entry.path)
     return model, quantized
 
@@ -117,6 +117,9 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     int4 = {name: {"in_features": module.in_features, "out_features": module.out_features,
                    "zero_points": module.m is not None, "bias": module.bias is not None}
             for name, module in model.named_modules() if isinstance(module, Int4Linear)}
+    floats = {name: {"in_features": module.in_features, "out_features": module.out_features,
+                     "dtype": str(module.weight.dtype).removeprefix("torch."), "bias": module.bias is not None}
+              for name, module in model.named_modules() if isinstance(module, FloatLinear)}
     tensors = {name: tensor.detach().contiguous() for name, tensor in _tensors(model).items()}
     shared = {}
     for name, tensor in tensors.items():  # safetensors stores no tensor twice: later names point to the first
@@ -126,7 +129,7 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     model.config.save_pretrained(directory / _CONFIG)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory / _CONFIG)
-    layout = {"int4": int4, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
+    layout = {"int4": int4, "float": floats, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
                                                               quantized.detail, list(quantized.block_types)]}
     (directory / _LAYOUT).write_text(json.dumps(layout))
 
@@ -148,6 +151,12 @@ def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
     for name, spec in layout["int4"].items():
         parent_name, _, attribute = name.rpartition(".")
         placeholder = Int4Linear.from_packed(spec["in_features"], spec["out_features"], *_meta_int4(spec))
+        setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
+    for name, spec in layout.get("float", {}).items():  # the weights in the file's type, as cached
+        parent_name, _, attribute = name.rpartition(".")
+        bias = nn.Parameter(torch.empty(spec["out_features"], device="meta")) if spec["bias"] else None
+        weight = torch.empty(spec["out_features"], spec["in_features"], dtype=getattr(torch, spec["dtype"]), device="meta")
+        placeholder = FloatLinear.from_weight(weight, bias)
         setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
     tensors = load_tensors(directory / _TENSORS)
     for name, first in layout["aliases"].items():

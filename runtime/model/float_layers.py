@@ -1,8 +1,9 @@
 """ponder's float kernel for a float model's linear layers on a CPU (`[model] quantize = "auto"`).
 
-A float model (a safetensors checkpoint, not a GGUF) on a CPU where ponder's kernels build runs every
-float32 or bfloat16 linear layer whose input width is a multiple of 16 in
-`runtime/kernels/csrc/float_linear.cpp`: each output summed in one fixed order, so a row's bits never
+A float model (a safetensors checkpoint) on a CPU where ponder's kernels build runs every float32,
+bfloat16 or float16 linear layer whose input width is a multiple of 16 in
+`runtime/kernels/csrc/float_linear.cpp`, and so does a GGUF's F32, F16 or BF16 linear tensor
+(runtime.model.gguf_load, the file's values in the file's type): each output summed in one fixed order, so a row's bits never
 depend on the batch and batch invariance needs no padding (runtime.model.row_padding probes only
 torch's layers). Reward models on a CPU run the same (runtime.verify.verifier_store).
 """
@@ -17,26 +18,33 @@ from runtime.model.quantize import Quantized, QuantizedLinear, cat_bias, linear_
 
 
 class FloatLinear(QuantizedLinear):
-    """nn.Linear's own float32 or bfloat16 weights run by ponder's CPU kernel, which computes every
-    output in one fixed order whatever the batch, so no padding is needed for invariance. Its bits
-    differ from torch's matmul in the last places; `quantize = "none"` keeps torch's.
+    """nn.Linear's own float32, bfloat16 or float16 weights run by ponder's CPU kernel, which computes
+    every output in one fixed order whatever the batch, so no padding is needed for invariance. Its
+    bits differ from torch's matmul in the last places; `quantize = "none"` keeps torch's.
 
     float32 weights that are all bfloat16 values (a bfloat16 checkpoint computed in float32, the CPU's
-    default dtype) are kept as bfloat16: the kernel widens them back exactly, so the outputs are the
-    same bits, read in half the bytes. Other weights are not copied (a head tied to the embedding
-    stays tied)."""
+    default dtype), or else all float16 values, are kept in that type: the kernel widens them back
+    exactly, so the outputs are the same bits, read in half the bytes. Other weights are not copied (a
+    head tied to the embedding stays tied)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        if weight.dtype == torch.float32:
-            narrow = weight.to(torch.bfloat16)
-            if torch.equal(narrow.to(torch.float32), weight):
-                weight = narrow
-        self.register_buffer("weight", weight)
+        self.register_buffer("weight", narrowest(linear.weight.detach()))
         self.bias = linear.bias
         self.kernel = float_kernel()
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "FloatLinear":
+        """A layer of `weight` [out, in] as it is (float32, bfloat16 or float16: a GGUF tensor's own
+        values, not widened)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = weight.shape
+        layer.register_buffer("weight", weight)
+        layer.bias = bias
+        layer.kernel = float_kernel()
+        return layer
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()
@@ -60,7 +68,22 @@ class FloatLinear(QuantizedLinear):
 
     @staticmethod
     def takes(layer: nn.Linear) -> bool:
-        return layer.weight.dtype in (torch.float32, torch.bfloat16) and layer.in_features % 16 == 0
+        return takes_weight(layer.weight)
+
+
+def takes_weight(weight: torch.Tensor) -> bool:
+    """Whether ponder's float kernel computes with `weight` [out, in]."""
+    return weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and weight.shape[-1] % 16 == 0
+
+
+def narrowest(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in bfloat16, or else float16, where that holds each of its float32 values exactly."""
+    if weight.dtype == torch.float32:
+        for dtype in (torch.bfloat16, torch.float16):
+            narrow = weight.to(dtype)
+            if torch.equal(narrow.to(torch.float32), weight):
+                return narrow
+    return weight
 
 
 def float_layers(model: nn.Module, setting: str = "auto") -> Quantized:
@@ -81,9 +104,9 @@ def float_layers(model: nn.Module, setting: str = "auto") -> Quantized:
         setattr(parent, attribute, float_layer)
         name = str(float_layer.weight.dtype).removeprefix("torch.")
         if float_layer.weight.dtype != layer.weight.dtype:
-            name += " (float32 weights of bfloat16 values, kept as bfloat16)"
+            name += f" (float32 weights of {name} values, kept as {name})"
         kept[name] = kept.get(name, 0) + 1
     rest = len(layers) - len(taken)
     detail = f"{len(taken)} layers in ponder's float kernel ({', '.join(f'{n} {k}' for k, n in sorted(kept.items()))})" + (
-        f", {rest} in torch's matmul (in_features not a multiple of 16, or float16)" if rest else "")
+        f", {rest} in torch's matmul (in_features not a multiple of 16)" if rest else "")
     return Quantized(setting, "float", len(taken), detail)

@@ -9,6 +9,8 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
 - a linear layer's weight of a type the kernel runs (runtime.model.gguf_blocks.SUPPORTED) becomes an
   int layer holding the file's codes and scales (`Int4Linear.from_blocks`), its rows in the order
   transformers' tensor processor puts them (llama's q/k);
+- a linear layer's F32, F16 or BF16 weight runs in ponder's float kernel (runtime.model.float_layers)
+  in the file's own type, so an F16 file is served in the memory it takes, not widened to float32;
 - every other tensor (norms, the embedding, a linear weight of another type) is dequantized by
   `gguf.dequantize` and passed through the same processor, as transformers loads it;
 - a head tied to the embedding keeps the embedding's blocks (the embedding, a row lookup, its floats).
@@ -28,9 +30,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
+from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
 from runtime.model.loader import CheckpointMismatch, ModelSource
 from runtime.model.quantize import Int4Linear, Quantized, blocks_detail
+
+# A GGUF's float tensor types ponder's float kernel computes with as they are.
+FLOAT_KINDS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -81,6 +88,21 @@ def _int_layer(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Int4Linear
     return Int4Linear.from_packed(in_features, out_features, weight, d, m)
 
 
+def _float_weight(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    """A float tensor's [out, in] values in the file's own type (gguf's reader gives BF16 as bytes)."""
+    if kind == "BF16":
+        return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16).reshape(shape)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(raw).reshape(shape))
+
+
+def _float_kernel_runs() -> bool:
+    try:
+        float_kernel()
+    except KernelUnavailable:
+        return False
+    return True
+
+
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     parent_name, _, attribute = name.rpartition(".")
     parent = model.get_submodule(parent_name)
@@ -127,7 +149,9 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     head_name = next((n for n, m in modules.items() if m is head), None)
     kinds: dict[str, int] = {}
     kept: dict[str, int] = {}
+    in_float_kernel: dict[str, int] = {}
     floats = 0
+    float_kernel_runs = _float_kernel_runs()
     biases: dict[str, torch.Tensor] = {}
     with open(source.path, "rb") as file:
         for tensor in reader.tensors:
@@ -142,10 +166,11 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
             if is_linear or stands_for_head:
                 kinds[kind] = kinds.get(kind, 0) + 1
             raw = _read(file, tensor)
-            if (is_linear or stands_for_head) and kind in SUPPORTED:
+            shape = tuple(int(n) for n in reversed(tensor.shape))
+            as_float = kind in FLOAT_KINDS and float_kernel_runs and len(shape) == 2 and shape[1] % 16 == 0
+            if (is_linear or stands_for_head) and (kind in SUPPORTED or as_float):
                 layer_name = head_name if stands_for_head else module_name
                 layer = modules[layer_name]
-                shape = tuple(int(n) for n in reversed(tensor.shape))
                 if shape != (layer.out_features, layer.in_features):
                     raise CheckpointMismatch(f"{source.path}: {tensor.name} is {shape}, "
                                              f"{layer_name} wants {(layer.out_features, layer.in_features)}")
@@ -153,8 +178,13 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                 if not np.array_equal(order, np.arange(shape[0])):
                     raw = raw[order]
                 parent_name, _, attribute = layer_name.rpartition(".")
-                setattr(model.get_submodule(parent_name), attribute, _int_layer(kind, raw, shape))
-                kept[kind] = kept.get(kind, 0) + 1
+                if kind in SUPPORTED:
+                    served = _int_layer(kind, raw, shape)
+                    kept[kind] = kept.get(kind, 0) + 1
+                else:
+                    served = FloatLinear.from_weight(_float_weight(kind, raw, shape))
+                    in_float_kernel[kind] = in_float_kernel.get(kind, 0) + 1
+                setattr(model.get_submodule(parent_name), attribute, served)
                 if is_linear:
                     continue  # (the embedding standing for the head goes on to its float rows below)
             elif is_linear or stands_for_head:
@@ -168,7 +198,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                 _set_tensor(model, target, value)
     for name, bias in biases.items():
         layer = model.get_submodule(name)
-        if isinstance(layer, Int4Linear):
+        if isinstance(layer, (Int4Linear, FloatLinear)):
             layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
         else:
             _set_tensor(model, f"{name}.bias", bias)
@@ -182,8 +212,10 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
         raise CheckpointMismatch(f"{source.path}: {len(left)} model parameter(s) missing from the checkpoint "
                                  f"({', '.join(left[:3])}); ponder serves no weight left at random")
     found = describe_kinds(kinds)
-    if not kept:
+    if not kept and not in_float_kernel:
         return model.eval(), Quantized("auto", "none", 0,
                                        f"no linear layers of a type the int kernel runs in the GGUF; {found}")
-    return model.eval(), Quantized("auto", "int4", sum(kept.values()), blocks_detail(kept, floats, found),
-                                   tuple(sorted(kept)))
+    mode = "int4" if kept else "float"
+    return model.eval(), Quantized("auto", mode, sum(kept.values()) + sum(in_float_kernel.values()),
+                                   blocks_detail(kept, floats, found, in_float_kernel),
+                                   tuple(sorted({*kept, *in_float_kernel})))

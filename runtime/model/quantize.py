@@ -321,7 +321,8 @@ def quantize_model(model: nn.Module, mode: str) -> int:
 
 @dataclass(frozen=True)
 class Quantized:
-    """What a `quantize` setting became: `mode` is none, int8 or int4; `detail` says where from."""
+    """What a `quantize` setting became: `mode` is none, int8, int4 or float (ponder's float kernel
+    runs the float layers); `detail` says where from."""
 
     setting: str
     mode: str
@@ -372,18 +373,25 @@ def apply_quantize(model: nn.Module, setting: str, gguf_path: str | None = None)
     return Quantized(setting, "int4", len(blocks), blocks_detail(kept, len(layers) - len(blocks), found), tuple(sorted(kept)))
 
 
-def blocks_detail(kept: dict[str, int], floats: int, found: str) -> str:
-    """What `auto` did with a GGUF's linear layers, for the start-up line: the block types kept, how
-    many layers keep float weights (a type the int kernel does not run, named in `found`), and the
+def blocks_detail(kept: dict[str, int], floats: int, found: str, in_float_kernel: dict[str, int] | None = None) -> str:
+    """What `auto` did with a GGUF's linear layers, for the start-up line: the block types kept, the
+    float tensors (F32, F16, BF16) ponder's float kernel runs in their own type, how many layers keep
+    float weights in torch's matmul (a type no kernel of ponder's runs, named in `found`), and the
     file's linear tensor types."""
     from runtime.model.gguf_blocks import SUPPORTED
 
-    kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(kept.items()))
-    detail = f"{sum(kept.values())} layers keep the GGUF's blocks ({kinds})"
+    def counts(by_kind: dict[str, int]) -> str:
+        return ", ".join(f"{count} {kind}" for kind, count in sorted(by_kind.items()))
+
+    parts = [f"{sum(kept.values())} layers keep the GGUF's blocks ({counts(kept)})"] if kept else []
+    if in_float_kernel:
+        parts.append(f"{sum(in_float_kernel.values())} {'run' if kept else 'layers run'} in ponder's float kernel in the "
+                     f"file's own type ({counts(in_float_kernel)})")
     if floats:
-        others = sorted({part.split()[-1] for part in found.split(": ", 1)[-1].split(", ")} - set(SUPPORTED))
-        detail += f", {floats} keep float weights (no int kernel for {', '.join(others) or 'their type'})"
-    return f"{detail}; {found}"
+        others = sorted({part.split()[-1] for part in found.split(": ", 1)[-1].split(", ")}
+                        - set(SUPPORTED) - set(in_float_kernel or ()))
+        parts.append(f"{floats} keep float weights (no kernel of ponder's for {', '.join(others) or 'their type'})")
+    return f"{', '.join(parts)}; {found}"
 
 
 def _untie(model: nn.Module) -> None:

@@ -130,9 +130,12 @@ def same_state(a, b):
 
 
 @needs_kernel
-def test_the_cached_model_is_the_cold_model_bit_for_bit(gguf, cache_dir, monkeypatch):
+@pytest.mark.parametrize("kinds", [None, {"ffn_up": "F16", "attn_output": "BF16", "ffn_down": "F32"}, "F16"],
+                         ids=["int", "int-and-float", "float16"])
+def test_the_cached_model_is_the_cold_model_bit_for_bit(tmp_path, kinds, cache_dir, monkeypatch):
+    gguf = write_tiny_gguf(tmp_path, kinds=kinds) if kinds != "F16" else write_tiny_gguf(tmp_path, "F16", embedding="F16")
     cold, cold_quantized = load(gguf)
-    assert cold_quantized.mode == "int4" and entries(cache_dir, "int4")
+    assert cold_quantized.mode == ("float" if kinds == "F16" else "int4") and entries(cache_dir, "int4")
 
     def refuse(*args, **kwargs):
         raise AssertionError("a cache hit must not load the GGUF")

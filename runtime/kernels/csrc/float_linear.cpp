@@ -1,12 +1,13 @@
 // ponder's float linear kernel for the CPU (runtime.kernels.cpu_kernels builds it; runtime.model.float_layers'
 // FloatLinear uses it): y = x @ W.T + bias for float32 x [R, K] and W [N, K] in float32 or bfloat16, as
-// nn.Linear holds it (no repacking, so the weights stay where the checkpoint put them).
+// nn.Linear holds it (no repacking, so the weights stay where the checkpoint put them), or in float16
+// (a GGUF's F16 tensors, as the file holds them).
 //
 // Every output is computed in one fixed order, whatever the batch, the tile it falls in, the thread
 // count or the instruction set: 16 lanes of fused multiply-add chains over K (lane i takes the inputs
 // k = i mod 16, in order), the lanes summed as a fixed tree (i + 8, then i + 4, i + 2, i + 1), then the
-// bias added. A bfloat16 weight widens to float32 exactly, so its products are the same fused
-// multiply-adds. The AVX2 path runs lanes 0-7 and 8-15 as two 8-lane chains and sums them in the same
+// bias added. A bfloat16 or float16 weight widens to float32 exactly, so its products are the same fused
+// multiply-adds as the float32 weight of its value. The AVX2 path runs lanes 0-7 and 8-15 as two 8-lane chains and sums them in the same
 // tree, so both paths give the same bits. A row's outputs never depend on the other rows: batch
 // invariance needs no padding for these layers (runtime.model.row_padding probes only torch's).
 //
@@ -25,8 +26,13 @@ namespace {
 
 constexpr int64_t ROW_BLOCK = 64;
 
+// The weights' type: a template argument of every loop below.
+constexpr int F32 = 0, BF16 = 1, F16 = 2;
+
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx2,fma")
@@ -34,11 +40,13 @@ namespace avx512 {
 
 constexpr int ROWS = 4, COLS = 4;
 
-template <bool BF16>
+template <int W>
 inline __m512 load_w(const void* w, int64_t k) {
-  if constexpr (BF16) {
+  if constexpr (W == BF16) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + k));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else if constexpr (W == F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + k)));
   } else {
     return _mm512_loadu_ps(static_cast<const float*>(w) + k);
   }
@@ -52,7 +60,7 @@ inline float reduce(__m512 v) {  // (i + 8), (i + 4), (i + 2), (i + 1): the orde
   return _mm_cvtss_f32(s1);
 }
 
-template <bool BF16, int RT, int CT>
+template <int W, int RT, int CT>
 void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N,
           const char* next) {
   __m512 acc[RT][CT];
@@ -61,9 +69,9 @@ void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float
   for (int64_t k = 0; k < K; k += 16) {
     __m512 wv[CT];
     for (int c = 0; c < CT; ++c)
-      wv[c] = load_w<BF16>(static_cast<const char*>(w) + c * wstride, k);
-    if (next != nullptr && (!BF16 || k % 32 == 0))
-      for (int c = 0; c < CT; ++c) _mm_prefetch(next + c * wstride + k * (BF16 ? 2 : 4), _MM_HINT_T0);
+      wv[c] = load_w<W>(static_cast<const char*>(w) + c * wstride, k);
+    if (next != nullptr && (W == F32 || k % 32 == 0))
+      for (int c = 0; c < CT; ++c) _mm_prefetch(next + c * wstride + k * (W == F32 ? 4 : 2), _MM_HINT_T0);
     for (int r = 0; r < RT; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
       for (int c = 0; c < CT; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -79,7 +87,7 @@ void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 
 // Lanes 0-7 and 8-15 of the AVX512 path are independent chains, so a tile runs the low half over all
@@ -87,11 +95,13 @@ namespace avx2 {
 // fit AVX2's 16 registers, where pairs held only 2 x 2.
 constexpr int ROWS = 3, COLS = 3;
 
-template <bool BF16>
+template <int W>
 inline __m256 load_w(const void* w, int64_t k) {
-  if constexpr (BF16) {
+  if constexpr (W == BF16) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + k));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+  } else if constexpr (W == F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + k)));
   } else {
     return _mm256_loadu_ps(static_cast<const float*>(w) + k);
   }
@@ -106,7 +116,7 @@ inline float reduce(__m256 lo, __m256 hi) {  // the AVX512 path's tree
 }
 
 // The chains of lanes `half` * 8 to `half` * 8 + 7 over all of K.
-template <bool BF16, int RT, int CT>
+template <int W, int RT, int CT>
 void half_tile(const float* x, int64_t K, const void* w, int64_t wstride, int64_t half, __m256 (&acc)[RT][CT],
                const char* next) {
   for (int r = 0; r < RT; ++r)
@@ -114,9 +124,9 @@ void half_tile(const float* x, int64_t K, const void* w, int64_t wstride, int64_
   for (int64_t k = half * 8; k < K; k += 16) {
     __m256 wv[CT];
     for (int c = 0; c < CT; ++c)
-      wv[c] = load_w<BF16>(static_cast<const char*>(w) + c * wstride, k);
-    if (next != nullptr && (!BF16 || k % 32 == 0))
-      for (int c = 0; c < CT; ++c) _mm_prefetch(next + c * wstride + k * (BF16 ? 2 : 4), _MM_HINT_T0);
+      wv[c] = load_w<W>(static_cast<const char*>(w) + c * wstride, k);
+    if (next != nullptr && (W == F32 || k % 32 == 0))
+      for (int c = 0; c < CT; ++c) _mm_prefetch(next + c * wstride + k * (W == F32 ? 4 : 2), _MM_HINT_T0);
     for (int r = 0; r < RT; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (int c = 0; c < CT; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -124,12 +134,12 @@ void half_tile(const float* x, int64_t K, const void* w, int64_t wstride, int64_
   }
 }
 
-template <bool BF16, int RT, int CT>
+template <int W, int RT, int CT>
 void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N,
           const char* next) {
   __m256 lo[RT][CT], hi[RT][CT];
-  half_tile<BF16, RT, CT>(x, K, w, wstride, 0, lo, next);
-  half_tile<BF16, RT, CT>(x, K, w, wstride, 1, hi, nullptr);
+  half_tile<W, RT, CT>(x, K, w, wstride, 0, lo, next);
+  half_tile<W, RT, CT>(x, K, w, wstride, 1, hi, nullptr);
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < CT; ++c) y[r * N + c] = reduce(lo[r][c], hi[r][c]) + (bias ? bias[c] : 0.0f);
 }
@@ -144,8 +154,9 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10
                         int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "float_linear: x must be float32 [rows, in]");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-              (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
-              "float_linear: weight must be contiguous float32 or bfloat16 [out, in]");
+              (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16 ||
+               weight.scalar_type() == at::kHalf),
+              "float_linear: weight must be contiguous float32, bfloat16 or float16 [out, in]");
   const int64_t R = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "float_linear: weight has ", weight.size(1), " inputs, x ", K);
   TORCH_CHECK(K % 16 == 0, "float_linear: in_features must be a multiple of 16");
@@ -161,16 +172,20 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   const void* wp = weight.data_ptr();
   const float* bp = with_bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const int kind = weight.scalar_type() == at::kBFloat16 ? BF16 : weight.scalar_type() == at::kHalf ? F16 : F32;
   if (R == 0 || N == 0) return out;
   // Threads take runs of 48 columns (a multiple of either path's tile width).
   const int64_t chunks = (N + 47) / 48;
   at::parallel_for(0, chunks, 1, [&](int64_t a, int64_t b) {
     const int64_t c0 = a * 48, c1 = std::min(N, b * 48);
+#define FLOAT_COLUMNS(NS) \
+  kind == BF16 ? NS::columns<BF16>(xp, R, K, wp, bp, op, N, c0, c1) \
+  : kind == F16 ? NS::columns<F16>(xp, R, K, wp, bp, op, N, c0, c1) : NS::columns<F32>(xp, R, K, wp, bp, op, N, c0, c1)
     if (isa == 1)
-      bf16 ? avx512::columns<true>(xp, R, K, wp, bp, op, N, c0, c1) : avx512::columns<false>(xp, R, K, wp, bp, op, N, c0, c1);
+      FLOAT_COLUMNS(avx512);
     else
-      bf16 ? avx2::columns<true>(xp, R, K, wp, bp, op, N, c0, c1) : avx2::columns<false>(xp, R, K, wp, bp, op, N, c0, c1);
+      FLOAT_COLUMNS(avx2);
+#undef FLOAT_COLUMNS
   });
   return out;
 }

@@ -1,22 +1,22 @@
 // The loops around a tile of float_linear.cpp, included once in each instruction set's namespace, which
-// defines tile<BF16, RT, CT>(x, K, w, wstride, bias, y, N, next), its tile's ROWS and COLS, and ROW_BLOCK.
+// defines tile<W, RT, CT>(x, K, w, wstride, bias, y, N, next), its tile's ROWS and COLS, and ROW_BLOCK.
 // A tile's shape never changes an output's arithmetic, so neither do these loops.
 
 // `next`: the weights the next tile reads, prefetched while the first row tile streams its own.
-template <bool BF16, int CT, int RT>
+template <int W, int CT, int RT>
 void rows(const float* x, int64_t R, int64_t K, const void* w, int64_t wstride, const float* bias, float* y, int64_t N,
           const char* next) {
   int64_t r = 0;
-  for (; r + RT <= R; r += RT, next = nullptr) tile<BF16, RT, CT>(x + r * K, K, w, wstride, bias, y + r * N, N, next);
+  for (; r + RT <= R; r += RT, next = nullptr) tile<W, RT, CT>(x + r * K, K, w, wstride, bias, y + r * N, N, next);
   if constexpr (RT > 1) {
-    if (r < R) rows<BF16, CT, RT - 1>(x + r * K, R - r, K, w, wstride, bias, y + r * N, N, next);
+    if (r < R) rows<W, CT, RT - 1>(x + r * K, R - r, K, w, wstride, bias, y + r * N, N, next);
   }
 }
 
-template <bool BF16>
+template <int W>
 void columns(const float* x, int64_t R, int64_t K, const void* w, const float* bias, float* y, int64_t N,
              int64_t c0, int64_t c1) {
-  const int64_t wstride = K * (BF16 ? 2 : 4);
+  const int64_t wstride = K * (W == F32 ? 4 : 2);
   const char* wb = static_cast<const char*>(w);
   for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
     const int64_t rows_here = std::min(ROW_BLOCK, R - r0);
@@ -26,9 +26,9 @@ void columns(const float* x, int64_t R, int64_t K, const void* w, const float* b
     const bool prefetch = rows_here > ROWS;
     int64_t c = c0;
     for (; c + COLS <= c1; c += COLS)
-      rows<BF16, COLS, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
+      rows<W, COLS, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
                              prefetch && c + 2 * COLS <= c1 ? wb + (c + COLS) * wstride : nullptr);
     for (; c < c1; ++c)
-      rows<BF16, 1, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N, nullptr);
+      rows<W, 1, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N, nullptr);
   }
 }

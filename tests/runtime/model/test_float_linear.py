@@ -1,5 +1,5 @@
-"""ponder's float kernel (runtime/kernels/csrc/float_linear.cpp, `FloatLinear` in runtime.model.float_layers): float32 and bfloat16
-weights as nn.Linear holds them, every output summed in one fixed order, so a row's bits never depend
+"""ponder's float kernel (runtime/kernels/csrc/float_linear.cpp, `FloatLinear` in runtime.model.float_layers): float32, bfloat16
+and float16 weights as nn.Linear (or a GGUF) holds them, every output summed in one fixed order, so a row's bits never depend
 on the batch, the thread count or the instruction set."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def operands(n: int, k: int, dtype: torch.dtype, rows: int = 70, seed: int = 0):
     return torch.randn(rows, k, generator=generator), weight, torch.randn(n, generator=generator)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_outputs_match_a_float64_product(n, k, dtype):
     x, weight, bias = operands(n, k, dtype)
@@ -52,9 +52,21 @@ def test_exact_where_every_product_and_sum_is_exact():
     for isa in ISAS:
         assert torch.equal(OP(x, weight, bias, isa), x @ weight.T + bias)
         assert torch.equal(OP(x, weight.bfloat16(), bias, isa), x @ weight.T + bias)
+        assert torch.equal(OP(x, weight.half(), bias, isa), x @ weight.T + bias)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("narrow", [torch.bfloat16, torch.float16])
+def test_narrow_weights_give_the_bits_of_the_float32_weights_of_their_values(narrow):
+    # float16 subnormals (below 6.1e-5) and its largest values widen exactly too
+    x, weight, bias = operands(200, 96, narrow, rows=9, seed=3)
+    if narrow == torch.float16:
+        weight[0, :8] = torch.tensor([6e-8, -6e-8, 3e-5, -4e-5, 65504, -65504, 1e-7, 0.0]).half()
+    wide = weight.float()
+    for isa in ISAS:
+        assert torch.equal(OP(x, weight, bias, isa), OP(x, wide, bias, isa))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_a_row_has_the_same_bits_alone_in_any_batch_on_any_path(n, k, dtype):
     x, weight, bias = operands(n, k, dtype)
@@ -132,6 +144,17 @@ def test_float32_weights_of_bfloat16_values_are_read_as_bfloat16_with_the_same_b
     assert FloatLinear(other).weight.data_ptr() == other.weight.data_ptr()
 
 
+def test_float32_weights_of_float16_values_are_read_as_float16_with_the_same_bits():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    linear.weight.data = linear.weight.data.half().float()  # a float16 checkpoint loaded as float32
+    assert not torch.equal(linear.weight.data.bfloat16().float(), linear.weight.data)
+    x = torch.randn(7, 64)
+    layer = FloatLinear(linear)
+    assert layer.weight.dtype == torch.float16
+    assert torch.equal(layer.rows(x), OP(x, linear.weight.detach(), linear.bias.detach(), -1))
+
+
 def test_the_start_up_line_says_a_bfloat16_checkpoint_s_weights_stay_bfloat16(tiny_llama, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -160,10 +183,11 @@ def test_a_model_run_wholly_by_ponder_s_kernels_pads_no_step(tiny_llama):
 def test_layers_the_kernel_cannot_take_keep_torch_s_and_the_line_says_how_many():
     model = nn.Sequential(nn.Linear(32, 40), nn.Linear(40, 16), nn.Linear(16, 8).half())
     quantized = float_layers(model)
-    assert (quantized.mode, quantized.layers) == ("float", 1)
-    assert quantized.detail == ("1 layers in ponder's float kernel (1 float32), 2 in torch's matmul "
-                                "(in_features not a multiple of 16, or float16)")
-    assert [type(m).__name__ for m in model] == ["FloatLinear", "Linear", "Linear"]
+    assert (quantized.mode, quantized.layers) == ("float", 2)
+    assert quantized.detail == ("2 layers in ponder's float kernel (1 float16, 1 float32), 1 in torch's matmul "
+                                "(in_features not a multiple of 16)")
+    assert [type(m).__name__ for m in model] == ["FloatLinear", "Linear", "FloatLinear"]
+    assert model[2].weight.dtype == torch.float16
     assert float_layers(nn.Sequential(nn.Linear(8, 8))).detail == \
         "not a GGUF model; no layer ponder's float kernel takes"
 

@@ -12,6 +12,7 @@ from runtime.kernels.cpu_kernels import q4_unavailable
 from runtime.model.cached_model import _tensors, gguf_config
 from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.loader import CheckpointMismatch, load_causal_lm, resolve_model
+from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, apply_quantize
 from tests.gguf_model import write_tiny_gguf
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
@@ -82,17 +83,64 @@ def test_the_mixed_file_s_start_up_line_names_every_type_kept(tmp_path):
         "linear tensors in the file: 2 Q4_0, 2 Q5_0, 6 Q5_1, 5 Q8_0)")  # the tied head is the Q8_0 embedding
 
 
-def test_a_layer_of_a_type_the_kernel_does_not_run_alone_keeps_float_weights(tmp_path):
-    reference, expected, model, quantized = both_ways(write_tiny_gguf(tmp_path, "Q4_1", kinds={"ffn_up": "F16"}))
+def test_a_layer_of_a_type_no_kernel_runs_alone_keeps_float_weights(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_1", kinds={"ffn_up": "Q2_K"}, hidden=256, ffn=512)
+    reference, expected, model, quantized = both_ways(path)
     assert quantized.describe() == (
         "model.quantize = auto: int4 (13 layers keep the GGUF's blocks (12 Q4_1, 1 Q8_0), 2 keep float weights "
-        "(no int kernel for F16); linear tensors in the file: 2 F16, 12 Q4_1, 1 Q8_0)")
+        "(no kernel of ponder's for Q2_K); linear tensors in the file: 2 Q2_K, 12 Q4_1, 1 Q8_0)")
     floats = sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear))
     assert floats == ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 13
     ids = torch.tensor([[1, 5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+FLOATS = {"ffn_up": "F16", "attn_output": "BF16", "ffn_down": "F32"}
+
+
+def test_float_tensors_run_in_the_float_kernel_in_the_file_s_own_type(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_1", kinds=FLOATS)
+    reference, _, model, quantized = both_ways(path)
+    assert quantized.describe() == (
+        "model.quantize = auto: int4 (9 layers keep the GGUF's blocks (8 Q4_1, 1 Q8_0), 6 run in ponder's float "
+        "kernel in the file's own type (2 BF16, 2 F16, 2 F32); linear tensors in the file: 2 BF16, 2 F16, 2 F32, "
+        "8 Q4_1, 1 Q8_0)")
+    assert quantized.block_types == ("BF16", "F16", "F32", "Q4_1", "Q8_0")
+    layers = dict(model.named_modules())
+    for name, dtype in [("mlp.up_proj", torch.float16), ("self_attn.o_proj", torch.bfloat16),
+                        ("mlp.down_proj", torch.float32)]:
+        for i in range(2):
+            layer = layers[f"model.layers.{i}.{name}"]
+            assert isinstance(layer, FloatLinear) and layer.weight.dtype == dtype
+            # the file's values (transformers widens them to float32)
+            assert torch.equal(layer.weight.float(), reference.get_submodule(f"model.layers.{i}.{name}").weight)
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert (model(ids).logits - reference(ids).logits).abs().max().item() < 1e-4
+
+
+def test_a_file_with_float_tensors_serves_the_tokens_generate_gives(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_1", kinds=FLOATS)
+    engine = engine_for(path, batch_invariant=False)
+    assert_serves_generate_s_tokens(engine, path)
+
+
+def test_an_f16_file_is_served_in_float16_with_no_padded_step(tmp_path):
+    from gguf import GGUFReader
+
+    path = write_tiny_gguf(tmp_path, "F16", embedding="F16")
+    engine = engine_for(path)  # batch-invariant
+    assert engine.quantized.describe() == (
+        "model.quantize = auto: float (15 layers run in ponder's float kernel in the file's own type (15 F16); "
+        "linear tensors in the file: 15 F16)")  # the tied head is the F16 embedding's values
+    layers = [m for m in engine.model.modules() if isinstance(m, FloatLinear)]
+    assert not any(type(m) is nn.Linear for m in engine.model.modules())
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if t.tensor_type.name == "F16")
+    assert sum(layer.weight.nbytes for layer in {id(l.weight): l for l in layers}.values()) == file_bytes
+    assert engine.padding is None or [engine.padding.pad(n) for n in (1, 5, 57)] == [1, 5, 57]
+    assert_serves_generate_s_tokens(engine, path)
 
 
 def test_a_file_that_does_not_load_tensor_by_tensor_loads_through_transformers(tmp_path, monkeypatch, caplog):
