@@ -128,7 +128,12 @@ def float_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's float CPU kernel cannot run here: {reason}")
     op = torch.ops.ponder.float_linear.default
-    return lambda x, weight, bias=None: op(x, weight, bias, 0 if _isa_limit == "avx2" else -1)
+    return lambda x, weight, bias=None: op(x, weight, bias, float_isa())
+
+
+def float_isa() -> int:
+    """The float kernel's instruction set argument `model.cpu_isa` allows: 0 AVX2, -1 the best there is."""
+    return 0 if _isa_limit == "avx2" else -1
 
 
 def attention_kernel():
@@ -140,7 +145,8 @@ def attention_kernel():
 
 
 def layers_kernel():
-    """The `torch.ops.ponder.int4_layers` op; raises KernelUnavailable where it cannot run."""
+    """The `torch.ops.ponder.int4_layers` op (an int4 or float decoder stack); raises KernelUnavailable
+    where it cannot run."""
     reason = _load()
     if reason is not None:
         raise KernelUnavailable(f"ponder's int4 decoder kernel cannot run here: {reason}")

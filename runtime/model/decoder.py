@@ -19,6 +19,11 @@ adds the residual after the o and down projections, plus rotary, attention and t
 kernel's own arithmetic, so those logits are close to transformers' (tested), not its bits. Each row
 is still computed from its own inputs only, so batching never changes a row.
 
+A step whose every row the decode kernel attends runs the whole layer stack as one call of ponder's
+`int4_layers` kernel (`LayerStack`), with the same operators in the same order as the Python loop (the
+same bits, tested): where every layer is int4, and where every projection runs in ponder's float kernel
+(runtime.model.float_layers: a float model on a CPU, an F16 GGUF).
+
 A model it does not know (another architecture, a projection it cannot fuse, a layer with norms on
 queries and keys) is run by transformers' forward; `LeanDecoder.build` says which by returning None.
 """
@@ -33,10 +38,11 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from runtime.model.attention import AttentionMetadata, attend
+from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
 ARCHITECTURES = ("llama", "qwen2")
-_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation Int4Stack's kernel computes
+_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes
 
 
 class Projections:
@@ -123,10 +129,11 @@ class _Layer:
     gate_up: Projections
     act: nn.Module
     down: object
-    # int4 (see `LeanDecoder.int4`): the o and down layers, whose kernel also adds the residual (the
-    # fused qkv and gate/up layers, which also take the norm, are `qkv.fused` and `gate_up.fused`)
-    o_int4: Int4Linear | None = None
-    down_int4: Int4Linear | None = None
+    # int4 or float (see `LeanDecoder.int4`, `LeanDecoder.floats`): the o and down layers, which the
+    # stack kernel calls (an int4 one also adds the residual; the fused qkv and gate/up layers, which
+    # also take the norm, are `qkv.fused` and `gate_up.fused`)
+    o_module: QuantizedLinear | None = None
+    down_module: QuantizedLinear | None = None
 
 
 class LeanDecoder:
@@ -154,16 +161,24 @@ class LeanDecoder:
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
         # also apply the norms and add the residuals (see the module docstring).
         sources = [(layer.self_attn.o_proj, layer.mlp.down_proj) for layer in base.layers[:config.num_hidden_layers]]
-        self.int4 = self.embed.weight.dtype == torch.float32 and all(
-            isinstance(layer.qkv.fused, Int4Linear) and isinstance(layer.gate_up.fused, Int4Linear)
-            and all(isinstance(l, Int4Linear) and l.bias is None for l in pair)
-            for layer, pair in zip(self.layers, sources))
-        if self.int4:
+        self.int4 = self.kernel_layers(Int4Linear, sources)
+        # With ponder's float kernel throughout, the Python loop stays the float one (its own norms
+        # and adds), and a step the decode kernel wholly attends is one stack-kernel call too.
+        self.floats = not self.int4 and self.kernel_layers(FloatLinear, sources)
+        if self.int4 or self.floats:
             for layer, (o_proj, down) in zip(self.layers, sources):
-                layer.o_int4, layer.down_int4 = o_proj, down
+                layer.o_module, layer.down_module = o_proj, down
         head = self.head
         self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
-        self.stack = Int4Stack.build(self) if self.int4 else None
+        self.stack = LayerStack.build(self) if self.int4 or self.floats else None
+
+    def kernel_layers(self, kind: type, sources: list[tuple[nn.Module, nn.Module]]) -> bool:
+        """Whether every layer's projections are `kind` (qkv and gate/up fused, o and down without a
+        bias) and the activations float32."""
+        return self.embed.weight.dtype == torch.float32 and all(
+            isinstance(layer.qkv.fused, kind) and isinstance(layer.gate_up.fused, kind)
+            and all(isinstance(l, kind) and l.bias is None for l in pair)
+            for layer, pair in zip(self.layers, sources))
 
     @classmethod
     def build(cls, model: nn.Module) -> "LeanDecoder | None":
@@ -207,6 +222,9 @@ class LeanDecoder:
         if self.int4:
             hidden = self._int4_layers(hidden, cos, sin, meta)
             return self.norm(hidden) if normed else hidden
+        if self.stack is not None and self.stack.covers(meta):
+            hidden = self.stack(hidden, cos, sin, meta)
+            return self.norm(hidden) if normed else hidden
         for layer in self.layers:
             residual = hidden
             qk, v = layer.qkv.split_last(layer.input_norm(hidden))
@@ -237,13 +255,13 @@ class LeanDecoder:
             qk = (qk * cos) + (torch.roll(qk, half, dims=-1) * sin)
             v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling)
-            hidden = layer.o_int4.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
+            hidden = layer.o_module.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
             norm = layer.post_norm
             gate_up = layer.gate_up.fused.fused_rows(hidden, norm.weight, norm.eps)
             if layer.gate_up.fused.bias is not None:
                 gate_up = gate_up + layer.gate_up.fused.bias
             gate, up = gate_up.split(layer.gate_up.sizes, dim=-1)
-            hidden = layer.down_int4.fused_rows(layer.act(gate) * up, residual=hidden)
+            hidden = layer.down_module.fused_rows(layer.act(gate) * up, residual=hidden)
         return hidden
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -255,11 +273,12 @@ class LeanDecoder:
         return self.head_int4.fused_rows(stream, self.norm.weight, self.norm.eps)
 
 
-class Int4Stack:
-    """`LeanDecoder._int4_layers` as one call of ponder's `int4_layers` kernel, for a step whose every
-    row is attended by the decode kernel (`covers`): the same operators in the same order, so the same
-    bits (tested), without the Python operator calls a layer otherwise costs. Built where every layer
-    is int4 with silu, its cache layer is its place in the stack, and the kernel loads."""
+class LayerStack:
+    """`LeanDecoder._int4_layers` (or the float loop of `hidden_states` over ponder's float kernel) as
+    one call of ponder's `int4_layers` kernel, for a step whose every row is attended by the decode
+    kernel (`covers`): the same operators in the same order, so the same bits (tested), without the
+    Python operator calls a layer otherwise costs. Built where every layer is int4 (or float in
+    ponder's float kernel) with silu, its cache layer is its place in the stack, and the kernel loads."""
 
     def __init__(self, decoder: LeanDecoder, kernel) -> None:
         self.kernel = kernel
@@ -269,10 +288,10 @@ class Int4Stack:
         self.sizes: list[int] = []
         self.floats: list[float] = []
         for layer in decoder.layers:
-            qkv, o, gate_up, down = layer.qkv.fused, layer.o_int4, layer.gate_up.fused, layer.down_int4
-            tensors = (layer.input_norm.weight, qkv.weight, qkv.d, qkv.m, qkv.bias, o.weight, o.d, o.m,
-                       layer.post_norm.weight, gate_up.weight, gate_up.d, gate_up.m, gate_up.bias,
-                       down.weight, down.d, down.m)
+            qkv, o, gate_up, down = layer.qkv.fused, layer.o_module, layer.gate_up.fused, layer.down_module
+            tensors = (layer.input_norm.weight, qkv.weight, *scales(qkv), qkv.bias, o.weight, *scales(o),
+                       layer.post_norm.weight, gate_up.weight, *scales(gate_up), gate_up.bias,
+                       down.weight, *scales(down))
             self.weights += [empty if t is None else t.detach() for t in tensors]
             self.sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features,
                            layer.gate_up.sizes[0]]
@@ -280,7 +299,7 @@ class Int4Stack:
             self.floats += [layer.input_norm.eps, layer.post_norm.eps, scale]
 
     @classmethod
-    def build(cls, decoder: LeanDecoder) -> "Int4Stack | None":
+    def build(cls, decoder: LeanDecoder) -> "LayerStack | None":
         from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
 
         if any(layer.index != i or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
@@ -300,7 +319,14 @@ class Int4Stack:
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
+        from runtime.kernels.cpu_kernels import float_isa
+
         num_tokens, d = hidden.shape[0], meta.decode_rows
         return self.kernel(hidden, cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous(),
                            self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,
-                           meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx)
+                           meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx, float_isa())
+
+
+def scales(layer: QuantizedLinear) -> tuple:
+    """An int4 layer's (d, m) for the stack kernel; a float layer has none."""
+    return (layer.d, layer.m) if isinstance(layer, Int4Linear) else (None, None)

@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ponder_kernels.h"
+
 namespace {
 
 constexpr int64_t ROW_BLOCK = 64;
@@ -38,7 +40,7 @@ bool has_avx2() {
 #pragma GCC target("avx512f,avx512bw,avx2,fma")
 namespace avx512 {
 
-constexpr int ROWS = 4, COLS = 4;
+constexpr int ROWS = 4, COLS = 4, ONE_ROW_COLS = 8;
 
 template <int W>
 inline __m512 load_w(const void* w, int64_t k) {
@@ -93,7 +95,7 @@ namespace avx2 {
 // Lanes 0-7 and 8-15 of the AVX512 path are independent chains, so a tile runs the low half over all
 // of K, then the high half (its weights still in L1), each in single 8-lane registers: 3 x 3 chains
 // fit AVX2's 16 registers, where pairs held only 2 x 2.
-constexpr int ROWS = 3, COLS = 3;
+constexpr int ROWS = 3, COLS = 3, ONE_ROW_COLS = 6;
 
 template <int W>
 inline __m256 load_w(const void* w, int64_t k) {
@@ -149,6 +151,10 @@ void tile(const float* x, int64_t K, const void* w, int64_t wstride, const float
 }  // namespace avx2
 #pragma GCC pop_options
 
+}  // namespace
+
+namespace ponder {
+
 // isa: -1 the best this CPU has, 0 AVX2, 1 AVX512. The bits are the same either way.
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         int64_t isa) {
@@ -190,9 +196,9 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return out;
 }
 
-}  // namespace
+}  // namespace ponder
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {
   m.def("float_linear(Tensor x, Tensor weight, Tensor? bias=None, int isa=-1) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("float_linear", &float_linear); }
+TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("float_linear", &ponder::float_linear); }

@@ -1,5 +1,6 @@
 // The loops around a tile of float_linear.cpp, included once in each instruction set's namespace, which
-// defines tile<W, RT, CT>(x, K, w, wstride, bias, y, N, next), its tile's ROWS and COLS, and ROW_BLOCK.
+// defines tile<W, RT, CT>(x, K, w, wstride, bias, y, N, next), its tile's ROWS and COLS, ONE_ROW_COLS (a
+// one-row tile's columns) and ROW_BLOCK.
 // A tile's shape never changes an output's arithmetic, so neither do these loops.
 
 // `next`: the weights the next tile reads, prefetched while the first row tile streams its own.
@@ -25,6 +26,12 @@ void columns(const float* x, int64_t R, int64_t K, const void* w, const float* b
     // With one row tile the hardware's prefetcher streams the weights better alone (measured).
     const bool prefetch = rows_here > ROWS;
     int64_t c = c0;
+    // One row (a stream's decode): more columns a tile, more chains in flight; 2-byte weights, whose
+    // rows are short streams for the hardware's prefetcher, prefetch the next tile's (measured).
+    if (rows_here == 1)
+      for (; c + ONE_ROW_COLS <= c1; c += ONE_ROW_COLS)
+        tile<W, 1, ONE_ROW_COLS>(xr, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
+                                 W != 0 && c + 2 * ONE_ROW_COLS <= c1 ? wb + (c + ONE_ROW_COLS) * wstride : nullptr);
     for (; c + COLS <= c1; c += COLS)
       rows<W, COLS, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
                              prefetch && c + 2 * COLS <= c1 ? wb + (c + COLS) * wstride : nullptr);

@@ -1,11 +1,13 @@
-// A whole int4 decoder stack in one call (runtime.model.decoder uses it for a step whose every row
-// is attended by the decode kernel): per layer, exactly the operators of the decoder's int4 loop, in
-// its order and dtypes, so the residual stream comes out with the same bits, without the dozens of
-// Python operator calls a layer otherwise costs (most of one stream's decode step on a small model).
+// A whole int4 or float decoder stack in one call (runtime.model.decoder uses it for a step whose every
+// row is attended by the decode kernel): per layer, exactly the operators of the decoder's int4 loop
+// (or, for a layer of float weights, of its float loop), in its order and dtypes, so the residual
+// stream comes out with the same bits, without the dozens of Python operator calls a layer otherwise
+// costs (most of one stream's decode step on a small model).
 //
 // int4_layers(hidden [T, E], cos [T, D], sin [T, D], weights, sizes, floats, heads, kv_heads,
-//             cache [blocks, layers, 2, KVH, bs, D], slot_rows [2, T, KVH], rows [G], tables [G, W], ctx [G])
-// returns the residual stream after every layer [T, E]. For layer l:
+//             cache [blocks, layers, 2, KVH, bs, D], slot_rows [2, T, KVH], rows [G], tables [G, W], ctx [G],
+//             float_isa)
+// returns the residual stream after every layer [T, E]. For layer l of int4 layers:
 //   qkv  = q4_linear(hidden; input norm) (+ bias)              [T, (H + 2 KVH) D]
 //   q, k = rotary: x * cos + x rolled by D / 2 * sin           (`sin` with its first half negated)
 //   the keys and values are stored at slot_rows (+ the layer's offset), and every query of `rows`
@@ -13,8 +15,14 @@
 //   hidden = hidden + q4_linear(attention)                     (the o projection)
 //   gate, up = q4_linear(hidden; post-attention norm) (+ bias)
 //   hidden = hidden + q4_linear(silu(gate) * up)               (the down projection)
+// A layer whose qkv "codes" are float weights (float32, bfloat16 or float16: FloatLinear's) is the
+// float loop's instead: qkv = float_linear(rms_norm(hidden), W, bias), hidden = hidden +
+// float_linear(attention, W_o), gate, up likewise, hidden = hidden + float_linear(silu(gate) * up, W_down),
+// the norm as runtime.model.decoder._Norm computes it (through ATen, operator for operator) and
+// float_linear on `float_isa` (the bits are the same on either instruction set).
 // weights: 16 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
-// codes, d, m, bias, down codes, d, m (an empty tensor for a missing m or bias); sizes: 5 a layer
+// codes, d, m, bias, down codes, d, m (an empty tensor for a missing m or bias; d and m empty for a
+// float layer); sizes: 5 a layer
 // (qkv, o, gate/up and down out features, then gate's); floats: 3 a layer (the two norms' eps, the
 // attention scale).
 #include <ATen/ATen.h>
@@ -35,6 +43,12 @@ c10::optional<at::Tensor> present(const at::Tensor& t) {
 
 // The decoder's rotary arithmetic, element for element: two products, each rounded, then their sum
 // (the kernels are built without floating-point contraction, so no fused multiply-add).
+// runtime.model.decoder._Norm on float32 rows, operator for operator.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (x * at::rsqrt(variance + eps));
+}
+
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < D; ++i) {
@@ -47,7 +61,7 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t D
 at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
                        at::TensorList weights, at::IntArrayRef sizes, at::ArrayRef<double> floats, int64_t H,
                        int64_t KVH, const at::Tensor& cache, const at::Tensor& slot_rows, const at::Tensor& rows,
-                       const at::Tensor& tables, const at::Tensor& ctx) {
+                       const at::Tensor& tables, const at::Tensor& ctx, int64_t float_isa) {
   const int64_t L = static_cast<int64_t>(weights.size()) / kTensors;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kTensors &&
               static_cast<int64_t>(sizes.size()) == L * kSizes && static_cast<int64_t>(floats.size()) == L * kFloats,
@@ -76,8 +90,14 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     const at::Tensor* w = weights.data() + l * kTensors;
     const int64_t* n = sizes.data() + l * kSizes;
     const double* f = floats.data() + l * kFloats;
-    at::Tensor qkv = ponder::q4_linear(hidden, w[1], w[2], present(w[3]), n[0], w[0], f[0], {}, -1);
-    if (w[4].numel() != 0) qkv = qkv + w[4];
+    const bool is_float = w[1].is_floating_point();
+    at::Tensor qkv;
+    if (is_float) {
+      qkv = ponder::float_linear(rms_norm(hidden, w[0], f[0]), w[1], present(w[4]), float_isa);
+    } else {
+      qkv = ponder::q4_linear(hidden, w[1], w[2], present(w[3]), n[0], w[0], f[0], {}, -1);
+      if (w[4].numel() != 0) qkv = qkv + w[4];
+    }
     TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "int4_layers: layer ", l, "'s qkv has ", qkv.size(1), " outputs");
     const float* x = qkv.data_ptr<float>();
     const int64_t width = qkv.size(1);
@@ -91,14 +111,21 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     }
     attended.zero_();
     ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, 0);
-    hidden = ponder::q4_linear(attended.view({T, H * D}), w[5], w[6], present(w[7]), n[1], {}, 0.0, hidden, -1);
-    at::Tensor gate_up = ponder::q4_linear(hidden, w[9], w[10], present(w[11]), n[2], w[8], f[1], {}, -1);
-    if (w[12].numel() != 0) gate_up = gate_up + w[12];
+    at::Tensor gate_up;
+    if (is_float) {
+      hidden = hidden + ponder::float_linear(attended.view({T, H * D}), w[5], {}, float_isa);
+      gate_up = ponder::float_linear(rms_norm(hidden, w[8], f[1]), w[9], present(w[12]), float_isa);
+    } else {
+      hidden = ponder::q4_linear(attended.view({T, H * D}), w[5], w[6], present(w[7]), n[1], {}, 0.0, hidden, -1);
+      gate_up = ponder::q4_linear(hidden, w[9], w[10], present(w[11]), n[2], w[8], f[1], {}, -1);
+      if (w[12].numel() != 0) gate_up = gate_up + w[12];
+    }
     const int64_t gate = n[4];
     // silu through ATen, as the decoder calls it (its vectorized exp is part of the bits); the product
     // is exact elementwise arithmetic.
     at::Tensor act = at::silu(gate_up.narrow(1, 0, gate)).mul_(gate_up.narrow(1, gate, gate_up.size(1) - gate));
-    hidden = ponder::q4_linear(act, w[13], w[14], present(w[15]), n[3], {}, 0.0, hidden, -1);
+    hidden = is_float ? hidden + ponder::float_linear(act, w[13], {}, float_isa)
+                    : ponder::q4_linear(act, w[13], w[14], present(w[15]), n[3], {}, 0.0, hidden, -1);
   }
   return hidden;
 }
@@ -107,6 +134,7 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {
   m.def("int4_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] sizes, float[] floats, "
-        "int heads, int kv_heads, Tensor(a!) cache, Tensor slot_rows, Tensor rows, Tensor tables, Tensor ctx) -> Tensor");
+        "int heads, int kv_heads, Tensor(a!) cache, Tensor slot_rows, Tensor rows, Tensor tables, Tensor ctx, "
+        "int float_isa=-1) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("int4_layers", &int4_layers); }

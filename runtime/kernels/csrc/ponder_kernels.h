@@ -10,6 +10,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const c10::optional<at::Tensor>& m, int64_t N, const c10::optional<at::Tensor>& norm_weight,
                      double eps, const c10::optional<at::Tensor>& residual, int64_t isa);
 
+// float_linear.cpp: x @ W.T + bias for float32 x [R, K], W float32, bfloat16 or float16 (see there).
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        int64_t isa);
+
 // decode_attention.cpp: each query of `rows` attends to its own paged context (see there).
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
                       const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out,

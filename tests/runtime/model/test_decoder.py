@@ -64,15 +64,16 @@ def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transfor
         assert torch.allclose(a, b, rtol=0, atol=2e-5 * b.abs().max().item())
 
 
+@pytest.mark.parametrize("mode", ["int4", "auto"])  # auto: every layer in ponder's float kernel
 @pytest.mark.parametrize("invariant", [True, False])
-def test_the_int4_stack_kernel_gives_the_int4_loop_s_bits(model_dir, invariant):
+def test_the_stack_kernel_gives_the_python_loop_s_bits(model_dir, invariant, mode):
     # A step whose every row the decode kernel attends runs the whole stack in one kernel call
-    # (Int4Stack); the Python loop over the same kernels must give the very same logits and tokens.
+    # (LayerStack); the Python loop over the same kernels must give the very same logits and tokens.
     results, logits, covered, padded = [], [], [], []
     for stack in (True, False):
-        engine = engine_for(model_dir, quantize="int4", batch_invariant=invariant, num_blocks=64)
+        engine = engine_for(model_dir, quantize=mode, batch_invariant=invariant, num_blocks=64)
         decoder = engine.runner.decoder
-        assert decoder.stack is not None
+        assert decoder.stack is not None and (decoder.int4, decoder.floats) == (mode == "int4", mode == "auto")
         if stack:
             covers = decoder.stack.covers
             decoder.stack.covers = lambda meta: padded.append(meta.num_padding) or covered.append(covers(meta)) \
@@ -89,6 +90,21 @@ def test_the_int4_stack_kernel_gives_the_int4_loop_s_bits(model_dir, invariant):
     assert all(covered) if invariant else covered.count(True) == len(covered) - 1
     # Every layer and attention is ponder's own kernel, so no step is padded, invariant or not.
     assert padded[0] == 0
+
+
+def test_the_float_stack_on_the_avx2_path_gives_the_same_bits(tiny_qwen2):
+    from runtime.kernels import cpu_kernels
+
+    results = []
+    for isa in ("auto", "avx2"):
+        cpu_kernels.use_isa(isa)
+        try:
+            engine = engine_for(tiny_qwen2, batch_invariant=True, num_blocks=64)
+            assert engine.runner.decoder.floats and engine.runner.decoder.stack is not None
+            results.append(run(engine, [request(str(i), p, max_tokens=9) for i, p in enumerate(PROMPTS)]))
+        finally:
+            cpu_kernels.use_isa("auto")
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
