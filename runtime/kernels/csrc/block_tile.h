@@ -117,16 +117,137 @@ void block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_
   }
 }
 
+#ifdef Q4_WIDE
+// Two 8-lane halves as one 512-bit register (lanes 0-7 from `lo`).
+inline __m512 join_ps(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m512i join(const uint8_t* lo, const uint8_t* hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+
+// `block_tile` for two blocks of 8 columns side by side in 512-bit registers (q4_tile.h's `wide_tile`
+// for these formats): lanes 0-7 are block `c0`'s columns and lanes 8-15 block `c1`'s, each lane's
+// integer sums and float operations exactly `block_tile`'s, so the same bits. Signed codes take
+// |code| against the activation negated where the code is negative (AVX512 has no vpsignb): the same
+// products.
+template <int TR, int BITS, int SCALES, bool SPLIT>
+void wide_block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G,
+                     const uint8_t* c0, const uint8_t* c1, const void* d0, const void* d1, const void* m0,
+                     const void* m1, const float* res, float* out, int64_t ldo, int64_t w0, int64_t w1) {
+  __m512 acc[TR];
+  for (int r = 0; r < TR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi32(0x01010101), zero = _mm512_setzero_si512();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t offset = group_bytes(BITS) * g;
+    __m512i high = zero;
+    if constexpr (BITS == 5) high = join(c0 + offset + 128, c1 + offset + 128);
+    __m512i total[TR], first[TR];
+    for (int r = 0; r < TR; ++r) total[r] = first[r] = zero;
+    int k = 0;  // dot products into the chains so far this group
+    for (int c = 0; c < 4; ++c) {
+      __m512i lo, hi;
+      if constexpr (BITS == 8) {
+        lo = join(c0 + offset + 64 * c, c1 + offset + 64 * c);
+        hi = join(c0 + offset + 64 * c + 32, c1 + offset + 64 * c + 32);
+      } else {
+        const __m512i w = join(c0 + offset + 32 * c, c1 + offset + 32 * c);
+        lo = _mm512_and_si512(w, low);
+        hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        if constexpr (BITS == 5) {
+          lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * c), bit), 4));
+          hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * c + 1), bit), 4));
+        }
+      }
+      const __m512i ulo = BITS == 8 ? _mm512_abs_epi8(lo) : lo, uhi = BITS == 8 ? _mm512_abs_epi8(hi) : hi;
+      const __mmask64 nlo = BITS == 8 ? _mm512_movepi8_mask(lo) : 0, nhi = BITS == 8 ? _mm512_movepi8_mask(hi) : 0;
+      for (int h = 0; h < 2; ++h, ++k) {
+        const __m512i u = h == 0 ? ulo : uhi;
+        for (int r = 0; r < TR; ++r) {
+          int32_t x0;
+          std::memcpy(&x0, xq + r * K + 32 * g + 8 * c + 4 * h, 4);
+          __m512i xv = _mm512_set1_epi32(x0);
+          if constexpr (BITS == 8) xv = _mm512_mask_sub_epi8(xv, h == 0 ? nlo : nhi, zero, xv);
+          total[r] = _mm512_dpbusd_epi32(total[r], u, xv);
+        }
+        if (SPLIT && k == 3) {
+          for (int r = 0; r < TR; ++r) {
+            first[r] = total[r];
+            total[r] = zero;
+          }
+        }
+      }
+    }
+    if constexpr (SPLIT) {
+      const __m512 e0 = join_ps(load_scales<SCALES, 16>(d0, 2 * g), load_scales<SCALES, 16>(d1, 2 * g));
+      const __m512 e1 = join_ps(load_scales<SCALES, 16>(d0, 2 * g + 1), load_scales<SCALES, 16>(d1, 2 * g + 1));
+      for (int r = 0; r < TR; ++r) {
+        const __m512 s = _mm512_set1_ps(xscale[r * G + g]);
+        acc[r] = _mm512_fmadd_ps(e0, _mm512_mul_ps(_mm512_cvtepi32_ps(first[r]), s), acc[r]);
+        acc[r] = _mm512_fmadd_ps(e1, _mm512_mul_ps(_mm512_cvtepi32_ps(total[r]), s), acc[r]);
+      }
+    } else {
+      const __m512 dg = join_ps(load_scales<SCALES, 8>(d0, g), load_scales<SCALES, 8>(d1, g));
+      for (int r = 0; r < TR; ++r) {
+        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(total[r]), _mm512_set1_ps(xscale[r * G + g]));
+        acc[r] = _mm512_fmadd_ps(dg, s, acc[r]);
+      }
+      if (m0 != nullptr) {
+        const __m512 mg = join_ps(load_scales<SCALES, 8>(m0, g), load_scales<SCALES, 8>(m1, g));
+        for (int r = 0; r < TR; ++r) acc[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xsum[r * G + g]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < TR; ++r) {
+    alignas(64) float y[16];
+    _mm512_store_ps(y, acc[r]);
+    float* o = out + r * ldo;
+    const float* rr = res == nullptr ? nullptr : res + r * ldo;
+    for (int64_t j = 0; j < w0; ++j) o[j] = rr == nullptr ? y[j] : rr[j] + y[j];
+    for (int64_t j = 0; j < w1; ++j) o[8 + j] = rr == nullptr ? y[8 + j] : rr[8 + j] + y[8 + j];
+  }
+}
+#endif
+
 // Column blocks [b0, b1) of out [R, N] for one format, rows in tiles of up to Q_ROWS.
 template <int BITS, int SCALES, bool SPLIT>
 void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K, const uint8_t* codes,
                    const void* d, const void* m, const float* res, float* out, int64_t N, int64_t b0, int64_t b1) {
   const int64_t G = K / 32, groups = G * (SPLIT ? 2 : 1);
   const int64_t stride = SCALES == 2 ? (K / 256) * (16 + groups / (K / 256) * 8) : 8 * groups * (SCALES == 1 ? 4 : 2);
+  const int64_t mstride = SCALES == 2 ? (K / 256) * 80 : stride;
+#ifdef Q4_WIDE
+  // Two blocks at a time where a tile has rows to share them: one row streams a block at a time faster
+  // from memory (measured).
+  for (; R > 1 && b0 + 1 < b1; b0 += 2) {
+    const uint8_t* c = codes + b0 * G * group_bytes(BITS);
+    const uint8_t* db = static_cast<const uint8_t*>(d) + b0 * stride;
+    const uint8_t* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b0 * mstride;
+    const int64_t n = 8 * b0, w1 = std::min<int64_t>(8, N - n - 8);
+    for (int64_t r = 0; r < R;) {
+      const int64_t rows = std::min<int64_t>(Q_ROWS, R - r);
+      const int8_t* x = xq + r * K;
+      const float* rr = res == nullptr ? nullptr : res + r * N + n;
+      float* o = out + r * N + n;
+#define Q_WIDE_TILE(T) wide_block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, K, G, c, \
+    c + G * group_bytes(BITS), db, db + stride, mb, mb == nullptr ? nullptr : mb + mstride, rr, o, N, 8, w1)
+      switch (rows) {
+        case Q_ROWS: Q_WIDE_TILE(Q_ROWS); break;
+        case 3: Q_WIDE_TILE(3); break;
+        case 2: Q_WIDE_TILE(2); break;
+        case 1: Q_WIDE_TILE(1); break;
+        default: Q_WIDE_TILE(4); break;  // 4 of 4 to Q_ROWS - 1
+      }
+#undef Q_WIDE_TILE
+      r += rows > 4 && rows < Q_ROWS ? 4 : rows;
+    }
+  }
+#endif
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* c = codes + b * G * group_bytes(BITS);
     const void* db = static_cast<const uint8_t*>(d) + b * stride;
-    const void* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b * (SCALES == 2 ? (K / 256) * 80 : stride);
+    const void* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b * mstride;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
     for (int64_t r = 0; r < R;) {
       const int64_t rows = std::min<int64_t>(Q_ROWS, R - r);

@@ -68,12 +68,13 @@ namespace {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define Q4_NAMESPACE vnni
 #define Q4_ROWS 8  // rows a tile: 32 vector registers
 #define Q4_CHAINS 2  // two independent dpbusd chains a row
 #define Q4_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
 #define Q4_SUM(a, b) _mm256_add_epi32(a, b)
+#define Q4_WIDE  // two blocks of columns a tile in 512-bit registers (q4_tile.h's `wide_tile`)
 #include "q4_tile.h"
 #define Q_DOT(acc, q, x) _mm256_dpbusd_epi32(acc, q, x)
 #define Q_WIDEN(a) (a)
@@ -89,6 +90,7 @@ namespace {
 #undef Q4_CHAINS
 #undef Q4_NAMESPACE
 #undef Q4_ROWS
+#undef Q4_WIDE
 #pragma GCC pop_options
 
 bool has_avx2() {
@@ -96,7 +98,8 @@ bool has_avx2() {
 }
 
 bool has_vnni() {
-  return has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  return has_avx2() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw");
 }
 
 // The highest instruction set `isa = -1` may pick (q4_limit_isa): 1 lets it run AVX512-VNNI where the CPU has it,

@@ -118,3 +118,23 @@ def test_k_quant_scales_kept_as_the_file_holds_them_give_the_float32_scales_bits
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(7))
     assert torch.equal(compact(x), whole(x))
     assert torch.equal(compact.dequantized(), whole.dequantized())
+
+
+@pytest.mark.skipif(torch.ops.ponder.q4_best_isa() != 1, reason="the two-block tiles are AVX512-VNNI's")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_two_blocks_a_tile_give_each_column_the_bits_of_one_block_a_tile(kind):
+    # AVX512-VNNI computes two blocks of 8 columns side by side (the AVX2 path one): every column count
+    # (a partial last block alone or second in a pair) and every split between threads (which decides
+    # the pairs) must give the AVX2 path's bits.
+    for out_features in (8, 12, 16, 24, 60, 68):
+        layer = Int4Linear.from_blocks(decode(kind, blocks_of(kind, out_features, 256, seed=out_features)))
+        x = torch.randn(13, 256, generator=torch.Generator().manual_seed(4)) * 3
+        avx2 = layer.kernel(x, layer.weight, layer.d, layer.m, out_features, None, 0.0, None, 0)
+        threads = torch.get_num_threads()
+        try:
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                assert torch.equal(layer.kernel(x, layer.weight, layer.d, layer.m, out_features, None, 0.0, None, 1),
+                                   avx2), (out_features, count)
+        finally:
+            torch.set_num_threads(threads)
