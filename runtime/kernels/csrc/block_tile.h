@@ -129,16 +129,17 @@ inline __m512i join(const uint8_t* lo, const uint8_t* hi) {
 
 // `block_tile` for two blocks of 8 columns side by side in 512-bit registers (q4_tile.h's `wide_tile`
 // for these formats): lanes 0-7 are block `c0`'s columns and lanes 8-15 block `c1`'s, each lane's
-// integer sums and float operations exactly `block_tile`'s, so the same bits. Signed codes take
-// |code| against the activation negated where the code is negative (AVX512 has no vpsignb): the same
-// products.
+// integer sums and float operations exactly `block_tile`'s, so the same bits. A signed code c is
+// taken as the unsigned c + 128, and 128 times the activations' sum taken off again (`xs16`: each
+// row's sums of 16 activations, 2 a group): the same integer sums without a sign operation a row.
 template <int TR, int BITS, int SCALES, bool SPLIT>
-void wide_block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G,
-                     const uint8_t* c0, const uint8_t* c1, const void* d0, const void* d1, const void* m0,
+void wide_block_tile(const int8_t* xq, const float* xscale, const float* xsum, const int32_t* xs16, int64_t K,
+                     int64_t G, const uint8_t* c0, const uint8_t* c1, const void* d0, const void* d1, const void* m0,
                      const void* m1, const float* res, float* out, int64_t ldo, int64_t w0, int64_t w1) {
   __m512 acc[TR];
   for (int r = 0; r < TR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi32(0x01010101), zero = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < G; ++g) {
     const int64_t offset = group_bytes(BITS) * g;
     __m512i high = zero;
@@ -160,22 +161,33 @@ void wide_block_tile(const int8_t* xq, const float* xscale, const float* xsum, i
           hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * c + 1), bit), 4));
         }
       }
-      const __m512i ulo = BITS == 8 ? _mm512_abs_epi8(lo) : lo, uhi = BITS == 8 ? _mm512_abs_epi8(hi) : hi;
-      const __mmask64 nlo = BITS == 8 ? _mm512_movepi8_mask(lo) : 0, nhi = BITS == 8 ? _mm512_movepi8_mask(hi) : 0;
+      if constexpr (BITS == 8) {
+        lo = _mm512_xor_si512(lo, flip);
+        hi = _mm512_xor_si512(hi, flip);
+      }
       for (int h = 0; h < 2; ++h, ++k) {
-        const __m512i u = h == 0 ? ulo : uhi;
+        const __m512i u = h == 0 ? lo : hi;
         for (int r = 0; r < TR; ++r) {
           int32_t x0;
           std::memcpy(&x0, xq + r * K + 32 * g + 8 * c + 4 * h, 4);
-          __m512i xv = _mm512_set1_epi32(x0);
-          if constexpr (BITS == 8) xv = _mm512_mask_sub_epi8(xv, h == 0 ? nlo : nhi, zero, xv);
-          total[r] = _mm512_dpbusd_epi32(total[r], u, xv);
+          total[r] = _mm512_dpbusd_epi32(total[r], u, _mm512_set1_epi32(x0));
         }
         if (SPLIT && k == 3) {
           for (int r = 0; r < TR; ++r) {
             first[r] = total[r];
             total[r] = zero;
           }
+        }
+      }
+    }
+    if constexpr (BITS == 8) {  // the 128s added to the codes, taken off
+      for (int r = 0; r < TR; ++r) {
+        const int32_t* sums = xs16 + r * 2 * G + 2 * g;
+        if constexpr (SPLIT) {
+          first[r] = _mm512_sub_epi32(first[r], _mm512_set1_epi32(128 * sums[0]));
+          total[r] = _mm512_sub_epi32(total[r], _mm512_set1_epi32(128 * sums[1]));
+        } else {
+          total[r] = _mm512_sub_epi32(total[r], _mm512_set1_epi32(128 * (sums[0] + sums[1])));
         }
       }
     }
@@ -218,6 +230,12 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
   const int64_t stride = SCALES == 2 ? (K / 256) * (16 + groups / (K / 256) * 8) : 8 * groups * (SCALES == 1 ? 4 : 2);
   const int64_t mstride = SCALES == 2 ? (K / 256) * 80 : stride;
 #ifdef Q4_WIDE
+  std::vector<int32_t> xs16(BITS == 8 && R > 1 && b0 + 1 < b1 ? R * 2 * G : 0);  // sums of 16 activations
+  for (int64_t i = 0; i < static_cast<int64_t>(xs16.size()); ++i) {
+    int32_t sum = 0;
+    for (int t = 0; t < 16; ++t) sum += xq[16 * i + t];
+    xs16[i] = sum;
+  }
   // Two blocks at a time where a tile has rows to share them: one row streams a block at a time faster
   // from memory (measured).
   for (; R > 1 && b0 + 1 < b1; b0 += 2) {
@@ -230,7 +248,7 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
       const int8_t* x = xq + r * K;
       const float* rr = res == nullptr ? nullptr : res + r * N + n;
       float* o = out + r * N + n;
-#define Q_WIDE_TILE(T) wide_block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, K, G, c, \
+#define Q_WIDE_TILE(T) wide_block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, xs16.empty() ? nullptr : xs16.data() + r * 2 * G, K, G, c, \
     c + G * group_bytes(BITS), db, db + stride, mb, mb == nullptr ? nullptr : mb + mstride, rr, o, N, 8, w1)
       switch (rows) {
         case Q_ROWS: Q_WIDE_TILE(Q_ROWS); break;
