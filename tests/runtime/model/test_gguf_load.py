@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(q4_unavailable() is not None, reason="int layers
 
 MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_down": "Q8_0"}
 # As llama-quantize's Q4_K_M mixes them (plus the other K and IQ4 types), on 256-wide rows.
-K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_output": "Q5_K", "ffn_up": "IQ4_XS", "attn_k": "IQ4_NL"}
+K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_output": "Q5_K", "ffn_up": "IQ4_XS", "attn_k": "IQ4_NL",
+           "ffn_gate": "Q3_K"}
 
 
 def both_ways(path):
@@ -62,8 +63,8 @@ def test_a_k_quant_file_serves_the_tokens_generate_gives_on_the_same_int_layers(
     path = write_tiny_gguf(tmp_path, "Q4_K", kinds=K_MIXED, hidden=256, ffn=512)
     engine = engine_for(path, batch_invariant=False)  # quantize left at its default, auto
     assert engine.quantized.describe() == (
-        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, "
-        "4 Q6_K, 1 Q8_0); linear tensors in the file: 2 IQ4_NL, 2 IQ4_XS, 4 Q4_K, 2 Q5_K, 4 Q6_K, 1 Q8_0)")
+        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (2 IQ4_NL, 2 IQ4_XS, 2 Q3_K, 2 Q4_K, 2 Q5_K, "
+        "4 Q6_K, 1 Q8_0); linear tensors in the file: 2 IQ4_NL, 2 IQ4_XS, 2 Q3_K, 2 Q4_K, 2 Q5_K, 4 Q6_K, 1 Q8_0)")
     assert_serves_generate_s_tokens(engine, path)
 
 
