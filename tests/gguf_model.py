@@ -12,7 +12,8 @@ from gguf.quants import quantize
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 96, 64, 2, 4, 2, 128
 # Where each type gguf cannot quantize holds its float16 super-block scale(s); the rest of its block
 # may be any bytes.
-SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,)}
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+                 "IQ2_XXS": (0,)}
 
 
 def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:

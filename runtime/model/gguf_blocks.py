@@ -1,7 +1,7 @@
 """A GGUF file's own quantized blocks, read back as integer codes and per-group scales (`quantize = "auto"`).
 
 Every type the int kernel runs is exactly w = d * q + m over groups of 32 input features (of 16 for
-Q3_K and Q6_K, without m), with integer codes q:
+Q2_K, Q3_K and Q6_K, the last two without m), with integer codes q:
 
 | type | codes q | d, m per group | bits a weight in the file |
 |---|---|---|---|
@@ -12,6 +12,7 @@ Q3_K and Q6_K, without m), with integer codes q:
 | Q8_0 | -128..127 | d (float16) | 8.5 |
 | Q4_K | 0..15 | d * scale, -dmin * min (float32: the 6-bit scale and min times the super-block's float16) | 4.5 |
 | Q5_K | 0..31 | as Q4_K | 5.5 |
+| Q2_K | 0..3 | d * scale, -dmin * min per 16 (float32: the 4-bit scale and min times the super-block's float16) | 2.63 |
 | Q3_K | -4..3 | d * (scale - 32) per 16 (float32: the 6-bit scale times the super-block's float16) | 3.44 |
 | Q6_K | -32..31 | d * scale per 16 (float32) | 6.56 |
 | IQ4_NL | 16 values in -127..113 | d (float16) | 4.5 |
@@ -32,9 +33,9 @@ import torch
 from torch import nn
 
 GROUP_SIZE = 32
-SUPPORTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-_PRODUCT_SCALES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+SUPPORTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+_PRODUCT_SCALES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
                 "IQ4_NL": 18, "IQ4_XS": 136}
 # The 16 values an IQ4 code stands for (ggml's kvalues_iq4nl).
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
@@ -46,8 +47,8 @@ class Blocks:
 
     kind: str
     codes: torch.Tensor  # [out, in] uint8 (0..15 or 0..31) or int8 (Q8_0, Q3_K, Q6_K, the IQ4 types)
-    d: torch.Tensor  # [out, in / 32] float32 ([out, in / 16] for Q3_K and Q6_K)
-    m: torch.Tensor | None  # [out, in / 32] float32, or None
+    d: torch.Tensor  # [out, in / 32] float32 ([out, in / 16] for Q2_K, Q3_K and Q6_K)
+    m: torch.Tensor | None  # as d, or None
     # A K-quant's scales as the file holds them: (super-block d [out, in / 256] float32 of float16 values,
     # sub-scales [out, groups] int8, and the same for m (sub-scales negated) or None), d and m their products.
     compact: tuple | None = None
@@ -144,6 +145,14 @@ def decode(kind: str, data: np.ndarray) -> Blocks:
         if kind == "Q5_K":
             high = _bits(b[..., 16:48].reshape(rows, -1, 32, 1), 8)  # super-block, byte l, group g
             codes = codes | (np.moveaxis(high, -1, -2).reshape(rows, -1, 4, 2, 32) << 4)
+    elif kind == "Q2_K":  # 16 bytes of a 4-bit scale and min per 16, qs[64], d, dmin
+        dd, dmin = _half(b[..., 80:82]), _half(b[..., 82:84])
+        sc, mn = (b[..., 0:16] & 0x0F).astype(np.int8), (b[..., 0:16] >> 4).astype(np.int8)
+        d = (dd[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+        m = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)
+        compact = (dd, sc.reshape(rows, -1), dmin, (-mn).reshape(rows, -1))
+        # weight 32 j + l (j = 4 half + shift): the 2 bits of qs byte 32 half + l at `shift`
+        codes = (b[..., 16:80].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     elif kind == "Q3_K":  # hmask[32], qs[64], 16 6-bit scales in 12 bytes, d: a weight is d * (scale - 32) * q
         dd = _half(b[..., 108:110])
         low = (b[..., None, 96:104] >> np.array([0, 4], np.uint8)[:, None]) & 0x0F  # nibble, byte: scales 0-15's low 4 bits

@@ -6,7 +6,7 @@
 // and Q_ROWS. Every integer sum is exact, so both instruction sets give the same bits.
 //
 // A format is (bits, scales, split): a weight w = d * q + m, with a d (and m) per group of 32 input
-// features (per 16 with `split`, which has no m), float16, float32 or a K-quant's own form (see
+// features (per 16 with `split`), float16, float32 or a K-quant's own form (see
 // `load_scales`), the codes q
 //   bits 4: 0..15, a group 128 bytes in q4_tile.h's nibble layout;
 //   bits 5: 0..31, the low 4 bits as bits 4 plus 32 bytes, lane j's uint32 holding the fifth bits:
@@ -37,10 +37,13 @@ inline __m256 load_scales(const void* p, int64_t i) {
 }
 
 // As q4_tile.h's `tile`, for the formats above: out[r * ldo + j] = sum over groups (and halves with
-// `split`), in order, of d[., j] * (xscale[r, g] * <codes, xq>), plus m[g, j] * xsum[r, g] after each group.
+// `split`), in order, of d[., j] * (xscale[r, g] * <codes, xq>), plus m[g, j] * xsum[r, g] after each group
+// (with `split`, after both halves' d terms: m[half, j] * (xscale[r, g] * xs16[r, half]), `xs16` each
+// row's integer sums of 16 activations).
 template <int TR, int BITS, int SCALES, bool SPLIT>
-void block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G, const uint8_t* codes,
-                const void* d, const void* m, const float* res, float* out, int64_t ldo, int64_t width) {
+void block_tile(const int8_t* xq, const float* xscale, const float* xsum, const int32_t* xs16, int64_t K, int64_t G,
+                const uint8_t* codes, const void* d, const void* m, const float* res, float* out, int64_t ldo,
+                int64_t width) {
   constexpr int span = Q_SPAN(BITS);
   __m256 acc[TR];
   for (int r = 0; r < TR; ++r) acc[r] = _mm256_setzero_ps();
@@ -97,6 +100,15 @@ void block_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_
         const __m256 s = _mm256_set1_ps(xscale[r * G + g]);
         acc[r] = _mm256_fmadd_ps(d0, _mm256_mul_ps(_mm256_cvtepi32_ps(first[r]), s), acc[r]);
         acc[r] = _mm256_fmadd_ps(d1, _mm256_mul_ps(_mm256_cvtepi32_ps(total[r]), s), acc[r]);
+      }
+      if (m != nullptr) {
+        const __m256 n0 = load_scales<SCALES, 16>(m, 2 * g), n1 = load_scales<SCALES, 16>(m, 2 * g + 1);
+        for (int r = 0; r < TR; ++r) {
+          const float s = xscale[r * G + g];
+          const int32_t* sums = xs16 + r * 2 * G + 2 * g;
+          acc[r] = _mm256_fmadd_ps(n0, _mm256_set1_ps(s * static_cast<float>(sums[0])), acc[r]);
+          acc[r] = _mm256_fmadd_ps(n1, _mm256_set1_ps(s * static_cast<float>(sums[1])), acc[r]);
+        }
       }
     } else {
       const __m256 dg = load_scales<SCALES, 8>(d, g);
@@ -199,6 +211,16 @@ void wide_block_tile(const int8_t* xq, const float* xscale, const float* xsum, c
         acc[r] = _mm512_fmadd_ps(e0, _mm512_mul_ps(_mm512_cvtepi32_ps(first[r]), s), acc[r]);
         acc[r] = _mm512_fmadd_ps(e1, _mm512_mul_ps(_mm512_cvtepi32_ps(total[r]), s), acc[r]);
       }
+      if (m0 != nullptr) {
+        const __m512 n0 = join_ps(load_scales<SCALES, 16>(m0, 2 * g), load_scales<SCALES, 16>(m1, 2 * g));
+        const __m512 n1 = join_ps(load_scales<SCALES, 16>(m0, 2 * g + 1), load_scales<SCALES, 16>(m1, 2 * g + 1));
+        for (int r = 0; r < TR; ++r) {
+          const float s = xscale[r * G + g];
+          const int32_t* sums = xs16 + r * 2 * G + 2 * g;
+          acc[r] = _mm512_fmadd_ps(n0, _mm512_set1_ps(s * static_cast<float>(sums[0])), acc[r]);
+          acc[r] = _mm512_fmadd_ps(n1, _mm512_set1_ps(s * static_cast<float>(sums[1])), acc[r]);
+        }
+      }
     } else {
       const __m512 dg = join_ps(load_scales<SCALES, 8>(d0, g), load_scales<SCALES, 8>(d1, g));
       for (int r = 0; r < TR; ++r) {
@@ -228,14 +250,19 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
                    const void* d, const void* m, const float* res, float* out, int64_t N, int64_t b0, int64_t b1) {
   const int64_t G = K / 32, groups = G * (SPLIT ? 2 : 1);
   const int64_t stride = SCALES == 2 ? (K / 256) * (16 + groups / (K / 256) * 8) : 8 * groups * (SCALES == 1 ? 4 : 2);
-  const int64_t mstride = SCALES == 2 ? (K / 256) * 80 : stride;
+  const int64_t mstride = SPLIT || SCALES != 2 ? stride : (K / 256) * 80;
 #ifdef Q4_WIDE
-  std::vector<int32_t> xs16(BITS == 8 && R > 1 && b0 + 1 < b1 ? R * 2 * G : 0);  // sums of 16 activations
+  const bool wide_signed = BITS == 8 && R > 1 && b0 + 1 < b1;  // the two-block tiles' signed codes
+#else
+  const bool wide_signed = false;
+#endif
+  std::vector<int32_t> xs16((SPLIT && m != nullptr) || wide_signed ? R * 2 * G : 0);  // sums of 16 activations
   for (int64_t i = 0; i < static_cast<int64_t>(xs16.size()); ++i) {
     int32_t sum = 0;
     for (int t = 0; t < 16; ++t) sum += xq[16 * i + t];
     xs16[i] = sum;
   }
+#ifdef Q4_WIDE
   // Two blocks at a time where a tile has rows to share them: one row streams a block at a time faster
   // from memory (measured).
   for (; R > 1 && b0 + 1 < b1; b0 += 2) {
@@ -272,7 +299,8 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
       const int8_t* x = xq + r * K;
       const float* rr = res == nullptr ? nullptr : res + r * N + n;
       float* o = out + r * N + n;
-#define Q_TILE(T) block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width)
+#define Q_TILE(T) block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, \
+    xs16.empty() ? nullptr : xs16.data() + r * 2 * G, K, G, c, db, mb, rr, o, N, width)
       switch (rows) {
         case Q_ROWS: Q_TILE(Q_ROWS); break;
         case 3: Q_TILE(3); break;
@@ -303,6 +331,7 @@ inline void any_blocks(int format, const int8_t* xq, const float* xscale, const 
     Q_CASE(8, 5, 2, false)
     Q_CASE(9, 8, 2, false)
     Q_CASE(10, 8, 2, true)
+    Q_CASE(11, 4, 2, true)
     default: break;
   }
 #undef Q_CASE

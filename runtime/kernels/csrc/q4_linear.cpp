@@ -10,10 +10,11 @@
 // only on its own row and column, so a row's bits never depend on the batch, the thread count or the
 // instruction set.
 //
-// The same kernel runs the other GGUF block types (block_tile.h): 5-bit codes (Q5_0, Q5_1, Q5_K),
-// signed 8-bit codes (Q8_0, Q6_K, IQ4_NL, IQ4_XS: a code is the value it stands for) and float32
-// scales (a K-quant's sub-block scale times its super-block's, per 16 inputs for Q6_K), told apart by
-// the codes' width and the scales' dtype and shape (`format_of`); activations as above.
+// The same kernel runs the other GGUF block types (block_tile.h): 4-bit codes with K-quant scales
+// (Q4_K; Q2_K's, a scale and a minimum per 16 inputs), 5-bit codes (Q5_0, Q5_1, Q5_K), signed 8-bit
+// codes (Q8_0, Q3_K, Q6_K, IQ4_NL, IQ4_XS: a code is the value it stands for) and float32 scales (a
+// K-quant's sub-block scale times its super-block's, per 16 inputs for Q2_K, Q3_K and Q6_K), told
+// apart by the codes' width and the scales' dtype and shape (`format_of`); activations as above.
 //
 // q4_linear(x, codes, d, m, n, norm_weight, eps, residual, isa) computes, for float32 x [R, K]:
 //   residual + rms_norm(x; norm_weight, eps) @ W.T   [R, n]   (the norm and the residual are optional)
@@ -128,19 +129,20 @@ int format_of(const at::Tensor& codes, const at::Tensor& d, const c10::optional<
               d.is_contiguous(), "q4_linear: d must be contiguous float16, float32 or uint8 (K-quant scales)");
   if (d.scalar_type() == at::kByte) {  // [out / 8, in / 256, 16 + 8 * sub-scales a super-block]
     TORCH_CHECK(K % 256 == 0 && d.dim() == 3 && d.size(0) == B && d.size(1) == K / 256 &&
-                (d.size(2) == 80 || (d.size(2) == 144 && bits == 8 && !with_m)),
-                "q4_linear: K-quant scales must be uint8 [out / 8, in / 256, 80] (or 144 for 8-bit codes without m)");
+                (d.size(2) == 80 || (d.size(2) == 144 && (bits == 8 || bits == 4))),
+                "q4_linear: K-quant scales must be uint8 [out / 8, in / 256, 80] (or 144, a scale per 16, for 4- and "
+                "8-bit codes)");
     if (with_m)
-      TORCH_CHECK(m->scalar_type() == at::kByte && m->is_contiguous() && m->numel() == B * (K / 256) * 80,
-                  "q4_linear: K-quant zero points must be uint8 [out / 8, in / 256, 80]");
-    return d.size(2) == 144 ? 10 : bits == 4 ? 7 : bits == 5 ? 8 : 9;
+      TORCH_CHECK(m->scalar_type() == at::kByte && m->is_contiguous() && m->numel() == d.numel(),
+                  "q4_linear: K-quant zero points must be uint8 of d's shape");
+    return d.size(2) == 144 ? (bits == 8 ? 10 : 11) : bits == 4 ? 7 : bits == 5 ? 8 : 9;
   }
   const bool is_float = d.scalar_type() == at::kFloat, split = d.numel() == B * 2 * G * 8;
-  TORCH_CHECK(d.numel() == B * G * 8 || (split && bits == 8 && is_float && !with_m),
-              "q4_linear: d must be [out / 8, in / 32, 8] (or [out / 8, in / 16, 8] float32 for 8-bit codes without m)");
+  TORCH_CHECK(d.numel() == B * G * 8 || (split && bits == 8 && is_float),
+              "q4_linear: d must be [out / 8, in / 32, 8] (or [out / 8, in / 16, 8] float32 for 8-bit codes)");
   if (with_m)
-    TORCH_CHECK(m->scalar_type() == d.scalar_type() && m->is_contiguous() && m->numel() == B * G * 8,
-                "q4_linear: m must be contiguous [out / 8, in / 32, 8] of d's dtype");
+    TORCH_CHECK(m->scalar_type() == d.scalar_type() && m->is_contiguous() && m->numel() == d.numel(),
+                "q4_linear: m must be contiguous, of d's shape and dtype");
   if (!is_float) return bits == 4 ? 0 : bits == 5 ? 1 : 2;
   return split ? 6 : bits == 4 ? 3 : bits == 5 ? 4 : 5;
 }

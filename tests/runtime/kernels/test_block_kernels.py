@@ -88,7 +88,7 @@ def test_the_largest_sums_do_not_saturate(code, kind, sign):
 
 
 @pytest.mark.parametrize("kinds", [("Q5_0", "Q5_1", "Q8_0"), ("Q4_0", "Q8_0"), ("Q4_K", "Q5_K", "IQ4_NL", "Q4_1"),
-                                   ("Q6_K", "Q6_K")])
+                                   ("Q6_K", "Q6_K"), ("Q2_K", "Q3_K", "Q6_K"), ("Q2_K", "Q2_K")])
 def test_layers_of_different_formats_fuse_with_every_output_s_bits_kept(kinds):
     layers = [Int4Linear.from_blocks(decode(kind, blocks_of(kind, 16 * (i + 1), 256, seed=i))) for i, kind in enumerate(kinds)]
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5))
@@ -121,7 +121,7 @@ def test_k_quant_scales_kept_as_the_file_holds_them_give_the_float32_scales_bits
 
 
 @pytest.mark.skipif(torch.ops.ponder.q4_best_isa() != 1, reason="the two-block tiles are AVX512-VNNI's")
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_two_blocks_a_tile_give_each_column_the_bits_of_one_block_a_tile(kind):
     # AVX512-VNNI computes two blocks of 8 columns side by side (the AVX2 path one): every column count
     # (a partial last block alone or second in a pair) and every split between threads (which decides

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(q4_unavailable() is not None, reason="int layers
 MIXED = {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_down": "Q8_0"}
 # As llama-quantize's Q4_K_M mixes them (plus the other K and IQ4 types), on 256-wide rows.
 K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "attn_output": "Q5_K", "ffn_up": "IQ4_XS", "attn_k": "IQ4_NL",
-           "ffn_gate": "Q3_K"}
+           "ffn_gate": "Q3_K", "attn_q": "Q2_K"}
 
 
 def both_ways(path):
@@ -63,8 +63,8 @@ def test_a_k_quant_file_serves_the_tokens_generate_gives_on_the_same_int_layers(
     path = write_tiny_gguf(tmp_path, "Q4_K", kinds=K_MIXED, hidden=256, ffn=512)
     engine = engine_for(path, batch_invariant=False)  # quantize left at its default, auto
     assert engine.quantized.describe() == (
-        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (2 IQ4_NL, 2 IQ4_XS, 2 Q3_K, 2 Q4_K, 2 Q5_K, "
-        "4 Q6_K, 1 Q8_0); linear tensors in the file: 2 IQ4_NL, 2 IQ4_XS, 2 Q3_K, 2 Q4_K, 2 Q5_K, 4 Q6_K, 1 Q8_0)")
+        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (2 IQ4_NL, 2 IQ4_XS, 2 Q2_K, 2 Q3_K, 2 Q5_K, "
+        "4 Q6_K, 1 Q8_0); linear tensors in the file: 2 IQ4_NL, 2 IQ4_XS, 2 Q2_K, 2 Q3_K, 2 Q5_K, 4 Q6_K, 1 Q8_0)")
     assert_serves_generate_s_tokens(engine, path)
 
 
@@ -85,11 +85,11 @@ def test_the_mixed_file_s_start_up_line_names_every_type_kept(tmp_path):
 
 
 def test_a_layer_of_a_type_no_kernel_runs_alone_keeps_float_weights(tmp_path):
-    path = write_tiny_gguf(tmp_path, "Q4_1", kinds={"ffn_up": "Q2_K"}, hidden=256, ffn=512)
+    path = write_tiny_gguf(tmp_path, "Q4_1", kinds={"ffn_up": "IQ2_XXS"}, hidden=256, ffn=512)
     reference, expected, model, quantized = both_ways(path)
     assert quantized.describe() == (
         "model.quantize = auto: int4 (13 layers keep the GGUF's blocks (12 Q4_1, 1 Q8_0), 2 keep float weights "
-        "(no kernel of ponder's for Q2_K); linear tensors in the file: 2 Q2_K, 12 Q4_1, 1 Q8_0)")
+        "(no kernel of ponder's for IQ2_XXS); linear tensors in the file: 2 IQ2_XXS, 12 Q4_1, 1 Q8_0)")
     floats = sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear))
     assert floats == ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 13
