@@ -122,11 +122,7 @@ void block_tile(const int8_t* xq, const float* xscale, const float* xsum, const 
       }
     }
   }
-  for (int r = 0; r < TR; ++r) {
-    alignas(32) float y[8];
-    _mm256_store_ps(y, acc[r]);
-    for (int64_t j = 0; j < width; ++j) out[r * ldo + j] = res == nullptr ? y[j] : res[r * ldo + j] + y[j];
-  }
+  for (int r = 0; r < TR; ++r) store_row(acc[r], res == nullptr ? nullptr : res + r * ldo, out + r * ldo, width);
 }
 
 #ifdef Q4_WIDE
@@ -233,14 +229,8 @@ void wide_block_tile(const int8_t* xq, const float* xscale, const float* xsum, c
       }
     }
   }
-  for (int r = 0; r < TR; ++r) {
-    alignas(64) float y[16];
-    _mm512_store_ps(y, acc[r]);
-    float* o = out + r * ldo;
-    const float* rr = res == nullptr ? nullptr : res + r * ldo;
-    for (int64_t j = 0; j < w0; ++j) o[j] = rr == nullptr ? y[j] : rr[j] + y[j];
-    for (int64_t j = 0; j < w1; ++j) o[8 + j] = rr == nullptr ? y[8 + j] : rr[8 + j] + y[8 + j];
-  }
+  for (int r = 0; r < TR; ++r)
+    store_row_pair(acc[r], res == nullptr ? nullptr : res + r * ldo, out + r * ldo, w0, w1);
 }
 #endif
 
@@ -262,6 +252,8 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
     for (int t = 0; t < 16; ++t) sum += xq[16 * i + t];
     xs16[i] = sum;
   }
+  const int32_t* sums = xs16.empty() ? nullptr : xs16.data();
+  auto at = [&](const float* p, int64_t r, int64_t n) { return p == nullptr ? nullptr : p + r * N + n; };
 #ifdef Q4_WIDE
   // Two blocks at a time where a tile has rows to share them: one row streams a block at a time faster
   // from memory (measured).
@@ -270,23 +262,12 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
     const uint8_t* db = static_cast<const uint8_t*>(d) + b0 * stride;
     const uint8_t* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b0 * mstride;
     const int64_t n = 8 * b0, w1 = std::min<int64_t>(8, N - n - 8);
-    for (int64_t r = 0; r < R;) {
-      const int64_t rows = std::min<int64_t>(Q_ROWS, R - r);
-      const int8_t* x = xq + r * K;
-      const float* rr = res == nullptr ? nullptr : res + r * N + n;
-      float* o = out + r * N + n;
-#define Q_WIDE_TILE(T) wide_block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, xs16.empty() ? nullptr : xs16.data() + r * 2 * G, K, G, c, \
-    c + G * group_bytes(BITS), db, db + stride, mb, mb == nullptr ? nullptr : mb + mstride, rr, o, N, 8, w1)
-      switch (rows) {
-        case Q_ROWS: Q_WIDE_TILE(Q_ROWS); break;
-        case 3: Q_WIDE_TILE(3); break;
-        case 2: Q_WIDE_TILE(2); break;
-        case 1: Q_WIDE_TILE(1); break;
-        default: Q_WIDE_TILE(4); break;  // 4 of 4 to Q_ROWS - 1
-      }
-#undef Q_WIDE_TILE
-      r += rows > 4 && rows < Q_ROWS ? 4 : rows;
-    }
+    row_tiles<Q_ROWS>(R, [&](auto rows, int64_t r) {
+      wide_block_tile<decltype(rows)::value, BITS, SCALES, SPLIT>(
+          xq + r * K, xscale + r * G, xsum + r * G, sums == nullptr ? nullptr : sums + r * 2 * G, K, G, c,
+          c + G * group_bytes(BITS), db, db + stride, mb, mb == nullptr ? nullptr : mb + mstride, at(res, r, n),
+          out + r * N + n, N, 8, w1);
+    });
   }
 #endif
   for (int64_t b = b0; b < b1; ++b) {
@@ -294,23 +275,11 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
     const void* db = static_cast<const uint8_t*>(d) + b * stride;
     const void* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b * mstride;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
-    for (int64_t r = 0; r < R;) {
-      const int64_t rows = std::min<int64_t>(Q_ROWS, R - r);
-      const int8_t* x = xq + r * K;
-      const float* rr = res == nullptr ? nullptr : res + r * N + n;
-      float* o = out + r * N + n;
-#define Q_TILE(T) block_tile<T, BITS, SCALES, SPLIT>(x, xscale + r * G, xsum + r * G, \
-    xs16.empty() ? nullptr : xs16.data() + r * 2 * G, K, G, c, db, mb, rr, o, N, width)
-      switch (rows) {
-        case Q_ROWS: Q_TILE(Q_ROWS); break;
-        case 3: Q_TILE(3); break;
-        case 2: Q_TILE(2); break;
-        case 1: Q_TILE(1); break;
-        default: Q_TILE(4); break;  // 4 of 4 to Q_ROWS - 1
-      }
-#undef Q_TILE
-      r += rows > 4 && rows < Q_ROWS ? 4 : rows;
-    }
+    row_tiles<Q_ROWS>(R, [&](auto rows, int64_t r) {
+      block_tile<decltype(rows)::value, BITS, SCALES, SPLIT>(xq + r * K, xscale + r * G, xsum + r * G,
+                                                             sums == nullptr ? nullptr : sums + r * 2 * G, K, G, c,
+                                                             db, mb, at(res, r, n), out + r * N + n, N, width);
+    });
   }
 }
 

@@ -12,6 +12,40 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 }
 
+// Rows [0, R) in tiles of up to MAX rows: `tile(std::integral_constant<int, T>{}, r)` for the tile of
+// T rows starting at row r (T is MAX, 4, 3, 2 or 1: 5 to MAX - 1 rows go as 4, then the rest).
+template <int MAX, typename Tile>
+inline void row_tiles(int64_t R, Tile&& tile) {
+  for (int64_t r = 0; r < R;) {
+    const int64_t rows = std::min<int64_t>(MAX, R - r);
+    switch (rows) {
+      case MAX: tile(std::integral_constant<int, MAX>{}, r); break;
+      case 3: tile(std::integral_constant<int, 3>{}, r); break;
+      case 2: tile(std::integral_constant<int, 2>{}, r); break;
+      case 1: tile(std::integral_constant<int, 1>{}, r); break;
+      default: tile(std::integral_constant<int, 4>{}, r); break;
+    }
+    r += rows > 4 && rows < MAX ? 4 : rows;
+  }
+}
+
+// A tile row's 8 lanes into its first `width` outputs (plus `res`'s when given).
+inline void store_row(__m256 acc, const float* res, float* out, int64_t width) {
+  alignas(32) float y[8];
+  _mm256_store_ps(y, acc);
+  for (int64_t j = 0; j < width; ++j) out[j] = res == nullptr ? y[j] : res[j] + y[j];
+}
+
+#ifdef Q4_WIDE
+// A two-block tile row's 16 lanes: lanes 0-7 into outputs [0, w0), lanes 8-15 into [8, 8 + w1).
+inline void store_row_pair(__m512 acc, const float* res, float* out, int64_t w0, int64_t w1) {
+  alignas(64) float y[16];
+  _mm512_store_ps(y, acc);
+  for (int64_t j = 0; j < w0; ++j) out[j] = res == nullptr ? y[j] : res[j] + y[j];
+  for (int64_t j = 0; j < w1; ++j) out[8 + j] = res == nullptr ? y[8 + j] : res[8 + j] + y[8 + j];
+}
+#endif
+
 // One row of K activations made ready for the kernel: optionally RMS-normalized first
 // (y = weight * (x * 1 / sqrt(mean(x^2) + eps)), with `y` as scratch), then quantized per group of 32
 // to int8 with scale = max|y| / 127: q = round(y / scale), sum = scale * (sum of q).
@@ -109,11 +143,7 @@ void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, i
       for (int r = 0; r < TR; ++r) acc[r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(xsum[r * G + g]), acc[r]);
     }
   }
-  for (int r = 0; r < TR; ++r) {
-    alignas(32) float y[8];
-    _mm256_store_ps(y, acc[r]);
-    for (int64_t j = 0; j < width; ++j) out[r * ldo + j] = res == nullptr ? y[j] : res[r * ldo + j] + y[j];
-  }
+  for (int r = 0; r < TR; ++r) store_row(acc[r], res == nullptr ? nullptr : res + r * ldo, out + r * ldo, width);
 }
 
 #ifdef Q4_WIDE
@@ -160,14 +190,8 @@ void wide_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t
       for (int r = 0; r < TR; ++r) acc[r] = _mm512_fmadd_ps(mg, _mm512_set1_ps(xsum[r * G + g]), acc[r]);
     }
   }
-  for (int r = 0; r < TR; ++r) {
-    alignas(64) float y[16];
-    _mm512_store_ps(y, acc[r]);
-    float* o = out + r * ldo;
-    const float* rr = res == nullptr ? nullptr : res + r * ldo;
-    for (int64_t j = 0; j < w0; ++j) o[j] = rr == nullptr ? y[j] : rr[j] + y[j];
-    for (int64_t j = 0; j < w1; ++j) o[8 + j] = rr == nullptr ? y[8 + j] : rr[8 + j] + y[8 + j];
-  }
+  for (int r = 0; r < TR; ++r)
+    store_row_pair(acc[r], res == nullptr ? nullptr : res + r * ldo, out + r * ldo, w0, w1);
 }
 #endif
 
@@ -175,6 +199,7 @@ void wide_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t
 void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K, const uint8_t* codes,
             const uint16_t* d, const uint16_t* m, const float* res, float* out, int64_t N, int64_t b0, int64_t b1) {
   const int64_t G = K / 32;
+  auto at = [&](const float* p, int64_t r, int64_t n) { return p == nullptr ? nullptr : p + r * N + n; };
 #ifdef Q4_WIDE
   // Two blocks at a time where a tile has rows to share them: one row streams a block at a time faster
   // from memory (measured).
@@ -183,23 +208,11 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
     const uint16_t* db = d + b0 * 8 * G;
     const uint16_t* mb = m == nullptr ? nullptr : m + b0 * 8 * G;
     const int64_t n = 8 * b0, w1 = std::min<int64_t>(8, N - n - 8);
-    for (int64_t r = 0; r < R;) {
-      const int64_t rows = std::min<int64_t>(Q4_ROWS, R - r);
-      const int8_t* x = xq + r * K;
-      const float* rr = res == nullptr ? nullptr : res + r * N + n;
-      float* o = out + r * N + n;
-#define Q4_WIDE_TILE(T) wide_tile<T>(x, xscale + r * G, xsum + r * G, K, G, c, c + 4 * K, db, db + 8 * G, mb, \
-                                     mb == nullptr ? nullptr : mb + 8 * G, rr, o, N, 8, w1)
-      switch (rows) {
-        case Q4_ROWS: Q4_WIDE_TILE(Q4_ROWS); break;
-        case 3: Q4_WIDE_TILE(3); break;
-        case 2: Q4_WIDE_TILE(2); break;
-        case 1: Q4_WIDE_TILE(1); break;
-        default: Q4_WIDE_TILE(4); break;  // 4 of 4 to Q4_ROWS - 1
-      }
-#undef Q4_WIDE_TILE
-      r += rows > 4 && rows < Q4_ROWS ? 4 : rows;
-    }
+    row_tiles<Q4_ROWS>(R, [&](auto rows, int64_t r) {
+      wide_tile<decltype(rows)::value>(xq + r * K, xscale + r * G, xsum + r * G, K, G, c, c + 4 * K, db, db + 8 * G,
+                                       mb, mb == nullptr ? nullptr : mb + 8 * G, at(res, r, n), out + r * N + n, N,
+                                       8, w1);
+    });
   }
 #endif
   for (int64_t b = b0; b < b1; ++b) {
@@ -207,21 +220,10 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
     const uint16_t* db = d + b * 8 * G;
     const uint16_t* mb = m == nullptr ? nullptr : m + b * 8 * G;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
-    for (int64_t r = 0; r < R;) {
-      const int64_t rows = std::min<int64_t>(Q4_ROWS, R - r);
-      const int8_t* x = xq + r * K;
-      const float* rr = res == nullptr ? nullptr : res + r * N + n;
-      float* o = out + r * N + n;
-      switch (rows) {
-        case Q4_ROWS: tile<Q4_ROWS>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
-        case 4: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
-        case 3: tile<3>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
-        case 2: tile<2>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
-        case 1: tile<1>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;
-        default: tile<4>(x, xscale + r * G, xsum + r * G, K, G, c, db, mb, rr, o, N, width); break;  // 4 of 5 to 7
-      }
-      r += rows > 4 && rows < Q4_ROWS ? 4 : rows;
-    }
+    row_tiles<Q4_ROWS>(R, [&](auto rows, int64_t r) {
+      tile<decltype(rows)::value>(xq + r * K, xscale + r * G, xsum + r * G, K, G, c, db, mb, at(res, r, n),
+                                  out + r * N + n, N, width);
+    });
   }
 }
 
