@@ -37,7 +37,7 @@ from runtime.model.loader import CheckpointMismatch, ModelSource
 from runtime.model.quantize import Int4Linear, Quantized, blocks_detail
 
 # A GGUF's float tensor types ponder's float kernel computes with as they are.
-FLOAT_KINDS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOAT_KINDS = ("F32", "F16", "BF16")
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter

@@ -214,7 +214,7 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def scale_groups(self) -> int:
-        """Scales a row: in / 32, or in / 16 (Q3_K, Q6_K)."""
+        """Scales a row: in / 32, or in / 16 (Q2_K, Q3_K, Q6_K)."""
         return self.d.shape[1] * ((self.d.shape[2] - 16) // 8 if self.d.dtype == torch.uint8 else 1)
 
     @property
