@@ -7,12 +7,12 @@
 // count or the instruction set: 16 lanes of fused multiply-add chains over K (lane i takes the inputs
 // k = i mod 16, in order), the lanes summed as a fixed tree (i + 8, then i + 4, i + 2, i + 1), then the
 // bias added. A bfloat16 or float16 weight widens to float32 exactly, so its products are the same fused
-// multiply-adds as the float32 weight of its value. The AVX2 path runs lanes 0-7 and 8-15 as two 8-lane chains and sums them in the same
-// tree, so both paths give the same bits. A row's outputs never depend on the other rows: batch
+// multiply-adds as the float32 weight of its value. The AVX2 path runs lanes 0-7 and 8-15 as two 8-lane
+// chains and sums them in the same tree, so both paths give the same bits. A row's outputs never depend on the other rows: batch
 // invariance needs no padding for these layers (runtime.model.row_padding probes only torch's).
 //
 // Tiles: AVX512 computes 4 rows x 4 columns at once (16 accumulators), AVX2 3 x 3, a half of the lanes
-// at a time; the threads split the columns; rows go in blocks of 64 so a block's activations stay in
+// at a time, and a lone row 8 columns (AVX2 6); the threads split the columns; rows go in blocks of 64 so a block's activations stay in
 // cache while the thread's weights stream past them once a block (once a step in decode).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -31,7 +31,7 @@ void columns(const float* x, int64_t R, int64_t K, const void* w, const float* b
     if (rows_here == 1)
       for (; c + ONE_ROW_COLS <= c1; c += ONE_ROW_COLS)
         tile<W, 1, ONE_ROW_COLS>(xr, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
-                                 W != 0 && c + 2 * ONE_ROW_COLS <= c1 ? wb + (c + ONE_ROW_COLS) * wstride : nullptr);
+                                 W != F32 && c + 2 * ONE_ROW_COLS <= c1 ? wb + (c + ONE_ROW_COLS) * wstride : nullptr);
     for (; c + COLS <= c1; c += COLS)
       rows<W, COLS, ROWS>(xr, rows_here, K, wb + c * wstride, wstride, bias ? bias + c : nullptr, yr + c, N,
                              prefetch && c + 2 * COLS <= c1 ? wb + (c + COLS) * wstride : nullptr);
