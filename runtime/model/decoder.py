@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from runtime.kernels.cpu_kernels import float_isa
 from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
@@ -319,8 +320,6 @@ class LayerStack:
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        from runtime.kernels.cpu_kernels import float_isa
-
         num_tokens, d = hidden.shape[0], meta.decode_rows
         return self.kernel(hidden, cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous(),
                            self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,

@@ -57,12 +57,7 @@ class FloatLinear(QuantizedLinear):
     @classmethod
     def concatenated(cls, layers: list["FloatLinear"]) -> "FloatLinear":
         """As `Int8Linear.concatenated` (the kernel computes a column from its own weights only)."""
-        fused = cls.__new__(cls)
-        nn.Module.__init__(fused)
-        fused.in_features, fused.out_features = layers[0].in_features, sum(l.out_features for l in layers)
-        fused.register_buffer("weight", torch.cat([l.weight for l in layers]))
-        fused.bias = cat_bias(layers)
-        fused.kernel = layers[0].kernel
+        fused = cls.from_weight(torch.cat([l.weight for l in layers]), cat_bias(layers))
         share_rows(layers, fused)
         return fused
 
