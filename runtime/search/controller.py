@@ -143,14 +143,24 @@ class SearchController(SearchOutput):
         seq.owner = path
         return path
 
-    def child_sampling(self, parent: SearchPath, ordinal: int) -> SamplingState:
-        """The sampler of `parent`'s `ordinal`-th new child: its seed, and its grammar forked at the
-        parent's step's end (a branch decoding the child before it exists gets this very state)."""
-        sampling = SamplingState(self.params, derive_seed(self.params.seed, *parent.child_seed_key(ordinal)),
+    def child_sampling(self, parent, ordinal: int, at: int | None = None) -> SamplingState:
+        """The sampler of `parent`'s `ordinal`-th new child at token index `at` (default: its step's
+        end): its seed, and its grammar forked there (a speculative branch decoding the child before it
+        exists gets this very state; `parent` may be such a branch itself)."""
+        at = parent.step_end if at is None else at
+        sampling = SamplingState(self.params, derive_seed(self.params.seed, *parent.child_seed_key(ordinal, at)),
                                  self.host.device, track_logprobs=True, confidence_k=self.strategy.confidence_k)
-        if parent.sampling.constraint is not None:  # not its speculative tokens
-            sampling.constraint = parent.sampling.constraint.fork(parent.step_end - len(self.prompt_ids))
+        if parent.sampling.constraint is not None:  # not its tokens past `at`
+            sampling.constraint = parent.sampling.constraint.fork(at - len(self.prompt_ids))
         return sampling
+
+    def step_shape(self, step: int) -> tuple[bool, bool] | None:
+        """Step `step`'s shape: whether it runs to the paths' end (no step delimiter), and whether the
+        settling after it expands the survivors; None where the search has no such step."""
+        if self.strategy.whole_traces or step >= self.search.max_steps:
+            return None
+        verifies = (step + 1) % self.search.granularity == 0 or step + 1 >= self.search.max_steps
+        return step >= self.search.max_steps - 1, verifies and self.strategy.expands
 
     def count_token(self) -> None:
         self.stats["tokens_generated"] += 1
@@ -206,18 +216,19 @@ class SearchController(SearchOutput):
         for path in paths:
             path.node = self.tree.add(path.node, self.step_index + 1)
             path.step_start = path.step_end
-            path.head_start = path.num_speculative
-            path.chunk_logprobs.extend(path.spec_logprobs)
-            path.spec_logprobs = []
-            if not path.from_branch:  # a branch's tokens were counted when its child adopted them
-                self.spec_tokens["used"] += path.num_speculative
-            path.from_branch = False
-            if path.spec_outcome is None:
+            path.head_start = 0
+            if not path.ahead:
                 to_run.append(path)
                 continue
-            path.step_end = len(path.seq.token_ids)
-            path.is_done, path.finish_reason = path.spec_finish is not None, path.spec_finish
-            path.spec_outcome = path.spec_finish = None
+            ahead = path.ahead.pop(0)  # this step, decoded ahead (in part, or whole)
+            path.head_start = (len(path.seq.token_ids) if ahead.end is None else ahead.end) - ahead.start
+            path.chunk_logprobs.extend(ahead.logprobs)
+            self.spec_tokens["adopted" if ahead.adopted else "used"] += path.head_start
+            if ahead.end is None:
+                to_run.append(path)  # it decodes the rest of its step
+                continue
+            path.step_end = ahead.end
+            path.is_done, path.finish_reason = ahead.finish is not None, ahead.finish
             path.text = self._text(path)
             if path.is_done:
                 self.plan.release(path.seq)
@@ -245,11 +256,8 @@ class SearchController(SearchOutput):
         for path in group:
             self.plan.resume(path.seq)
         if not self._out_of_time() and not self._is_last_step():
-            verifies = (self.step_index + 1) % self.search.granularity == 0 or self.step_index + 1 >= self.search.max_steps
-            # Paths whose step is done already (a branch decoded it) decode their children's meanwhile.
-            self.speculation.open(self.to_group + self.stepped, [p for p in self.stepped if not p.is_done],
-                                  expands_next=verifies and self.strategy.expands,
-                                  is_last_next=self.step_index + 1 >= self.search.max_steps - 1)
+            # Paths whose step is done already (decoded ahead) decode their children's steps meanwhile.
+            self.speculation.open(self.to_group + self.stepped, [p for p in self.stepped if not p.is_done])
         if self.queued:
             reserve = sum(self.host.kv.num_blocks_for(len(p.seq.token_ids) + self._step_tokens(p))
                           - len(p.seq.block_table) for p in group)
@@ -267,7 +275,7 @@ class SearchController(SearchOutput):
 
     def on_token(self, path: SearchPath, out) -> None:
         if path.speculating:
-            self.speculation.on_path_token(path, out)
+            self.speculation.on_token(path, out)
             return
         seq = path.seq
         self.stats["tokens_generated"] += 1
@@ -289,7 +297,7 @@ class SearchController(SearchOutput):
         if path.is_done:
             self.plan.release(seq)
         elif was_active and self.speculation.on_step_done(path):
-            pass  # it keeps its slot, decoding its children's next steps
+            pass  # its slot is speculation's: it decodes on past its step, or a branch takes the slot
         elif was_active:
             self.plan.park(seq)
         self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
@@ -430,14 +438,13 @@ class SearchController(SearchOutput):
                     child = self._new_path(self.plan.fork(parent.seq, parent.step_end), parent.subtree, parent, ordinal)
                 else:
                     child = self._new_path(branch.seq, parent.subtree, parent, ordinal, branch.sampling)
-                    child.spec_logprobs, child.step_text = branch.logprobs, branch.step_text
-                    child.spec_outcome, child.spec_finish = branch.outcome, branch.finish
-                    child.from_branch = True
+                    child.ahead, child.step_text = branch.ahead, branch.step_text
+                    self.speculation.hand_over(branch, child)
                 child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
                 child.text, child.chunk_start = parent.text, parent.chunk_start
                 child.node = parent.node  # its first step's node hangs under the parent's last one
                 continuing.append(child)
-            self.speculation.release(parent)  # branches for children it does not get
+            self.speculation.release_unadopted(parent)  # branches for children it does not get
             continuing.append(parent)
         for pruned in by_uid.values():
             self._discard(pruned)

@@ -26,6 +26,19 @@ class PathEvents(Protocol):
 
 
 @dataclass(eq=False)
+class Ahead:
+    """A step decoded speculatively (runtime.search.speculation): from `start`, the search's step
+    `step`; once its tokens complete it, its `end` and the path's finish reason there."""
+
+    start: int
+    step: int
+    logprobs: list[float] = field(default_factory=list)
+    end: int | None = None
+    finish: str | None = None
+    adopted: bool = False  # decoded by a branch that a child adopted (not by the path itself)
+
+
+@dataclass(eq=False)
 class SearchPath:
     controller: PathEvents
     uid: int
@@ -46,21 +59,19 @@ class SearchPath:
     lookahead_units: list[str] = field(default_factory=list)
     lookahead_logprobs: list[float] = field(default_factory=list)
     speculating: bool = False  # decoding past `step_end` in an idle slot (runtime.search.speculation)
-    spec_logprobs: list[float] = field(default_factory=list)
-    spec_outcome: str | None = None  # set when the speculative tokens complete the next step: how it ends
-    spec_finish: str | None = None  # and the path's finish reason if it ends there
+    ahead: list[Ahead] = field(default_factory=list)  # the steps decoded past `step_end`, in order
     next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
     step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
     node: int = 0  # its node in the search tree: the step being decoded, or the prompt before the first
     seed_key: tuple[int, ...] = ()  # what its sampler's seed derives from (`SearchController.child_sampling`)
-    from_branch: bool = False  # a child whose speculative tokens a branch decoded (until its step starts)
     head_start: int = 0  # its tokens of the step running that were decoded before the step began
 
-    def child_seed_key(self, ordinal: int) -> tuple[int, ...]:
-        """What its `ordinal`-th new child's seed derives from: its own key, the fork point and the
-        ordinal, never the order of expansion, so a speculative branch decoding that child before the
-        step settles (runtime.search.speculation) draws exactly the child's tokens."""
-        return self.seed_key + (self.step_end, ordinal)
+    def child_seed_key(self, ordinal: int, at: int | None = None) -> tuple[int, ...]:
+        """What its `ordinal`-th new child at token index `at` (its step's end) draws its seed from: its
+        own key, the fork point and the ordinal, never the order of expansion, so a speculative branch
+        decoding that child before the step settles (runtime.search.speculation) draws exactly the
+        child's tokens."""
+        return self.seed_key + (self.step_end if at is None else at, ordinal)
 
     @property
     def num_speculative(self) -> int:

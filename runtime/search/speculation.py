@@ -1,36 +1,41 @@
 """Speculative beam extension (FlashTTS section 4.1): a path done with its step decodes its children's
-next steps in idle slots while the rest of its step's group still decodes.
+next steps in idle slots while the rest of its step's group still decodes, and they decode theirs.
 
-Each of a path's speculative branches is one child it may get when the step settles, decoded
-exactly as that child will decode:
-- branch 0 is the path itself, decoding on past `step_end` with its own sampler (a survivor is its
-  own last child);
-- branch k >= 1 is a fork at `step_end` with the k-th new child's sampler seed and grammar fork
-  (`SpeculationPort.child_sampling`, the very state the controller gives that child), so its
+A lineage is a path or one of the speculative branches below it. Each branch is one child a lineage
+may get when the step it is decoding settles, decoded exactly as that child will decode:
+- a lineage goes on past its step's end as itself (a survivor is its own first child: ordinal 0);
+- its branch k >= 1 is a fork at that step's end with the k-th new child's sampler seed and grammar
+  fork (`SpeculationPort.child_sampling`, the very state the controller gives that child), so its
   tokens are that child's to the bit.
-A branch decodes to its step's end (or its path's), then parks with how it ended. Verification never
-sees speculative tokens. When the step settles, a survivor's k-th child adopts branch k (its step
-starts ahead, or is already complete) and branch 0's tokens stay with the survivor; branches past a
-survivor's children, and every branch of a pruned path, are released.
+Lineages go on step after step (an `Ahead` per step, with its end and finish once complete), and a
+branch that completes its step gets branches of its own: the children the child will have. So while
+one slow path holds its step open, the likely survivors' descendants are decoding several steps
+ahead, and the search's decode steps approach its longest path. Verification never sees
+speculative tokens. When a step settles, a survivor's k-th child adopts branch k (its steps start
+ahead, or are already complete, and its branches become its own), the survivor keeps the steps it
+decoded ahead and the branches below them; branches past a survivor's children, and everything
+below a pruned path, are released.
 
-How many branches a path may get is its speculative potential (FlashTTS section 4.1.1): the bin its
-last step score falls in among `beam_width` equal bins of the range of the step's paths' last scores
-(verifiers score in ranges of their own), the highest bin giving `beam_width` branches. The first
-step has no score, and nothing tells its paths apart: they all count as the highest bin (every
-path's children are as many as any step's), as do paths whose scores are all equal.
-Only branch 0 runs where the next settling expands nothing (best-of-n, a step granularity leaves
-unverified). Idle slots are handed out lazily, as paths end their steps and branches end theirs:
-highest potential first, then lower ordinals, then in the order the paths ended.
+How many branches a lineage may get at a step's end is its speculative potential (FlashTTS section
+4.1.1): the bin its last step score falls in among `beam_width` equal bins of the range of the
+step's paths' last scores (verifiers score in ranges of their own), the highest bin giving
+`beam_width` branches. The first step has no score, and nothing tells its paths apart: they all
+count as the highest bin (every path's children are as many as any step's), as do paths whose scores
+are all equal. A branch has no score of its own: it has its parent's potential. Only the lineage
+itself goes on where the settling after the step expands nothing (best-of-n, a step granularity
+leaves unverified). Idle slots are handed out lazily, as lineages end their steps: the nearest step
+first, then the highest potential, then lower ordinals (going on as itself first), then in the order
+asked. A lineage that ends a step keeps its slot only where going on is the first thing wanted.
 
-LookAhead verification (section 4.1.3): a reward model scoring a path whose branch 0 completes its
-next step scores both steps in one sequence (`lookahead_unit`); if the path goes on to that step its
-score is already known. Only branch 0 is read ahead: it is the one unit whose path exists when the
-score is read (a child exists only after settling, and reads its own first score then).
+LookAhead verification (section 4.1.3): a reward model scoring a path whose first step ahead is
+complete scores both steps in one sequence (`lookahead_unit`); if the path goes on to that step its
+score is already known. Only a path's own next step is read ahead: it is the one unit whose path
+exists when the score is read (a child exists only after settling, and reads its own first score then).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.model.detokenizer import StepText
@@ -38,7 +43,7 @@ from runtime.model.sampler import SamplingState
 from runtime.search.anchor import ANCHOR_UID
 from runtime.search.aggregate import normalize_step
 from runtime.search.host import SearchHost
-from runtime.search.paths import SearchPath
+from runtime.search.paths import Ahead, SearchPath
 from runtime.search.plan import SearchPlan
 from runtime.search.steps import StepRules
 from scheduler.sequence import Sequence
@@ -50,26 +55,29 @@ class SpeculationPort(Protocol):
     host: SearchHost
     plan: SearchPlan
     request_id: str
+    step_index: int  # the step its paths are decoding
 
     rules: StepRules
 
-    def child_sampling(self, parent: SearchPath, ordinal: int) -> SamplingState: ...
+    def child_sampling(self, parent, ordinal: int, at: int | None = None) -> SamplingState: ...
+
+    def step_shape(self, step: int) -> tuple[bool, bool] | None: ...  # (runs to the end, its settling expands)
 
     def count_token(self) -> None: ...
 
 
 @dataclass(eq=False)
 class Branch:
-    """A fork of `parent` at its step's end decoding as its `ordinal`-th new child (an owner of a sequence)."""
+    """A fork at token index `start` (a lineage's step's end) decoding as that lineage's child with
+    seed key `seed_key` (an owner of a sequence)."""
 
     speculation: "Speculation"
-    parent: SearchPath
-    ordinal: int
+    seed_key: tuple[int, ...]
+    start: int
     seq: Sequence
     sampling: SamplingState
-    logprobs: list[float] = field(default_factory=list)
-    outcome: str | None = None  # "step" once its tokens complete the child's step
-    finish: str | None = None  # and the child's finish reason if it ends there
+    potential: int  # its parent's, at the step's end it forked from
+    ahead: list[Ahead]
     step_text: StepText | None = None
 
     @property
@@ -78,102 +86,102 @@ class Branch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.seq.token_ids) - self.parent.step_end
+        return len(self.seq.token_ids) - self.start
+
+    def child_seed_key(self, ordinal: int, at: int) -> tuple[int, ...]:
+        return self.seed_key + (at, ordinal)  # as its child's will be (SearchPath.child_seed_key)
 
     def on_logits(self, seq, row):
         return [seq]
 
     def on_sampled(self, seq, out) -> None:
-        self.speculation.on_branch_token(self, out)
+        self.speculation.on_token(self, out)
+
+
+Lineage = SearchPath | Branch
 
 
 class Speculation:
-    """A search's speculative branches: which run, their potential, what they become."""
+    """A search's speculative lineages: which run, their branches and potential, what they become."""
 
     def __init__(self, search: SpeculationPort, beam_width: int, is_enabled: bool) -> None:
         self.search = search
         self.beam_width = beam_width
         self.is_enabled = is_enabled
         self.is_open = False  # a step's group is decoding and the step after it is not the last
-        self.expands_next = False  # whether the step being decoded ends in an expansion
-        self.is_last_next = False  # whether the next step is the search's last (no step delimiter)
         self.score_range: tuple[float, float] | None = None  # of the step's paths' last scores
-        self.speculating: set[SearchPath] = set()  # paths decoding past their step (branch 0)
-        self.branches: dict[SearchPath, dict[int, Branch]] = {}  # parent -> ordinal -> its branch
-        self.running: set[Branch] = set()
-        self.wants: list[tuple[int, int, int, SearchPath]] = []  # (-potential, ordinal, asked, parent)
+        self.running: set[Lineage] = set()  # decoding speculatively now (paths past their step, branches)
+        self.branches: dict[Lineage, dict[tuple[int, int], Branch]] = {}  # lineage -> (fork at, ordinal) -> branch
+        self.wants: list[tuple] = []  # (rank, -potential, ordinal, asked, lineage, fork at, step)
         self.num_asked = 0
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
         self.num_decoded = 0  # speculative tokens decoded, kept or not
         self.num_reported = 0  # of them, those the step-cost model has heard of
 
     # -- the controller's questions ---------------------------------------------------------------
-    def open(self, step: list[SearchPath], done: list[SearchPath], *, expands_next: bool, is_last_next: bool) -> None:
+    def open(self, step: list[SearchPath], done: list[SearchPath]) -> None:
         """A step of `step`'s paths starts a group (and a step follows it): its paths may speculate once
-        done, and so may the paths in `done`, whose step is done already (parked, nothing decoded
-        past it)."""
+        done, and so may the paths in `done`, whose step is done already, and everything below them
+        (parked where the last group left them)."""
         self.is_open = self.is_enabled
-        self.expands_next, self.is_last_next = expands_next, is_last_next
         scores = [p.step_scores[-1] for p in step if p.step_scores]
         self.score_range = (min(scores), max(scores)) if scores else None
-        for path in done:
-            if not path.speculating and path.num_speculative == 0 and path not in self.branches \
-                    and self.on_step_done(path, holds_slot=False):
-                self.search.plan.resume(path.seq)
+        self.wants = []
+        if self.is_open:
+            for path in done:
+                self._walk(path)
+            self._fill()
 
-    def potential(self, path: SearchPath) -> int:
-        """Its most branches: the bin of its last score among `beam_width` equal bins of the step's
-        range of last scores (the highest: `beam_width`; all of them where the scores do not differ). The
-        greedy anchor never has children: it decodes on as itself alone."""
-        if not self.expands_next or path.uid == ANCHOR_UID:
-            return 1
-        if not path.step_scores or self.score_range is None or self.score_range[1] <= self.score_range[0]:
-            return self.beam_width
-        low, high = self.score_range
-        return min(self.beam_width, 1 + int((path.step_scores[-1] - low) / (high - low) * self.beam_width))
-
-    def on_step_done(self, path: SearchPath, holds_slot: bool = True) -> bool:
-        """`path` ended its step without ending: whether it decodes on as branch 0 (in the slot it
-        holds, or in an idle one)."""
-        if not self._may_run(1, new_slots=0 if holds_slot else 1):
+    def on_step_done(self, path: SearchPath) -> bool:
+        """`path` ended its step without ending, in the slot it holds: whether speculation took the slot
+        (the path goes on past its step, or was parked for a branch wanted more)."""
+        if not self.is_open:
             return False
-        path.speculating = True
-        self.speculating.add(path)
-        for ordinal in range(1, self.potential(path)):
-            self.wants.append((-self.potential(path), ordinal, self.num_asked, path))
-            self.num_asked += 1
-        self._fill()
+        self._reached(path, path.step_end, self.search.step_index)
+        self._go_on(path)
         return True
 
     def adopt(self, parent: SearchPath, ordinal: int) -> Branch | None:
-        """The branch decoding `parent`'s `ordinal`-th new child, handed over (None: there is none)."""
-        branch = self.branches.get(parent, {}).pop(ordinal, None)
+        """The branch decoding `parent`'s `ordinal`-th new child, handed over (None: there is none); the
+        child takes its steps ahead (`adopted`), and its branches with `hand_over`."""
+        branch = self.branches.get(parent, {}).pop((parent.step_end, ordinal), None)
         if branch is not None:
-            self.tokens["adopted"] += branch.num_tokens
+            for step in branch.ahead:
+                step.adopted = True
         return branch
 
-    def release(self, parent: SearchPath) -> None:
-        """`parent`'s branches no child took (all of them when it was pruned) are dropped."""
-        self.wants = [w for w in self.wants if w[3] is not parent]
-        for branch in self.branches.pop(parent, {}).values():
-            self.tokens["discarded"] += branch.num_tokens
-            self.running.discard(branch)
-            self.search.plan.release(branch.seq)
+    def hand_over(self, branch: Branch, child: SearchPath) -> None:
+        """`child` adopted `branch`: the branches below it are the child's."""
+        below = self.branches.pop(branch, None)
+        if below:
+            self.branches[child] = below
+
+    def release_unadopted(self, parent: SearchPath) -> None:
+        """The branches at `parent`'s step's end that no child took; those below the steps it decoded
+        ahead stay (it goes on as itself)."""
+        mine = self.branches.get(parent, {})
+        for key in [k for k in mine if k[0] == parent.step_end]:
+            self._drop(mine.pop(key))
+        if not mine:
+            self.branches.pop(parent, None)
+
+    def release(self, lineage: Lineage) -> None:
+        """Everything below `lineage` is dropped (it was pruned, or ends)."""
+        for branch in self.branches.pop(lineage, {}).values():
+            self._drop(branch)
 
     def stop(self) -> None:
-        """The step's group is done: every speculative slot is given back, branches keep their
-        tokens, parked, and none starts until the next group."""
+        """The step's group is done: every speculative slot is given back, lineages keep their tokens,
+        parked, and none starts until the next group."""
         self.is_open = False
         self.pause()
 
     def pause(self) -> None:
-        """Other work waits: every speculative slot is given back (branches keep their tokens,
-        parked); paths ending their steps later may still speculate in slots idle by then."""
+        """Other work waits: every speculative slot is given back (lineages keep their tokens,
+        parked); lineages ending their steps later may still speculate in slots idle by then."""
         self.wants = []
-        for path in list(self.speculating):
-            self._end_path(path)
-        for branch in list(self.running):
-            self._end_branch(branch)
+        for lineage in list(self.running):
+            self._end(lineage)
 
     def group_done(self, last: SearchPath) -> None:
         """A group of the step is done, `last` its last path to finish: the head start that path had
@@ -185,92 +193,161 @@ class Speculation:
             self.num_reported = self.num_decoded
 
     def sequences(self) -> list[Sequence]:
-        return [b.seq for branches in self.branches.values() for b in branches.values()]
+        return [b.seq for below in self.branches.values() for b in below.values()]
 
     # -- tokens -----------------------------------------------------------------------------------
-    def on_path_token(self, path: SearchPath, out) -> None:
-        """A token of branch 0, past `path.step_end`."""
+    def on_token(self, lineage: Lineage, out) -> None:
+        """A speculative token of `lineage` (a path past its step's end, or a branch)."""
         self.search.count_token()
         self.num_decoded += 1
+        step = lineage.ahead[-1]
         if out.logprob is not None:
-            path.spec_logprobs.append(out.logprob)
-        reason, ends_step = self.search.rules.outcome(path, out.token_id, path.step_end,
-                                                        is_last_step=self.is_last_next)
+            step.logprobs.append(out.logprob)
+        runs_to_end = self.search.step_shape(step.step)[0]
+        reason, ends_step = self.search.rules.outcome(lineage, out.token_id, step.start, is_last_step=runs_to_end)
         if reason is not None or ends_step:
-            path.spec_outcome, path.spec_finish = "step", reason
-            self._end_path(path)
-            self._fill()
+            step.end, step.finish = len(lineage.seq.token_ids), reason
+            if reason is None:
+                self._reached(lineage, step.end, step.step)
+            self._go_on(lineage)
         elif not self._may_run():
-            self._end_path(path)
+            self._end(lineage)
 
-    def on_branch_token(self, branch: Branch, out) -> None:
-        self.search.count_token()
-        self.num_decoded += 1
-        if out.logprob is not None:
-            branch.logprobs.append(out.logprob)
-        reason, ends_step = self.search.rules.outcome(branch, out.token_id, branch.parent.step_end,
-                                                        is_last_step=self.is_last_next)
-        if reason is not None or ends_step:
-            branch.outcome, branch.finish = "step", reason
-            self._end_branch(branch)
-            self._fill()
-        elif not self._may_run():
-            self._end_branch(branch)
+    # -- what is wanted ---------------------------------------------------------------------------
+    def _walk(self, lineage: Lineage) -> None:
+        """Want what `lineage` and everything below it may decode next: the step it began, or those
+        past the last step it completed."""
+        if lineage.ahead:
+            last = lineage.ahead[-1]
+            if last.end is None:
+                self._want(last.step, lineage, 0, None, self._potential(lineage, last.step - 1))
+            elif last.finish is None:
+                self._reached(lineage, last.end, last.step)
+        elif isinstance(lineage, SearchPath):
+            self._reached(lineage, lineage.step_end, self.search.step_index)
+        for branch in list(self.branches.get(lineage, {}).values()):
+            self._walk(branch)
+
+    def _reached(self, lineage: Lineage, at: int, step: int) -> None:
+        """`lineage`'s tokens complete step `step` at token index `at`: it may go on as itself, and
+        branches may fork there for up to `beam_width` children, those within its potential ranked
+        with step `step` + 1, the others with the step after."""
+        if self.search.step_shape(step + 1) is None:
+            return
+        potential = self._potential(lineage, step)
+        self._want(step + 1, lineage, 0, at, potential)
+        have = self.branches.get(lineage, {})
+        for ordinal in range(1, self.beam_width if self._expands(lineage, step) else 1):
+            if (at, ordinal) not in have:
+                self._want(step + 1, lineage, ordinal, at, potential)
+
+    def _expands(self, lineage: Lineage, step: int) -> bool:
+        """Whether `lineage` may have children at step `step`'s end (the greedy anchor never has)."""
+        shape = self.search.step_shape(step)
+        return shape is not None and shape[1] and not (isinstance(lineage, SearchPath) and lineage.uid == ANCHOR_UID)
+
+    def _potential(self, lineage: Lineage, step: int) -> int:
+        """Its most children at step `step`'s end: the bin of its last score among `beam_width` equal
+        bins of the step's range of last scores (the highest: `beam_width`; all of them where the scores
+        do not differ), a branch its parent's. The greedy anchor never has children: it decodes on as
+        itself alone."""
+        if not self._expands(lineage, step):
+            return 1
+        if isinstance(lineage, Branch):
+            return lineage.potential
+        if not lineage.step_scores or self.score_range is None or self.score_range[1] <= self.score_range[0]:
+            return self.beam_width
+        low, high = self.score_range
+        return min(self.beam_width, 1 + int((lineage.step_scores[-1] - low) / (high - low) * self.beam_width))
+
+    def _want(self, step: int, lineage: Lineage, ordinal: int, at: int | None, potential: int) -> None:
+        rank = step + (ordinal >= max(1, potential))  # a child past its potential ranks with the next step
+        self.wants.append((rank, -potential, ordinal, self.num_asked, lineage, at, step))
+        self.num_asked += 1
 
     # -- slots ------------------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
-        return len(self.speculating) + len(self.running)
+        return len(self.running)
 
-    def _may_run(self, more: int = 0, new_slots: int = 0) -> bool:
-        """Whether `more` speculative rows may be added, `new_slots` of them in slots not yet held
-        (none: whether the running ones may go on): the step's group is decoding, nothing else wants
-        the slots, and the step-cost model says the rows pay."""
+    def _may_run(self, more: int = 0) -> bool:
+        """Whether `more` speculative rows may be added (none: whether the running ones may go on): the
+        step's group is decoding, nothing else wants the slots, and the step-cost model says the rows pay."""
         host = self.search.host
         if not self.is_open or not host.has_idle_slot():
-            return False
-        if new_slots and host.num_idle_slots() < new_slots:
             return False
         cap = host.speculative_row_cap(self.num_rows)
         return cap is None or self.num_rows + more <= cap
 
-    def _fill(self) -> None:
-        """Start the wanted branches the idle slots allow, highest potential first."""
-        self.wants.sort(key=lambda w: w[:3])
+    def _go_on(self, lineage: Lineage) -> None:
+        """`lineage`, holding a slot, completed a step (or ended): it goes on as itself where that is the
+        first thing wanted, else its slot goes to what is."""
+        self.wants.sort(key=lambda w: w[:4])
+        first = self.wants[0] if self.wants else None
+        more = 0 if lineage in self.running else 1
+        if first is not None and first[4] is lineage and first[2] == 0 and self._may_run(more):
+            self.wants.pop(0)
+            self._run(lineage, first[5], first[6], resume=False)
+            self._fill()
+            return
+        self._end(lineage)
+        self._fill(freed=1)
+
+    def _fill(self, freed: int = 0) -> None:
+        """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
+        engine does not count yet), nearest step and highest potential first."""
+        self.wants.sort(key=lambda w: w[:4])
         started = 0
         while self.wants and self.is_open:
             host = self.search.host
             cap = host.speculative_row_cap(self.num_rows)
-            if host.num_idle_slots() <= started or (cap is not None and self.num_rows >= cap):
+            if host.num_idle_slots() + freed <= started or (cap is not None and self.num_rows >= cap):
                 break
-            _, ordinal, _, parent = self.wants.pop(0)
-            self._start_branch(parent, ordinal)
-            started += 1  # its fork runs once the engine carries the plan out
+            _, minus_potential, ordinal, _, lineage, at, step = self.wants.pop(0)
+            if ordinal == 0:
+                self._run(lineage, at, step)
+            else:
+                self._start_branch(lineage, at, ordinal, step, -minus_potential)
+            started += 1  # its fork or resume runs once the engine carries the plan out
 
-    def _start_branch(self, parent: SearchPath, ordinal: int) -> None:
-        plan = self.search.plan
-        seq = plan.fork(parent.seq, parent.step_end)
-        branch = Branch(self, parent, ordinal, seq, self.search.child_sampling(parent, ordinal))
+    def _run(self, lineage: Lineage, at: int | None, step: int, resume: bool = True) -> None:
+        """`lineage` decodes on: into step `step` from `at` (None: the step it began)."""
+        if at is not None:
+            lineage.ahead.append(Ahead(at, step))
+        self.running.add(lineage)
+        if isinstance(lineage, SearchPath):
+            lineage.speculating = True
+        if resume:
+            self.search.plan.resume(lineage.seq)
+
+    def _start_branch(self, parent: Lineage, at: int, ordinal: int, step: int, potential: int) -> None:
+        seq = self.search.plan.fork(parent.seq, at)
+        branch = Branch(self, parent.child_seed_key(ordinal, at), at, seq,
+                        self.search.child_sampling(parent, ordinal, at), potential, [Ahead(at, step)])
         seq.owner = branch
-        self.branches.setdefault(parent, {})[ordinal] = branch
+        self.branches.setdefault(parent, {})[(at, ordinal)] = branch
         self.running.add(branch)
-        plan.resume(seq)
+        self.search.plan.resume(seq)
 
-    def _end_path(self, path: SearchPath) -> None:
-        path.speculating = False
-        self.speculating.discard(path)
-        self.search.plan.park(path.seq)
+    def _end(self, lineage: Lineage) -> None:
+        self.running.discard(lineage)
+        if isinstance(lineage, SearchPath):
+            lineage.speculating = False
+        self.search.plan.park(lineage.seq)
 
-    def _end_branch(self, branch: Branch) -> None:
+    def _drop(self, branch: Branch) -> None:
+        self.release(branch)
+        self.tokens["discarded"] += branch.num_tokens
         self.running.discard(branch)
-        self.search.plan.park(branch.seq)
+        self.search.plan.release(branch.seq)
 
     # -- LookAhead verification -------------------------------------------------------------------
     def lookahead_unit(self, path: SearchPath, granularity: int, rollouts: int, delimiter: str) -> str | None:
-        """The path's next unit, if branch 0's tokens complete it and it will be scored alone
+        """The path's next unit, if its first step ahead is complete and it will be scored alone
         (granularity 1, no roll-out look-ahead): a verifier may score it along with this one."""
-        if path.spec_outcome is None or granularity != 1 or rollouts:
+        if not path.ahead or path.ahead[0].end is None or granularity != 1 or rollouts:
             return None
         tokenizer = self.search.host.tokenizer
-        unit = normalize_step(tokenizer.decode(path.seq.token_ids[path.step_end:], skip_special_tokens=True), delimiter)
+        ids = path.seq.token_ids[path.step_end:path.ahead[0].end]
+        unit = normalize_step(tokenizer.decode(ids, skip_special_tokens=True), delimiter)
         return unit if unit.strip() else None

@@ -74,3 +74,27 @@ def test_a_search_takes_fewer_decode_steps_when_children_start_ahead(tiny_llama)
     # What the step-cost model learns: the groups' last paths' head starts, steps saved, and every
     # speculative token decoded; none without speculation.
     assert saved[False] == (0, 0) and 0 < saved[True][0] < saved[True][1]
+
+
+def test_descendants_decode_several_steps_ahead_and_are_adopted(tiny_llama, monkeypatch):
+    """A branch that completes its step goes on and gets branches of its own; children adopt branches
+    holding more than one step, with branches below them; the search is the one without speculation."""
+    from runtime.search.speculation import Speculation
+
+    handed = []
+    hand_over = Speculation.hand_over
+
+    def watch(self, branch, child):
+        handed.append((len(branch.ahead), len(self.branches.get(branch, {}))))
+        hand_over(self, branch, child)
+
+    monkeypatch.setattr(Speculation, "hand_over", watch)
+    request = search_request("deep", strategy="beam", verifier="judge", **dict(SEARCH, max_steps=6, max_step_tokens=16))
+    results = {}
+    for speculative in (False, True):
+        engine = engine_for(tiny_llama, num_blocks=1024, speculative_extension=speculative)
+        results[speculative] = outcome(run_search(engine, request))
+        assert engine.pool.num_used == 0
+    assert results[True] == results[False]
+    assert any(steps > 1 for steps, _ in handed)  # a child adopted steps past its first
+    assert any(below > 0 for _, below in handed)  # and the branches below them
