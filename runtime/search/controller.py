@@ -31,7 +31,7 @@ from runtime.search.host import SearchHost
 from runtime.search.output import SearchOutput
 from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.plan import SearchPlan
-from runtime.search.speculation import Speculation
+from runtime.search.speculation import Branch, Speculation
 from runtime.search.steps import StepRules
 from runtime.search.strategies import Strategy, make_strategy
 from runtime.search.tree import TreeRecorder
@@ -143,7 +143,7 @@ class SearchController(SearchOutput):
         seq.owner = path
         return path
 
-    def child_sampling(self, parent, ordinal: int, at: int | None = None) -> SamplingState:
+    def child_sampling(self, parent: SearchPath | Branch, ordinal: int, at: int | None = None) -> SamplingState:
         """The sampler of `parent`'s `ordinal`-th new child at token index `at` (default: its step's
         end): its seed, and its grammar forked there (a speculative branch decoding the child before it
         exists gets this very state; `parent` may be such a branch itself)."""

@@ -26,7 +26,7 @@ class PathEvents(Protocol):
 
 
 @dataclass(eq=False)
-class Ahead:
+class StepAhead:
     """A step decoded speculatively (runtime.search.speculation): from `start`, the search's step
     `step`; once its tokens complete it, its `end` and the path's finish reason there."""
 
@@ -59,7 +59,7 @@ class SearchPath:
     lookahead_units: list[str] = field(default_factory=list)
     lookahead_logprobs: list[float] = field(default_factory=list)
     speculating: bool = False  # decoding past `step_end` in an idle slot (runtime.search.speculation)
-    ahead: list[Ahead] = field(default_factory=list)  # the steps decoded past `step_end`, in order
+    ahead: list[StepAhead] = field(default_factory=list)  # the steps decoded past `step_end`, in order
     next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
     step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
     node: int = 0  # its node in the search tree: the step being decoded, or the prompt before the first

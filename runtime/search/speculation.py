@@ -7,8 +7,8 @@ may get when the step it is decoding settles, decoded exactly as that child will
 - its branch k >= 1 is a fork at that step's end with the k-th new child's sampler seed and grammar
   fork (`SpeculationPort.child_sampling`, the very state the controller gives that child), so its
   tokens are that child's to the bit.
-Lineages go on step after step (an `Ahead` per step, with its end and finish once complete), and a
-branch that completes its step gets branches of its own: the children the child will have. So while
+Lineages go on step after step (a `StepAhead` per step, with its end and finish once complete),
+and a branch that completes its step gets branches of its own: the children the child will have. So while
 one slow path holds its step open, the likely survivors' descendants are decoding several steps
 ahead, and the search's decode steps approach its longest path. Verification never sees
 speculative tokens. When a step settles, a survivor's k-th child adopts branch k (its steps start
@@ -43,7 +43,7 @@ from runtime.model.sampler import SamplingState
 from runtime.search.anchor import ANCHOR_UID
 from runtime.search.aggregate import normalize_step
 from runtime.search.host import SearchHost
-from runtime.search.paths import Ahead, SearchPath
+from runtime.search.paths import SearchPath, StepAhead
 from runtime.search.plan import SearchPlan
 from runtime.search.steps import StepRules
 from scheduler.sequence import Sequence
@@ -59,7 +59,7 @@ class SpeculationPort(Protocol):
 
     rules: StepRules
 
-    def child_sampling(self, parent, ordinal: int, at: int | None = None) -> SamplingState: ...
+    def child_sampling(self, parent: "SearchPath | Branch", ordinal: int, at: int | None = None) -> SamplingState: ...
 
     def step_shape(self, step: int) -> tuple[bool, bool] | None: ...  # (runs to the end, its settling expands)
 
@@ -77,7 +77,7 @@ class Branch:
     seq: Sequence
     sampling: SamplingState
     potential: int  # its parent's, at the step's end it forked from
-    ahead: list[Ahead]
+    ahead: list[StepAhead]
     step_text: StepText | None = None
 
     @property
@@ -313,7 +313,7 @@ class Speculation:
     def _run(self, lineage: Lineage, at: int | None, step: int, resume: bool = True) -> None:
         """`lineage` decodes on: into step `step` from `at` (None: the step it began)."""
         if at is not None:
-            lineage.ahead.append(Ahead(at, step))
+            lineage.ahead.append(StepAhead(at, step))
         self.running.add(lineage)
         if isinstance(lineage, SearchPath):
             lineage.speculating = True
@@ -323,7 +323,7 @@ class Speculation:
     def _start_branch(self, parent: Lineage, at: int, ordinal: int, step: int, potential: int) -> None:
         seq = self.search.plan.fork(parent.seq, at)
         branch = Branch(self, parent.child_seed_key(ordinal, at), at, seq,
-                        self.search.child_sampling(parent, ordinal, at), potential, [Ahead(at, step)])
+                        self.search.child_sampling(parent, ordinal, at), potential, [StepAhead(at, step)])
         seq.owner = branch
         self.branches.setdefault(parent, {})[(at, ordinal)] = branch
         self.running.add(branch)

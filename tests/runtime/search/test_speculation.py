@@ -90,11 +90,21 @@ def test_descendants_decode_several_steps_ahead_and_are_adopted(tiny_llama, monk
 
     monkeypatch.setattr(Speculation, "hand_over", watch)
     request = search_request("deep", strategy="beam", verifier="judge", **dict(SEARCH, max_steps=6, max_step_tokens=16))
-    results = {}
+    results, accounts = {}, []
     for speculative in (False, True):
         engine = engine_for(tiny_llama, num_blocks=1024, speculative_extension=speculative)
+        finished = engine.search_finished
+
+        def account(controller, finished=finished):
+            accounts.append((dict(controller.speculation.tokens), controller.speculation.num_decoded))
+            finished(controller)
+
+        engine.search_finished = account
         results[speculative] = outcome(run_search(engine, request))
         assert engine.pool.num_used == 0
     assert results[True] == results[False]
     assert any(steps > 1 for steps, _ in handed)  # a child adopted steps past its first
     assert any(below > 0 for _, below in handed)  # and the branches below them
+    # Every speculative token decoded is counted once: used, adopted or discarded.
+    tokens, decoded = accounts[-1]
+    assert decoded > 0 and sum(tokens.values()) == decoded
