@@ -162,6 +162,24 @@ class SearchController(SearchOutput):
         verifies = (step + 1) % self.search.granularity == 0 or step + 1 >= self.search.max_steps
         return step >= self.search.max_steps - 1, verifies and self.strategy.expands
 
+    def score_ahead(self, logprobs: list[float]) -> float | None:
+        """The score the verifier will give a step of these sampled tokens' log-probabilities, where it
+        reads nothing else (`confidence`: free, and each step is a unit of its own with no roll-outs);
+        None where only verifying tells."""
+        score_of = getattr(self.verifier, "score_of", None)
+        if score_of is None or not self.strategy.uses_verifier or self.search.granularity != 1 or self.search.lookahead:
+            return None
+        return score_of(logprobs)
+
+    def children_limit(self, step: int) -> int:
+        """The fewest children a path surviving step `step` will get, as far as is known now: for the
+        step being decoded, as many as the strategy gives were every path still decoding to settle live
+        beside those live at its end (no more can survive); for a later step, a full step's."""
+        if step != self.step_index:
+            return self.strategy.widest_child(self.strategy.n)
+        live = sum(not p.is_done for p in self.stepped if p is not self.anchor)
+        return self.strategy.widest_child(live + sum(p is not self.anchor for p in self.generating))
+
     def count_token(self) -> None:
         self.stats["tokens_generated"] += 1
 
@@ -301,6 +319,7 @@ class SearchController(SearchOutput):
         elif was_active:
             self.plan.park(seq)
         self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
+        self.speculation.widen()  # fewer may be live when the step settles: more children each
         if was_active and not self.active:
             self.speculation.group_done(path)
         if not self.active and not self.advance_pending:

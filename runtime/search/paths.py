@@ -36,6 +36,7 @@ class StepAhead:
     end: int | None = None
     finish: str | None = None
     adopted: bool = False  # decoded by a branch that a child adopted (not by the path itself)
+    score: float | None = None  # the verifier's score of it, where that is free to read ahead (complete)
 
 
 @dataclass(eq=False)

@@ -16,16 +16,30 @@ ahead, or are already complete, and its branches become its own), the survivor k
 decoded ahead and the branches below them; branches past a survivor's children, and everything
 below a pruned path, are released.
 
-How many branches a lineage may get at a step's end is its speculative potential (FlashTTS section
-4.1.1): the bin its last step score falls in among `beam_width` equal bins of the range of the
-step's paths' last scores (verifiers score in ranges of their own), the highest bin giving
-`beam_width` branches. The first step has no score, and nothing tells its paths apart: they all
-count as the highest bin (every path's children are as many as any step's), as do paths whose scores
-are all equal. A branch has no score of its own: it has its parent's potential. Only the lineage
-itself goes on where the settling after the step expands nothing (best-of-n, a step granularity
-leaves unverified). Idle slots are handed out lazily, as lineages end their steps: the nearest step
-first, then the highest potential, then lower ordinals (going on as itself first), then in the order
-asked. A lineage that ends a step keeps its slot only where going on is the first thing wanted.
+How likely a lineage's children are is its speculative potential (FlashTTS section 4.1.1): the bin
+its score falls in among `beam_width` equal bins of a range of scores (verifiers score in ranges of
+their own), the highest bin giving `beam_width`. Where the verifier's score is free to read before
+the step settles (`confidence`: the step's own tokens' log-probabilities; `SpeculationPort.score_ahead`)
+the score is the one the step just completed will get, among that step's scores known so far, at any
+depth; otherwise it is the path's last score among the step's paths' last scores, and a branch has
+its parent's potential. The first step has no score, and nothing tells its paths apart: they all
+count as the highest bin, as do paths whose scores are all equal. Only the lineage itself goes on
+where the settling after the step expands nothing (best-of-n, a step granularity leaves unverified).
+
+How many children a survivor gets is the strategy's (`widest_child`): a beam refills all `n` paths
+from fewer survivors where paths finished or were duplicates, so a survivor may get more than
+`beam_width`. For the step being decoded the controller counts (`children_limit`) how many a
+survivor will get at least: as many as were every path still decoding to settle live (no more can
+survive); as paths finish, the paths that ended the step want more (`widen`). Each lineage wants
+that many children, those within its potential (scaled to that many) ranked with the next step, the
+others with the step after.
+
+Slots are handed out lazily, as lineages end their steps: the nearest rank first, then the highest
+potential, then lower ordinals (going on as itself first), then in the order asked. A lineage that
+ends a step keeps its slot only where going on is the first thing wanted. With no slot idle (or the
+step-cost model's cap reached), a running lineage ranked after a want yields its slot at its next
+token: it parks, wanted again as ranked before (`_make_way`), so the likely children need not wait for
+unlikely ones to end their steps.
 
 LookAhead verification (section 4.1.3): a reward model scoring a path whose first step ahead is
 complete scores both steps in one sequence (`lookahead_unit`); if the path goes on to that step its
@@ -64,6 +78,10 @@ class SpeculationPort(Protocol):
     def step_shape(self, step: int) -> tuple[bool, bool] | None: ...  # (runs to the end, its settling expands)
 
     def count_token(self) -> None: ...
+
+    def children_limit(self, step: int) -> int: ...  # the fewest children a survivor of the step gets
+
+    def score_ahead(self, logprobs: list[float]) -> float | None: ...  # a step's score, where it is free
 
 
 @dataclass(eq=False)
@@ -110,9 +128,13 @@ class Speculation:
         self.is_enabled = is_enabled
         self.is_open = False  # a step's group is decoding and the step after it is not the last
         self.score_range: tuple[float, float] | None = None  # of the step's paths' last scores
-        self.running: set[Lineage] = set()  # decoding speculatively now (paths past their step, branches)
+        self.running: dict[Lineage, tuple] = {}  # decoding speculatively now -> its want's (rank, -potential)
+        self.yielding: set[Lineage] = set()  # of them, those to give their slot to a want ranked before them
         self.branches: dict[Lineage, dict[tuple[int, int], Branch]] = {}  # lineage -> (fork at, ordinal) -> branch
         self.wants: list[tuple] = []  # (rank, -potential, ordinal, asked, lineage, fork at, step)
+        self.limits: dict[int, int] = {}  # step -> the children wanted per lineage at its end (children_limit)
+        self.reached: list[SearchPath] = []  # the paths that ended the step being decoded (they may widen)
+        self.known: dict[int, dict[tuple[int, ...], float]] = {}  # step -> lineage's seed key -> its free score
         self.num_asked = 0
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
         self.num_decoded = 0  # speculative tokens decoded, kept or not
@@ -127,9 +149,11 @@ class Speculation:
         scores = [p.step_scores[-1] for p in step if p.step_scores]
         self.score_range = (min(scores), max(scores)) if scores else None
         self.wants = []
+        self.reached = list(done)
         if self.is_open:
             for path in done:
                 self._walk(path)
+            self.widen()
             self._fill()
 
     def on_step_done(self, path: SearchPath) -> bool:
@@ -208,8 +232,14 @@ class Speculation:
         if reason is not None or ends_step:
             step.end, step.finish = len(lineage.seq.token_ids), reason
             if reason is None:
+                step.score = self.search.score_ahead(step.logprobs)
                 self._reached(lineage, step.end, step.step)
             self._go_on(lineage)
+        elif lineage in self.yielding:  # parks, wanted again to decode the rest of its step as ranked before
+            rank, minus_potential = self.running[lineage]
+            self._end(lineage)
+            self._want(step.step, lineage, 0, None, -minus_potential, rank)
+            self._fill(freed=1)
         elif not self._may_run():
             self._end(lineage)
 
@@ -234,12 +264,40 @@ class Speculation:
         with step `step` + 1, the others with the step after."""
         if self.search.step_shape(step + 1) is None:
             return
+        score = self._score(lineage, step)
+        if score is not None:
+            self.known.setdefault(step, {})[lineage.seed_key] = score
         potential = self._potential(lineage, step)
         self._want(step + 1, lineage, 0, at, potential)
+        if isinstance(lineage, SearchPath) and step == self.search.step_index and lineage not in self.reached:
+            self.reached.append(lineage)
+        limit = self.limits.setdefault(step, self.search.children_limit(step))
+        if self._expands(lineage, step):
+            self._want_children(lineage, at, step, potential, 1, limit)
+
+    def widen(self) -> None:
+        """A path ended the step being decoded, or finished: if fewer paths may settle live, the paths
+        that ended it want more children."""
+        step = self.search.step_index
+        if not self.is_open or self.search.step_shape(step + 1) is None:
+            return
+        before, limit = self.limits.get(step, self.beam_width), self.search.children_limit(step)
+        if limit <= before:
+            return
+        self.limits[step] = limit
+        for path in self.reached:
+            if not path.is_done and self._expands(path, step):
+                self._want_children(path, path.step_end, step, self._potential(path, step), before, limit)
+        self._fill()
+
+    def _want_children(self, lineage: Lineage, at: int, step: int, potential: int, first: int, limit: int) -> None:
+        """Want `lineage`'s children `first` to `limit` - 1 at step `step`'s end (token index `at`), those
+        within its potential (scaled to `limit` children) ranked with the next step, the others after."""
+        within = -(-potential * limit // self.beam_width)
         have = self.branches.get(lineage, {})
-        for ordinal in range(1, self.beam_width if self._expands(lineage, step) else 1):
+        for ordinal in range(first, limit):
             if (at, ordinal) not in have:
-                self._want(step + 1, lineage, ordinal, at, potential)
+                self._want(step + 1, lineage, ordinal, at, potential, step + 1 + (ordinal >= within))
 
     def _expands(self, lineage: Lineage, step: int) -> bool:
         """Whether `lineage` may have children at step `step`'s end (the greedy anchor never has)."""
@@ -247,21 +305,42 @@ class Speculation:
         return shape is not None and shape[1] and not (isinstance(lineage, SearchPath) and lineage.uid == ANCHOR_UID)
 
     def _potential(self, lineage: Lineage, step: int) -> int:
-        """Its most children at step `step`'s end: the bin of its last score among `beam_width` equal
-        bins of the step's range of last scores (the highest: `beam_width`; all of them where the scores
-        do not differ), a branch its parent's. The greedy anchor never has children: it decodes on as
-        itself alone."""
+        """Its most children at step `step`'s end: the bin of its score among `beam_width` equal bins of
+        the range of scores (the highest: `beam_width`; all of them where the scores do not differ). The
+        score is that of the step itself where the verifier's is free to read (`_score`), among the scores
+        of that step known so far; otherwise its last score among the step's paths' last scores, a
+        branch's its parent's potential. The greedy anchor never has children: it decodes on as itself
+        alone."""
         if not self._expands(lineage, step):
             return 1
-        if isinstance(lineage, Branch):
+        score = self._score(lineage, step)
+        if score is not None:
+            known = [score, *self.known.get(step, {}).values()]
+            low, high = min(known), max(known)
+        elif isinstance(lineage, Branch):
             return lineage.potential
-        if not lineage.step_scores or self.score_range is None or self.score_range[1] <= self.score_range[0]:
+        elif lineage.step_scores and self.score_range is not None:
+            score, (low, high) = lineage.step_scores[-1], self.score_range
+        else:
             return self.beam_width
-        low, high = self.score_range
-        return min(self.beam_width, 1 + int((lineage.step_scores[-1] - low) / (high - low) * self.beam_width))
+        if high <= low:
+            return self.beam_width
+        return min(self.beam_width, 1 + int((score - low) / (high - low) * self.beam_width))
 
-    def _want(self, step: int, lineage: Lineage, ordinal: int, at: int | None, potential: int) -> None:
-        rank = step + (ordinal >= max(1, potential))  # a child past its potential ranks with the next step
+    def _score(self, lineage: Lineage, step: int) -> float | None:
+        """The verifier's score of `lineage`'s step `step`, where it is free to read before settling
+        (`SpeculationPort.score_ahead`) and the step is complete; None otherwise."""
+        for ahead in lineage.ahead:
+            if ahead.step == step:
+                return ahead.score
+        if isinstance(lineage, SearchPath) and step == self.search.step_index and lineage.step_end > lineage.step_start:
+            return self.search.score_ahead(lineage.chunk_logprobs)
+        return None
+
+    def _want(self, step: int, lineage: Lineage, ordinal: int, at: int | None, potential: int,
+              rank: int | None = None) -> None:
+        if rank is None:
+            rank = step + (ordinal >= max(1, potential))  # a child past its potential ranks with the next step
         self.wants.append((rank, -potential, ordinal, self.num_asked, lineage, at, step))
         self.num_asked += 1
 
@@ -287,7 +366,7 @@ class Speculation:
         more = 0 if lineage in self.running else 1
         if first is not None and first[4] is lineage and first[2] == 0 and self._may_run(more):
             self.wants.pop(0)
-            self._run(lineage, first[5], first[6], resume=False)
+            self._run(lineage, first[5], first[6], first[:2], resume=False)
             self._fill()
             return
         self._end(lineage)
@@ -295,42 +374,59 @@ class Speculation:
 
     def _fill(self, freed: int = 0) -> None:
         """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
-        engine does not count yet), nearest step and highest potential first."""
+        engine does not count yet), nearest step and highest potential first. With no slot idle, a
+        want ranked before the last running lineage takes its slot (that lineage parks, wanted again)."""
         self.wants.sort(key=lambda w: w[:4])
         started = 0
         while self.wants and self.is_open:
             host = self.search.host
             cap = host.speculative_row_cap(self.num_rows)
-            if host.num_idle_slots() + freed <= started or (cap is not None and self.num_rows >= cap):
+            if (cap is not None and self.num_rows >= cap) or host.num_idle_slots() + freed <= started:
+                self._make_way()
                 break
-            _, minus_potential, ordinal, _, lineage, at, step = self.wants.pop(0)
+            rank, minus_potential, ordinal, _, lineage, at, step = self.wants.pop(0)
+            if ordinal and (at, ordinal) in self.branches.get(lineage, {}):
+                continue  # wanted again (sooner) and started meanwhile
             if ordinal == 0:
-                self._run(lineage, at, step)
+                self._run(lineage, at, step, (rank, minus_potential))
             else:
-                self._start_branch(lineage, at, ordinal, step, -minus_potential)
+                self._start_branch(lineage, at, ordinal, step, (rank, minus_potential))
             started += 1  # its fork or resume runs once the engine carries the plan out
 
-    def _run(self, lineage: Lineage, at: int | None, step: int, resume: bool = True) -> None:
+    def _make_way(self) -> None:
+        """No slot is idle: the running lineages ranked after wants yield their slots to them, each at
+        its next token (then it parks, wanted again as it was), the last ranked first."""
+        order = sorted((key, i) for i, (lineage, key) in enumerate(self.running.items()) if lineage not in self.yielding)
+        lineages = list(self.running)
+        for want in self.wants[len(self.yielding):len(self.yielding) + len(order)]:  # the first have their slots coming
+            key, i = order.pop()
+            if want[:2] >= key:
+                return
+            self.yielding.add(lineages[i])
+
+    def _run(self, lineage: Lineage, at: int | None, step: int, key: tuple, resume: bool = True) -> None:
         """`lineage` decodes on: into step `step` from `at` (None: the step it began)."""
         if at is not None:
             lineage.ahead.append(StepAhead(at, step))
-        self.running.add(lineage)
+        self.running[lineage] = key
+        self.yielding.discard(lineage)  # (going on as the first thing wanted)
         if isinstance(lineage, SearchPath):
             lineage.speculating = True
         if resume:
             self.search.plan.resume(lineage.seq)
 
-    def _start_branch(self, parent: Lineage, at: int, ordinal: int, step: int, potential: int) -> None:
+    def _start_branch(self, parent: Lineage, at: int, ordinal: int, step: int, key: tuple) -> None:
         seq = self.search.plan.fork(parent.seq, at)
         branch = Branch(self, parent.child_seed_key(ordinal, at), at, seq,
-                        self.search.child_sampling(parent, ordinal, at), potential, [StepAhead(at, step)])
+                        self.search.child_sampling(parent, ordinal, at), -key[1], [StepAhead(at, step)])
         seq.owner = branch
         self.branches.setdefault(parent, {})[(at, ordinal)] = branch
-        self.running.add(branch)
+        self.running[branch] = key
         self.search.plan.resume(seq)
 
     def _end(self, lineage: Lineage) -> None:
-        self.running.discard(lineage)
+        self.running.pop(lineage, None)
+        self.yielding.discard(lineage)
         if isinstance(lineage, SearchPath):
             lineage.speculating = False
         self.search.plan.park(lineage.seq)
@@ -338,7 +434,7 @@ class Speculation:
     def _drop(self, branch: Branch) -> None:
         self.release(branch)
         self.tokens["discarded"] += branch.num_tokens
-        self.running.discard(branch)
+        self.running.pop(branch, None)
         self.search.plan.release(branch.seq)
 
     # -- LookAhead verification -------------------------------------------------------------------

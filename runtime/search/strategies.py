@@ -90,6 +90,11 @@ class Strategy:
     def expand(self, live: Sequence[PathView]) -> Expansion:
         raise NotImplementedError
 
+    def widest_child(self, num_live: int) -> int:
+        """The most children one survivor gets when `num_live` live paths settle (speculation decodes
+        that many ahead)."""
+        return self.beam_width
+
     def num_first_wave(self) -> int:
         """How many of the initial paths start at once; the others start, forked from the prompt, when
         none of those is live any more."""
@@ -124,6 +129,10 @@ class BeamSearch(Strategy):
         keep = max(1, self.n // self.beam_width)
         survivors = rank(drop_duplicates(live))[:keep]
         return _counts(survivors, self.n) if survivors else Expansion((), ())
+
+    def widest_child(self, num_live: int) -> int:
+        """Fewer survivors than it keeps share all `n` children (the refill)."""
+        return math.ceil(self.n / min(max(1, self.n // self.beam_width), max(1, num_live)))
 
 
 class DynamicBranching(Strategy):

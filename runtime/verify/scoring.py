@@ -46,6 +46,12 @@ class ConfidenceScorer:
         for path in paths:
             controller.on_score(path, unit_confidence(path))
 
+    @staticmethod
+    def score_of(logprobs) -> float:
+        """The score `submit` gives a unit of these sampled tokens' log-probabilities (no look-ahead):
+        speculation reads it for a step decoded ahead, before any path exists to score."""
+        return confidence_from_logprobs(logprobs)
+
 
 class CalculatorScorer:
     name = "calculator"

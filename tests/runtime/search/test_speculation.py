@@ -108,3 +108,41 @@ def test_descendants_decode_several_steps_ahead_and_are_adopted(tiny_llama, monk
     # Every speculative token decoded is counted once: used, adopted or discarded.
     tokens, decoded = accounts[-1]
     assert decoded > 0 and sum(tokens.values()) == decoded
+
+
+def test_branches_yield_their_slots_to_likelier_children_and_fewer_survivors_want_more(tiny_llama, monkeypatch):
+    """With 12 rows, a running lineage ranked after a want gives up its slot at its next token and
+    decodes the rest of its step later; paths finishing early leave fewer survivors than the beam
+    keeps (4 of 8), whose children past `beam_width` are wanted; the confidence verifier's step
+    scores are read ahead. The search is the one without speculation, for every seed."""
+    from runtime.search.speculation import Speculation
+
+    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0}
+    make_way, want, score = Speculation._make_way, Speculation._want, Speculation._score
+
+    def watch_make_way(self):
+        before = len(self.yielding)
+        make_way(self)
+        seen["yielded"] += len(self.yielding) - before
+
+    def watch_want(self, step, lineage, ordinal, *rest):
+        seen["past_width"] += ordinal >= self.beam_width
+        want(self, step, lineage, ordinal, *rest)
+
+    def watch_score(self, lineage, step):
+        found = score(self, lineage, step)
+        seen["scored_ahead"] += found is not None
+        return found
+
+    monkeypatch.setattr(Speculation, "_make_way", watch_make_way)
+    monkeypatch.setattr(Speculation, "_want", watch_want)
+    monkeypatch.setattr(Speculation, "_score", watch_score)
+    engines = {speculative: engine_for(tiny_llama, num_blocks=1024, max_num_seqs=12, speculative_extension=speculative)
+               for speculative in (False, True)}
+    for seed in (11, 12, 13):
+        request = with_seed(search_request(f"yield-{seed}", strategy="beam", verifier="confidence",
+                                           **dict(SEARCH, beam_width=2, max_steps=6, max_step_tokens=16)), seed)
+        results = {speculative: outcome(run_search(engine, request)) for speculative, engine in engines.items()}
+        assert results[True] == results[False]
+        assert engines[True].pool.num_used == 0
+    assert all(count > 0 for count in seen.values()), seen
