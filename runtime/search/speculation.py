@@ -259,9 +259,9 @@ class Speculation:
             self._walk(branch)
 
     def _reached(self, lineage: Lineage, at: int, step: int) -> None:
-        """`lineage`'s tokens complete step `step` at token index `at`: it may go on as itself, and
-        branches may fork there for up to `beam_width` children, those within its potential ranked
-        with step `step` + 1, the others with the step after."""
+        """`lineage`'s tokens complete step `step` at token index `at` (its score there is known where it
+        is free): it may go on as itself, and branches may fork there for the children a survivor will
+        get (`_want_children`)."""
         if self.search.step_shape(step + 1) is None:
             return
         score = self._score(lineage, step)
@@ -374,8 +374,8 @@ class Speculation:
 
     def _fill(self, freed: int = 0) -> None:
         """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
-        engine does not count yet), nearest step and highest potential first. With no slot idle, a
-        want ranked before the last running lineage takes its slot (that lineage parks, wanted again)."""
+        engine does not count yet), nearest step and highest potential first. With no slot idle (or the
+        cap reached), running lineages ranked after the first wants yield their slots (`_make_way`)."""
         self.wants.sort(key=lambda w: w[:4])
         started = 0
         while self.wants and self.is_open:

@@ -91,8 +91,8 @@ class Strategy:
         raise NotImplementedError
 
     def widest_child(self, num_live: int) -> int:
-        """The most children one survivor gets when `num_live` live paths settle (speculation decodes
-        that many ahead)."""
+        """How many children speculation decodes ahead for one survivor when `num_live` live paths
+        settle: the most it gets where the count alone tells (beam search), else `beam_width`."""
         return self.beam_width
 
     def num_first_wave(self) -> int:
