@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from types import SimpleNamespace
 
 from runtime.grammar.matcher import Grammar
 from runtime.wire.protocol import SamplingParams, SearchParams
 from runtime.model.sampler import SamplingState, derive_seed
 from runtime.search.ahead import Rollouts
 from runtime.search.anchor import ANCHOR_UID, anchor_params
-from runtime.search.aggregate import normalize_step
+from runtime.search.aggregate import aggregate, normalize_step
 from runtime.search.answers import compile_answer_pattern
 from runtime.search.host import SearchHost
 from runtime.search.output import SearchOutput
@@ -179,6 +180,21 @@ class SearchController(SearchOutput):
             return self.strategy.widest_child(self.strategy.n)
         live = sum(not p.is_done for p in self.stepped if p is not self.anchor)
         return self.strategy.widest_child(live + sum(p is not self.anchor for p in self.generating))
+
+    def surely_pruned(self, path: SearchPath) -> bool:
+        """Whether `path`, live at the end of the step being decoded, is pruned when the step settles
+        whatever the paths still decoding do: the strategy's rule over the live paths that ended the
+        step, scored ahead (only a free verifier's scores tell; otherwise never)."""
+        ended, mine = [], None
+        for p in self.stepped:
+            if p.is_done or p is self.anchor:
+                continue
+            score = self.score_ahead(p.chunk_logprobs)
+            if score is None:
+                return False
+            ended.append(SimpleNamespace(uid=p.uid, text=p.text, score=aggregate(p.step_scores + [score], p.aggregation)))
+            mine = ended[-1] if p is path else mine
+        return mine is not None and self.strategy.surely_pruned(mine, ended)
 
     def count_token(self) -> None:
         self.stats["tokens_generated"] += 1

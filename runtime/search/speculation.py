@@ -81,6 +81,8 @@ class SpeculationPort(Protocol):
 
     def children_limit(self, step: int) -> int: ...  # the fewest children a survivor of the step gets
 
+    def surely_pruned(self, path: SearchPath) -> bool: ...  # pruned at the step's settling, whatever comes
+
     def score_ahead(self, logprobs: list[float]) -> float | None: ...  # a step's score, where it is free
 
 
@@ -130,6 +132,7 @@ class Speculation:
         self.score_range: tuple[float, float] | None = None  # of the step's paths' last scores
         self.running: dict[Lineage, tuple] = {}  # decoding speculatively now -> its want's (rank, -potential)
         self.yielding: set[Lineage] = set()  # of them, those to give their slot to a want ranked before them
+        self.doomed: set[Lineage] = set()  # paths surely pruned at the settling and everything below them
         self.branches: dict[Lineage, dict[tuple[int, int], Branch]] = {}  # lineage -> (fork at, ordinal) -> branch
         self.wants: list[tuple] = []  # (rank, -potential, ordinal, asked, lineage, fork at, step)
         self.limits: dict[int, int] = {}  # step -> the children wanted per lineage at its end (children_limit)
@@ -198,6 +201,7 @@ class Speculation:
         """The step's group is done: every speculative slot is given back, lineages keep their tokens,
         parked, and none starts until the next group."""
         self.is_open = False
+        self.doomed = set()  # (the next group's opening finds them again; the settling releases them)
         self.pause()
 
     def pause(self) -> None:
@@ -238,7 +242,8 @@ class Speculation:
         elif lineage in self.yielding:  # parks, wanted again to decode the rest of its step as ranked before
             rank, minus_potential = self.running[lineage]
             self._end(lineage)
-            self._want(step.step, lineage, 0, None, -minus_potential, rank)
+            if lineage not in self.doomed:
+                self._want(step.step, lineage, 0, None, -minus_potential, rank)
             self._fill(freed=1)
         elif not self._may_run():
             self._end(lineage)
@@ -281,6 +286,7 @@ class Speculation:
         step = self.search.step_index
         if not self.is_open or self.search.step_shape(step + 1) is None:
             return
+        self._doom()
         before, limit = self.limits.get(step, self.beam_width), self.search.children_limit(step)
         if limit <= before:
             return
@@ -289,6 +295,22 @@ class Speculation:
             if not path.is_done and self._expands(path, step):
                 self._want_children(path, path.step_end, step, self._potential(path, step), before, limit)
         self._fill()
+
+    def _doom(self) -> None:
+        """The paths that ended the step and are surely pruned when it settles (a free verifier's scores
+        tell: `SpeculationPort.surely_pruned`) want nothing more, nor does anything below them; what of
+        it runs yields its slot at its next token, not to be wanted again."""
+        for path in self.reached:
+            if path in self.doomed or path.is_done or not self.search.surely_pruned(path):
+                continue
+            below, todo = set(), [path]
+            while todo:
+                lineage = todo.pop()
+                below.add(lineage)
+                todo.extend(self.branches.get(lineage, {}).values())
+            self.doomed |= below
+            self.wants = [w for w in self.wants if w[4] not in below]
+            self.yielding |= below & self.running.keys()
 
     def _want_children(self, lineage: Lineage, at: int, step: int, potential: int, first: int, limit: int) -> None:
         """Want `lineage`'s children `first` to `limit` - 1 at step `step`'s end (token index `at`), those
@@ -339,6 +361,8 @@ class Speculation:
 
     def _want(self, step: int, lineage: Lineage, ordinal: int, at: int | None, potential: int,
               rank: int | None = None) -> None:
+        if lineage in self.doomed:
+            return
         if rank is None:
             rank = step + (ordinal >= max(1, potential))  # a child past its potential ranks with the next step
         self.wants.append((rank, -potential, ordinal, self.num_asked, lineage, at, step))

@@ -50,6 +50,15 @@ def drop_duplicates(paths: Sequence[PathView]) -> list[PathView]:
     return kept
 
 
+def _outranked(path: PathView, ended: Sequence[PathView], keep: int) -> bool:
+    """Whether `path` is out of `rank(drop_duplicates(live))[:keep]` whatever other paths join `ended`:
+    a path of its text with a lower uid drops it, or `keep` other texts rank above it (paths of one
+    text have one score: the same tokens), and paths joining only add to them."""
+    if any(p.text == path.text and p.uid < path.uid for p in ended):
+        return True
+    return len({p.text for p in ended if (-p.score, p.uid) < (-path.score, path.uid)}) >= keep
+
+
 def _counts(parents: Sequence[PathView], total: int) -> Expansion:
     """Cyclic refill of `parents` (best first) to `total` paths, as children counts per parent."""
     counts: dict[int, int] = {}
@@ -95,6 +104,11 @@ class Strategy:
         settle: the most it gets where the count alone tells (beam search), else `beam_width`."""
         return self.beam_width
 
+    def surely_pruned(self, path: PathView, ended: Sequence[PathView]) -> bool:
+        """Whether `path` is pruned when its step settles whatever the paths still decoding do, given
+        the live paths `ended` that ended the step with their final scores (`path` among them)."""
+        return False
+
     def num_first_wave(self) -> int:
         """How many of the initial paths start at once; the others start, forked from the prompt, when
         none of those is live any more."""
@@ -130,6 +144,9 @@ class BeamSearch(Strategy):
         survivors = rank(drop_duplicates(live))[:keep]
         return _counts(survivors, self.n) if survivors else Expansion((), ())
 
+    def surely_pruned(self, path: PathView, ended: Sequence[PathView]) -> bool:
+        return _outranked(path, ended, max(1, self.n // self.beam_width))
+
     def widest_child(self, num_live: int) -> int:
         """Fewer survivors than it keeps share all `n` children (the refill)."""
         return math.ceil(self.n / min(max(1, self.n // self.beam_width), max(1, num_live)))
@@ -148,6 +165,9 @@ class DynamicBranching(Strategy):
         counts = allocate_children([p.score for p in survivors], self.n)
         pairs = [(p.uid, c) for p, c in zip(survivors, counts) if c > 0]
         return Expansion(tuple(u for u, _ in pairs), tuple(c for _, c in pairs))
+
+    def surely_pruned(self, path: PathView, ended: Sequence[PathView]) -> bool:
+        return _outranked(path, ended, max(1, self.n // self.beam_width))
 
 
 class DVTS(Strategy):

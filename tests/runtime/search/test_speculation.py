@@ -110,15 +110,21 @@ def test_descendants_decode_several_steps_ahead_and_are_adopted(tiny_llama, monk
     assert decoded > 0 and sum(tokens.values()) == decoded
 
 
-def test_branches_yield_their_slots_to_likelier_children_and_fewer_survivors_want_more(tiny_llama, monkeypatch):
+def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pruned_stop(tiny_llama, monkeypatch):
     """With 12 rows, a running lineage ranked after a want gives up its slot at its next token and
     decodes the rest of its step later; paths finishing early leave fewer survivors than the beam
     keeps (4 of 8), whose children past `beam_width` are wanted; the confidence verifier's step
-    scores are read ahead. The search is the one without speculation, for every seed."""
+    scores are read ahead, and paths they surely prune stop speculating before the step settles. The
+    search is the one without speculation, for every seed."""
     from runtime.search.speculation import Speculation
 
-    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0}
-    make_way, want, score = Speculation._make_way, Speculation._want, Speculation._score
+    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0}
+    make_way, want, score, doom = Speculation._make_way, Speculation._want, Speculation._score, Speculation._doom
+
+    def watch_doom(self):
+        before = len(self.doomed)
+        doom(self)
+        seen["doomed"] += len(self.doomed) - before
 
     def watch_make_way(self):
         before = len(self.yielding)
@@ -137,6 +143,7 @@ def test_branches_yield_their_slots_to_likelier_children_and_fewer_survivors_wan
     monkeypatch.setattr(Speculation, "_make_way", watch_make_way)
     monkeypatch.setattr(Speculation, "_want", watch_want)
     monkeypatch.setattr(Speculation, "_score", watch_score)
+    monkeypatch.setattr(Speculation, "_doom", watch_doom)
     engines = {speculative: engine_for(tiny_llama, num_blocks=1024, max_num_seqs=12, speculative_extension=speculative)
                for speculative in (False, True)}
     for seed in (11, 12, 13):
@@ -146,3 +153,36 @@ def test_branches_yield_their_slots_to_likelier_children_and_fewer_survivors_wan
         assert results[True] == results[False]
         assert engines[True].pool.num_used == 0
     assert all(count > 0 for count in seen.values()), seen
+
+
+@pytest.mark.parametrize("strategy", ["beam", "dynamic_branching"])
+def test_a_path_surely_pruned_is_pruned_whatever_paths_join(strategy):
+    """The sure-pruning rule speculation reads ahead against the strategy's own `expand`: a path it
+    calls pruned, given the live paths that ended the step, is no parent in any expansion of those
+    paths and others that end later (paths of one text have one score, as the same tokens do)."""
+    import random
+    from types import SimpleNamespace
+
+    from runtime.search.strategies import make_strategy
+
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(300):
+        n, beam_width = rng.choice([(8, 4), (16, 4), (8, 2), (6, 3)])
+        rule = make_strategy(strategy, n, beam_width)
+        score_of = {}  # text -> its score
+
+        def path(uid):
+            text = rng.choice("abcdefghij")
+            return SimpleNamespace(uid=uid, subtree=0, is_done=False, text=text,
+                                   score=score_of.setdefault(text, rng.choice([0.1, 0.2, 0.3, 0.5, 0.8])))
+
+        uids = rng.sample(range(40), rng.randint(2, 14))
+        ended = [path(uid) for uid in uids[:rng.randint(1, len(uids))]]
+        later = [path(uid) for uid in uids[len(ended):]]
+        for p in ended:
+            if rule.surely_pruned(p, ended):
+                checked += 1
+                for joined in (ended, ended + later, ended + later[:1]):
+                    assert p.uid not in rule.expand(joined).parents
+    assert checked > 50
