@@ -32,7 +32,9 @@ from fewer survivors where paths finished or were duplicates, so a survivor may 
 survivor will get at least: as many as were every path still decoding to settle live (no more can
 survive); as paths finish, the paths that ended the step want more (`widen`). Each lineage wants
 that many children, those within its potential (scaled to that many) ranked with the next step, the
-others with the step after.
+others with the step after. Where the scores are free, a path that ended the step and is surely
+pruned when it settles (`SpeculationPort.surely_pruned`) wants nothing more, nor does anything below
+it, and what of it runs yields its slot.
 
 Slots are handed out lazily, as lineages end their steps: the nearest rank first, then the highest
 potential, then lower ordinals (going on as itself first), then in the order asked. A lineage that
