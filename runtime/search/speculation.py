@@ -301,7 +301,9 @@ class Speculation:
     def _doom(self) -> None:
         """The paths that ended the step and are surely pruned when it settles (a free verifier's scores
         tell: `SpeculationPort.surely_pruned`) want nothing more, nor does anything below them; what of
-        it runs yields its slot at its next token, not to be wanted again."""
+        it runs yields its slot at its next token, not to be wanted again. (The rule takes paths of one
+        text to have one score; were it ever wrong, a child would decode after the settling instead of
+        ahead: the same tokens, later.)"""
         for path in self.reached:
             if path in self.doomed or path.is_done or not self.search.surely_pruned(path):
                 continue
