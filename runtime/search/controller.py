@@ -335,7 +335,7 @@ class SearchController(SearchOutput):
         elif was_active:
             self.plan.park(seq)
         self.stepped.append(path)  # (a queued path sampled its first token and stays parked)
-        self.speculation.widen()  # fewer may be live when the step settles: more children each
+        self.speculation.path_ended()  # what is known of the settling changed (pruned for sure, fewer live)
         if was_active and not self.active:
             self.speculation.group_done(path)
         if not self.active and not self.advance_pending:

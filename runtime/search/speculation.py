@@ -30,7 +30,7 @@ How many children a survivor gets is the strategy's (`widest_child`): a beam ref
 from fewer survivors where paths finished or were duplicates, so a survivor may get more than
 `beam_width`. For the step being decoded the controller counts (`children_limit`) how many a
 survivor will get at least: as many as were every path still decoding to settle live (no more can
-survive); as paths finish, the paths that ended the step want more (`widen`). Each lineage wants
+survive); as paths finish, the paths that ended the step want more (`path_ended`). Each lineage wants
 that many children, those within its potential (scaled to that many) ranked with the next step, the
 others with the step after. Where the scores are free, a path that ended the step and is surely
 pruned when it settles (`SpeculationPort.surely_pruned`) wants nothing more, nor does anything below
@@ -138,7 +138,7 @@ class Speculation:
         self.branches: dict[Lineage, dict[tuple[int, int], Branch]] = {}  # lineage -> (fork at, ordinal) -> branch
         self.wants: list[tuple] = []  # (rank, -potential, ordinal, asked, lineage, fork at, step)
         self.limits: dict[int, int] = {}  # step -> the children wanted per lineage at its end (children_limit)
-        self.reached: list[SearchPath] = []  # the paths that ended the step being decoded (they may widen)
+        self.reached: list[SearchPath] = []  # the paths that ended the step being decoded (`path_ended`)
         self.known: dict[int, dict[tuple[int, ...], float]] = {}  # step -> lineage's seed key -> its free score
         self.num_asked = 0
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
@@ -158,7 +158,7 @@ class Speculation:
         if self.is_open:
             for path in done:
                 self._walk(path)
-            self.widen()
+            self.path_ended()
             self._fill()
 
     def on_step_done(self, path: SearchPath) -> bool:
@@ -282,9 +282,10 @@ class Speculation:
         if self._expands(lineage, step):
             self._want_children(lineage, at, step, potential, 1, limit)
 
-    def widen(self) -> None:
-        """A path ended the step being decoded, or finished: if fewer paths may settle live, the paths
-        that ended it want more children."""
+    def path_ended(self) -> None:
+        """A path ended the step being decoded, or finished (or a group opened): the paths surely pruned
+        now stop (`_doom`), and if fewer paths may settle live, the paths that ended the step want more
+        children."""
         step = self.search.step_index
         if not self.is_open or self.search.step_shape(step + 1) is None:
             return

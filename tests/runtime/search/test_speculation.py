@@ -1,10 +1,15 @@
 """Speculative branches decode exactly the children they become: a search's tokens, scores and answers
 are the same with speculation on and off, for every strategy that expands, with a verifier that reads
-logits (the judge) and one that reads text (calculator), and several seeds."""
+logits (the judge) and one that reads text (calculator), and several seeds; and with the confidence
+verifier, whose scores speculation reads ahead, with few rows and beams refilled from fewer survivors."""
+
+import random
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
+from runtime.search.strategies import make_strategy
 from runtime.wire.protocol import Delta, Finished
 from bench.steps import StepLog
 from tests.runtime.engine_helpers import engine_for
