@@ -181,20 +181,14 @@ class SearchController(SearchOutput):
         live = sum(not p.is_done for p in self.stepped if p is not self.anchor)
         return self.strategy.widest_child(live + sum(p is not self.anchor for p in self.generating))
 
-    def surely_pruned(self, path: SearchPath) -> bool:
-        """Whether `path`, live at the end of the step being decoded, is pruned when the step settles
-        whatever the paths still decoding do: the strategy's rule over the live paths that ended the
-        step, scored ahead (only a free verifier's scores tell; otherwise never)."""
-        ended, mine = [], None
-        for p in self.stepped:
-            if p.is_done or p is self.anchor:
-                continue
-            score = self.score_ahead(p.chunk_logprobs)
-            if score is None:
-                return False
-            ended.append(SimpleNamespace(uid=p.uid, text=p.text, score=aggregate(p.step_scores + [score], p.aggregation)))
-            mine = ended[-1] if p is path else mine
-        return mine is not None and self.strategy.surely_pruned(mine, ended)
+    def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]:
+        """Of live paths that ended the step being decoded, with their step's scores (a free verifier's,
+        read ahead), those pruned when the step settles whatever the paths still decoding do: the
+        strategy's rule over them."""
+        views = [SimpleNamespace(uid=p.uid, text=p.text, score=aggregate(p.step_scores + [score], p.aggregation))
+                 for p, score in scores.items()]
+        pruned = self.strategy.surely_pruned(views)
+        return {p for p in scores if p.uid in pruned}
 
     def count_token(self) -> None:
         self.stats["tokens_generated"] += 1

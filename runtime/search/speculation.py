@@ -83,7 +83,7 @@ class SpeculationPort(Protocol):
 
     def children_limit(self, step: int) -> int: ...  # the fewest children a survivor of the step gets
 
-    def surely_pruned(self, path: SearchPath) -> bool: ...  # pruned at the step's settling, whatever comes
+    def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]: ...  # pruned at the settling, whatever comes
 
     def score_ahead(self, logprobs: list[float]) -> float | None: ...  # a step's score, where it is free
 
@@ -304,10 +304,13 @@ class Speculation:
         tell: `SpeculationPort.surely_pruned`) want nothing more, nor does anything below them; what of
         it runs yields its slot at its next token, not to be wanted again. (The rule takes paths of one
         text to have one score; were it ever wrong, a child would decode after the settling instead of
-        ahead: the same tokens, later.)"""
-        for path in self.reached:
-            if path in self.doomed or path.is_done or not self.search.surely_pruned(path):
-                continue
+        ahead: the same tokens, later.) The scores are those `_reached` read; a path without one counts
+        as not there, which can only leave a path not doomed."""
+        step = self.search.step_index
+        known = self.known.get(step, {})
+        scores = {p: known[p.seed_key] for p in self.reached
+                  if not p.is_done and self._expands(p, step) and p.seed_key in known}
+        for path in self.search.surely_pruned(scores) - self.doomed if scores else ():
             below, todo = set(), [path]
             while todo:
                 lineage = todo.pop()

@@ -50,13 +50,19 @@ def drop_duplicates(paths: Sequence[PathView]) -> list[PathView]:
     return kept
 
 
-def _outranked(path: PathView, ended: Sequence[PathView], keep: int) -> bool:
-    """Whether `path` is out of `rank(drop_duplicates(live))[:keep]` whatever other paths join `ended`:
-    a path of its text with a lower uid drops it, or `keep` other texts rank above it (paths of one
-    text have one score: the same tokens), and paths joining only add to them."""
-    if any(p.text == path.text and p.uid < path.uid for p in ended):
-        return True
-    return len({p.text for p in ended if (-p.score, p.uid) < (-path.score, path.uid)}) >= keep
+def _outranked(ended: Sequence[PathView], keep: int) -> set[int]:
+    """The uids of the paths of `ended` out of `rank(drop_duplicates(live))[:keep]` whatever other paths
+    join them: a path of its text with a lower uid drops it, or `keep` other texts rank above it (paths
+    of one text have one score: the same tokens), and paths joining only add to them."""
+    lowest: dict[str, int] = {}
+    for p in ended:
+        lowest[p.text] = min(lowest.get(p.text, p.uid), p.uid)
+    out, above = set(), set()
+    for p in rank(ended):
+        if lowest[p.text] < p.uid or len(above) >= keep:
+            out.add(p.uid)
+        above.add(p.text)
+    return out
 
 
 def _counts(parents: Sequence[PathView], total: int) -> Expansion:
@@ -104,10 +110,10 @@ class Strategy:
         settle: the most it gets where the count alone tells (beam search), else `beam_width`."""
         return self.beam_width
 
-    def surely_pruned(self, path: PathView, ended: Sequence[PathView]) -> bool:
-        """Whether `path` is pruned when its step settles whatever the paths still decoding do, given
-        the live paths `ended` that ended the step with their final scores (`path` among them)."""
-        return False
+    def surely_pruned(self, ended: Sequence[PathView]) -> set[int]:
+        """The uids of the live paths `ended`, which ended the step with their final scores, that are
+        pruned when it settles whatever the paths still decoding do."""
+        return set()
 
     def num_first_wave(self) -> int:
         """How many of the initial paths start at once; the others start, forked from the prompt, when
@@ -144,8 +150,8 @@ class BeamSearch(Strategy):
         survivors = rank(drop_duplicates(live))[:keep]
         return _counts(survivors, self.n) if survivors else Expansion((), ())
 
-    def surely_pruned(self, path: PathView, ended: Sequence[PathView]) -> bool:
-        return _outranked(path, ended, max(1, self.n // self.beam_width))
+    def surely_pruned(self, ended: Sequence[PathView]) -> set[int]:
+        return _outranked(ended, max(1, self.n // self.beam_width))
 
     def widest_child(self, num_live: int) -> int:
         """Fewer survivors than it keeps share all `n` children (the refill)."""
@@ -166,8 +172,8 @@ class DynamicBranching(Strategy):
         pairs = [(p.uid, c) for p, c in zip(survivors, counts) if c > 0]
         return Expansion(tuple(u for u, _ in pairs), tuple(c for _, c in pairs))
 
-    def surely_pruned(self, path: PathView, ended: Sequence[PathView]) -> bool:
-        return _outranked(path, ended, max(1, self.n // self.beam_width))
+    def surely_pruned(self, ended: Sequence[PathView]) -> set[int]:
+        return _outranked(ended, max(1, self.n // self.beam_width))
 
 
 class DVTS(Strategy):
