@@ -136,6 +136,9 @@ def float_isa() -> int:
     return 0 if _isa_limit == "avx2" else -1
 
 
+KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the KV caches `attention_kernel` reads
+
+
 def attention_kernel():
     """The `torch.ops.ponder.decode_attention` op; raises KernelUnavailable where it cannot run."""
     reason = _load()

@@ -17,11 +17,12 @@ the batch, and a token recomputed later gets the KV it had when it was decoded. 
 that share a KV head are one matmul against that head (no copies of K/V per query head). Scores
 and the softmax are computed in float32. Prompts are prefilled with SDPA.
 
-On a CPU with a float32 cache, generated tokens are attended by ponder's own kernel instead
+On a CPU with a float32 or bfloat16 cache, generated tokens are attended by ponder's own kernel instead
 (`DecodeRows`, runtime/kernels/csrc/decode_attention.cpp): each query reads exactly its own context from
 its blocks where they lie, with nothing gathered and nothing padded, in an order fixed per query,
 so it keeps both properties above (a query's bits never depend on the batch, and a recomputed
-token gets the KV it had).
+token gets the KV it had). It computes in float32: a bfloat16 model's queries are widened for it
+and its output rounded back to bfloat16.
 """
 
 from __future__ import annotations
@@ -147,9 +148,16 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
             out[-meta.num_padding:] = 0
     if meta.decode_rows is not None:
         d = meta.decode_rows
-        if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view
-            queries = queries.contiguous()
-        d.kernel(queries, d.rows, cache.kv, d.tables, d.ctx, layer, scale, out, float(softcap or 0), int(window or 0))
+        if queries.dtype != torch.float32:  # a bfloat16 model: the kernel widens them, and rounds its output back
+            attended = out.new_zeros(out.shape, dtype=torch.float32)
+            d.kernel(queries.float(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
+                     int(window or 0))
+            out.copy_(attended)
+        else:
+            if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view
+                queries = queries.contiguous()
+            d.kernel(queries, d.rows, cache.kv, d.tables, d.ctx, layer, scale, out, float(softcap or 0),
+                     int(window or 0))
     for group in meta.decode_groups:
         g = group.rows.shape[0]
         # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks
-from runtime.kernels.cpu_kernels import KernelUnavailable, attention_kernel
+from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence
@@ -34,8 +34,9 @@ GATHER_TOKENS = 1 << 16  # keys one attention group may gather (queries x window
 
 
 def _attention_kernel(cache: KVCache):
-    """ponder's decode attention kernel where it can read this cache (float32, on the CPU), else None."""
-    if cache.device.type != "cpu" or cache.dtype != torch.float32 or cache.shape.head_dim % 8:
+    """ponder's decode attention kernel where it can read this cache (float32 or bfloat16, on the CPU),
+    else None."""
+    if cache.device.type != "cpu" or cache.dtype not in KERNEL_CACHE_DTYPES or cache.shape.head_dim % 8:
         return None
     try:
         return attention_kernel()

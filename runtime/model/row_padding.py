@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.attention import bucket_blocks
-from runtime.kernels.cpu_kernels import KernelUnavailable, attention_kernel
+from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
 
 SMALL_ROWS = 48  # every row count up to this is probed
@@ -202,10 +202,10 @@ def attention_windows(max_model_len: int, block_size: int) -> list[tuple[int, in
 
 def decode_attention_is_batched(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode attention runs as batched matmuls over groups of one window, or (False) ponder's
-    CPU kernel attends each query alone: a float32 cache on a CPU, `head_dim` a multiple of 8, and the
+    CPU kernel attends each query alone: a float32 or bfloat16 cache on a CPU, `head_dim` a multiple of 8, and the
     kernel built (runtime.model.model_runner's `_attention_kernel`; tests/runtime/model/test_row_padding.py checks
     that the two agree)."""
-    if device.type != "cpu" or dtype != torch.float32 or head_dim % 8:
+    if device.type != "cpu" or dtype not in KERNEL_CACHE_DTYPES or head_dim % 8:
         return True
     try:
         attention_kernel()

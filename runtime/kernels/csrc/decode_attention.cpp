@@ -9,11 +9,13 @@
 //   w_j = exp(s_j - max s) / sum of those exps     (exp: a polynomial, the same bits on every CPU)
 //   out = sum over j, in order, of w_j * v_j
 // A query's result depends on its own query, context and cache only, so it never depends on the
-// batch, the thread count or what else the step holds.
+// batch, the thread count or what else the step holds. A bfloat16 cache's keys and values are
+// widened to float32 as they are read (exactly), so it gives the bits a float32 cache of the same
+// values gives.
 //
 // decode_attention(queries [T, H, D], rows [G], cache [blocks, layers, 2, KVH, bs, D], tables [G, W],
 //                  ctx [G], layer, scale, out [T, H, D], softcap, window) writes out[rows[g]] for every g;
-// softcap 0 and window 0 mean none.
+// softcap 0 and window 0 mean none. queries and out are float32, the cache float32 or bfloat16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +23,7 @@
 
 #include "ponder_kernels.h"
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -30,6 +33,14 @@ namespace {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+
+// Eight cache elements as float32: a float32 cache's as they are, a bfloat16 cache's widened
+// (its 16 bits are a float32's high half, so exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 
 inline float hsum(__m256 v) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -88,8 +99,8 @@ struct Layout {
 // of 8 at a time (the head's D / 8 chunks in passes of N; a last pass may hold fewer): each value
 // chunk is loaded once for all S heads. Every output element is the same FMA chain over the
 // positions as one head at a time would compute, so the bits are the same.
-template <int S, int N>
-void weighted_values(const Layout& s, const float* values, const int64_t* table, int64_t first, int64_t ctx,
+template <int S, int N, class KV>
+void weighted_values(const Layout& s, const KV* values, const int64_t* table, int64_t first, int64_t ctx,
                      const float* weights, float* out) {
   const int64_t D = s.D, chunks = D / 8;
   for (int64_t c0 = 0; c0 < chunks; c0 += N) {
@@ -100,14 +111,14 @@ void weighted_values(const Layout& s, const float* values, const int64_t* table,
     const auto run_positions = [&](auto full) {
       for (int64_t j = 0; j < ctx;) {
         const int64_t p = first + j, offset = p % s.bs, run = std::min(s.bs - offset, ctx - j);
-        const float* block = values + table[p / s.bs] * s.block_stride + offset * D + 8 * c0;
+        const KV* block = values + table[p / s.bs] * s.block_stride + offset * D + 8 * c0;
         for (int64_t t = 0; t < run; ++t, ++j) {
-          const float* v = block + t * D;
+          const KV* v = block + t * D;
           __m256 w[S];
           for (int i = 0; i < S; ++i) w[i] = _mm256_set1_ps(weights[i * ctx + j]);
           const int64_t m = full ? N : n;  // a constant N where the pass is full
           for (int64_t c = 0; c < m; ++c) {
-            const __m256 vc = _mm256_loadu_ps(v + 8 * c);
+            const __m256 vc = load8(v + 8 * c);
             for (int i = 0; i < S; ++i) acc[i][c] = _mm256_fmadd_ps(w[i], vc, acc[i][c]);
           }
         }
@@ -130,7 +141,7 @@ int64_t score_keys(const Layout& s, const float* qh, int64_t ctx, const Key& key
   const int64_t D = s.D, chunks = D / 8;
   int64_t j = 0;
   for (; j + 4 <= ctx; j += 4) {
-    const float* k[4] = {key(j), key(j + 1), key(j + 2), key(j + 3)};
+    const auto k = std::array{key(j), key(j + 1), key(j + 2), key(j + 3)};
     for (int64_t i0 = 0; i0 < heads; i0 += S) {
       __m256 acc[S][4];
       for (int i = 0; i < S; ++i)
@@ -139,7 +150,7 @@ int64_t score_keys(const Layout& s, const float* qh, int64_t ctx, const Key& key
         __m256 qc[S];
         for (int i = 0; i < S; ++i) qc[i] = _mm256_loadu_ps(qh + (i0 + i) * D + 8 * c);
         for (int t = 0; t < 4; ++t) {
-          const __m256 kc = _mm256_loadu_ps(k[t] + 8 * c);
+          const __m256 kc = load8(k[t] + 8 * c);
           for (int i = 0; i < S; ++i) acc[i][t] = _mm256_fmadd_ps(qc[i], kc, acc[i][t]);
         }
       }
@@ -155,7 +166,8 @@ int64_t score_keys(const Layout& s, const float* qh, int64_t ctx, const Key& key
 
 // One query and one KV head: the `shared` query heads of that KV head. `scores` has room for
 // shared * ctx floats. With a window, the context is its last `window` positions: `first` on.
-void attend_head(const Layout& s, const float* q, const float* cache, const int64_t* table, int64_t full_ctx,
+template <class KV>
+void attend_head(const Layout& s, const float* q, const KV* cache, const int64_t* table, int64_t full_ctx,
                  int64_t kv_head, float scale, float* out, float* scores) {
   const int64_t shared = s.H / s.KVH, D = s.D, chunks = D / 8;
   const int64_t head_offset = kv_head * s.bs * D, value_offset = s.KVH * s.bs * D;
@@ -183,11 +195,11 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
     default: j = score_keys<1>(s, qh, ctx, key, store, shared); break;
   }
   for (; j < ctx; ++j) {
-    const float* k = key(j);
+    const KV* k = key(j);
     for (int64_t i = 0; i < shared; ++i) {
       __m256 acc = _mm256_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * D + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * D + 8 * c), load8(k + 8 * c), acc);
       store(i, j, hsum(acc));
     }
   }
@@ -215,7 +227,7 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
     for (int64_t t = 0; t < ctx; ++t) si[t] *= inverse;
   }
   float* heads_out = out + kv_head * shared * D;
-  const float* values = cache + s.layer_offset + value_offset + head_offset;
+  const KV* values = cache + s.layer_offset + value_offset + head_offset;
   switch (shared) {  // the query heads of this KV head together: each value row is read once
     case 1: return weighted_values<1, 8>(s, values, table, first, ctx, scores, heads_out);
     case 2: return weighted_values<2, 4>(s, values, table, first, ctx, scores, heads_out);
@@ -233,15 +245,15 @@ void attend_head(const Layout& s, const float* q, const float* cache, const int6
       // Block by block (no division per position), positions in order as before.
       for (int64_t j = 0; j < ctx;) {
         const int64_t p = first + j, offset = p % s.bs, run = std::min(s.bs - offset, ctx - j);
-        const float* block = cache + table[p / s.bs] * s.block_stride + s.layer_offset + value_offset +
-                             head_offset + offset * D + 8 * c0;
+        const KV* block = cache + table[p / s.bs] * s.block_stride + s.layer_offset + value_offset +
+                          head_offset + offset * D + 8 * c0;
         for (int64_t t = 0; t < run; ++t, ++j) {
-          const float* v = block + t * D;
+          const KV* v = block + t * D;
           const __m256 w = _mm256_set1_ps(wi[j]);
           if (n == 8) {
-            for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
           } else {
-            for (int64_t c = 0; c < n; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            for (int64_t c = 0; c < n; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
           }
         }
       }
@@ -267,8 +279,10 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
                       double softcap, int64_t window) {
   TORCH_CHECK(softcap >= 0 && window >= 0, "decode_attention: softcap and window must be >= 0 (0: none)");
   TORCH_CHECK(supported(), "decode_attention: this CPU lacks AVX2 or FMA");
-  TORCH_CHECK(cache.dim() == 6 && cache.scalar_type() == at::kFloat && cache.is_contiguous(),
-              "decode_attention: cache must be contiguous float32 [blocks, layers, 2, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(cache.dim() == 6 && (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16) &&
+              cache.is_contiguous(),
+              "decode_attention: cache must be contiguous float32 or bfloat16 [blocks, layers, 2, kv_heads, block_size, "
+              "head_dim]");
   const int64_t L = cache.size(1), KVH = cache.size(3), bs = cache.size(4), D = cache.size(5);
   TORCH_CHECK(D % 8 == 0, "decode_attention: head_dim must be a multiple of 8");
   TORCH_CHECK(layer >= 0 && layer < L, "decode_attention: no layer ", layer);
@@ -300,7 +314,9 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
   int64_t longest = 0;
   for (int64_t g = 0; g < G; ++g) longest = std::max(longest, cp[g]);
   const float* qp = queries.data_ptr<float>();
-  const float* kv = cache.data_ptr<float>();
+  const bool wide = cache.scalar_type() == at::kFloat;
+  const float* kv = wide ? cache.data_ptr<float>() : nullptr;
+  const uint16_t* kv16 = wide ? nullptr : reinterpret_cast<const uint16_t*>(cache.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t shared = s.H / KVH;
@@ -316,7 +332,11 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
     std::vector<float> scores(shared * longest);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t k = i / KVH, h = i % KVH, g = k % 2 ? G - 1 - k / 2 : k / 2;
-      attend_head(s, qp + rp[g] * s.q_stride, kv, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D, scores.data());
+      if (wide)
+        attend_head(s, qp + rp[g] * s.q_stride, kv, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D, scores.data());
+      else
+        attend_head(s, qp + rp[g] * s.q_stride, kv16, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D,
+                    scores.data());
     }
   });
 }

@@ -157,6 +157,39 @@ def test_the_kernel_reads_any_layer_any_block_order_and_only_the_rows_asked_for(
 
 
 @pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
+@pytest.mark.parametrize("heads", [H, KVH, 4 * KVH, 5 * KVH])  # every grouped-query tile, and the general one
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (0.5, 5)])
+def test_a_bfloat16_cache_gives_the_bits_of_a_float32_cache_of_its_values(heads, softcap, window):
+    """A bfloat16 model's cache is read as it is, widened element by element: the same bits as the
+    float32 kernel on the same values, on every path through the kernel (four keys at a time and the
+    rest, each grouped-query tile and the general loop), and near the float64 reference."""
+    narrow = KVCache(KVShape(2, KVH, 16, BS), 24, torch.bfloat16, torch.device("cpu"))
+    narrow.kv.copy_(torch.randn(narrow.kv.shape, generator=torch.Generator().manual_seed(11)))
+    wide = KVCache(KVShape(2, KVH, 16, BS), 24, torch.float32, torch.device("cpu"))
+    wide.kv.copy_(narrow.kv.float())
+    gen = torch.Generator().manual_seed(12)
+    tables = torch.stack([torch.randperm(24, generator=gen)[:12] for _ in range(4)])
+    ctx = torch.tensor([1, 6, 23, 45])
+    queries = torch.randn(4, heads, 16, generator=gen)
+    rows = torch.arange(4)
+    out, expected = torch.zeros(4, heads, 16), torch.zeros(4, heads, 16)
+    attention_kernel()(queries, rows, narrow.kv, tables, ctx, 1, 0.3, out, softcap, window)
+    attention_kernel()(queries, rows, wide.kv, tables, ctx, 1, 0.3, expected, softcap, window)
+    assert torch.equal(out, expected)
+    for g in range(4):
+        keys = wide.gather(1, tables[g:g + 1])[0][0, :, :int(ctx[g])].double()
+        values = wide.gather(1, tables[g:g + 1])[1][0, :, :int(ctx[g])].double()
+        q = queries[g].double().view(KVH, heads // KVH, 16)
+        scores = q @ keys.transpose(-1, -2) * 0.3
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window:
+            scores[..., :max(0, int(ctx[g]) - window)] = float("-inf")
+        reference = (torch.softmax(scores, dim=-1) @ values).reshape(heads, 16)
+        torch.testing.assert_close(out[g].double(), reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
 def test_the_kernel_refuses_what_it_cannot_read():
     cache = KVCache(KVShape(2, KVH, D, BS), 8, torch.float32, torch.device("cpu"))
     q, out = torch.randn(2, H, D), torch.zeros(2, H, D)
@@ -170,7 +203,7 @@ def test_the_kernel_refuses_what_it_cannot_read():
         kernel(q, rows, cache.kv, tables, torch.tensor([3, 5]), 2, 1.0, out)
     with pytest.raises(RuntimeError, match="row 2 is not a query"):
         kernel(q, torch.tensor([0, 2]), cache.kv, tables, torch.tensor([3, 5]), 0, 1.0, out)
-    with pytest.raises(RuntimeError, match="cache must be contiguous float32"):
+    with pytest.raises(RuntimeError, match="cache must be contiguous float32 or bfloat16"):
         kernel(q, rows, cache.kv.half(), tables, torch.tensor([3, 5]), 0, 1.0, out)
 
 
