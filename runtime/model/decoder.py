@@ -162,10 +162,11 @@ class LeanDecoder:
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
         # also apply the norms and add the residuals (see the module docstring).
         sources = [(layer.self_attn.o_proj, layer.mlp.down_proj) for layer in base.layers[:config.num_hidden_layers]]
-        self.int4 = self.kernel_layers(Int4Linear, sources)
+        self.int4 = self.kernel_layers(Int4Linear, sources, (torch.float32,))
         # With ponder's float kernel throughout, the Python loop stays the float one (its own norms
-        # and adds), and a step the decode kernel wholly attends is one stack-kernel call too.
-        self.floats = not self.int4 and self.kernel_layers(FloatLinear, sources)
+        # and adds), and a step the decode kernel wholly attends is one stack-kernel call too (float32
+        # or bfloat16 activations).
+        self.floats = not self.int4 and self.kernel_layers(FloatLinear, sources, (torch.float32, torch.bfloat16))
         if self.int4 or self.floats:
             for layer, (o_proj, down) in zip(self.layers, sources):
                 layer.o_module, layer.down_module = o_proj, down
@@ -173,10 +174,10 @@ class LeanDecoder:
         self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
         self.stack = LayerStack.build(self) if self.int4 or self.floats else None
 
-    def kernel_layers(self, kind: type, sources: list[tuple[nn.Module, nn.Module]]) -> bool:
+    def kernel_layers(self, kind: type, sources: list[tuple[nn.Module, nn.Module]], dtypes: tuple) -> bool:
         """Whether every layer's projections are `kind` (qkv and gate/up fused, o and down without a
-        bias) and the activations float32."""
-        return self.embed.weight.dtype == torch.float32 and all(
+        bias) and the activations of one of `dtypes`."""
+        return self.embed.weight.dtype in dtypes and all(
             isinstance(layer.qkv.fused, kind) and isinstance(layer.gate_up.fused, kind)
             and all(isinstance(l, kind) and l.bias is None for l in pair)
             for layer, pair in zip(self.layers, sources))
@@ -279,7 +280,8 @@ class LayerStack:
     one call of ponder's `int4_layers` kernel, for a step whose every row is attended by the decode
     kernel (`covers`): the same operators in the same order, so the same bits (tested), without the
     Python operator calls a layer otherwise costs. Built where every layer is int4 (or float in
-    ponder's float kernel) with silu, its cache layer is its place in the stack, and the kernel loads."""
+    ponder's float kernel) with silu, its cache layer is its place in the stack, and the kernel loads;
+    float layers with bfloat16 activations too (a bfloat16 model: the loop's roundings to bfloat16 kept)."""
 
     def __init__(self, decoder: LeanDecoder, kernel) -> None:
         self.kernel = kernel
@@ -303,8 +305,9 @@ class LayerStack:
     def build(cls, decoder: LeanDecoder) -> "LayerStack | None":
         from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
 
+        dtype = decoder.embed.weight.dtype  # the activations'
         if any(layer.index != i or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
-               or layer.input_norm.weight.dtype != torch.float32 or layer.post_norm.weight.dtype != torch.float32
+               or layer.input_norm.weight.dtype != dtype or layer.post_norm.weight.dtype != dtype
                for i, layer in enumerate(decoder.layers)):
             return None
         try:
@@ -321,7 +324,9 @@ class LayerStack:
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, d = hidden.shape[0], meta.decode_rows
-        return self.kernel(hidden, cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous(),
+        # (a bfloat16 model's cos and sin widened exactly: the kernel rounds as the loop does)
+        cos, sin = cos.reshape(num_tokens, -1).float().contiguous(), sin.reshape(num_tokens, -1).float().contiguous()
+        return self.kernel(hidden, cos, sin,
                            self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,
                            meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx, float_isa())
 

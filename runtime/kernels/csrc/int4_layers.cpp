@@ -20,6 +20,10 @@
 // float_linear(attention, W_o), gate, up likewise, hidden = hidden + float_linear(silu(gate) * up, W_down),
 // the norm as runtime.model.decoder._Norm computes it (through ATen, operator for operator) and
 // float_linear on `float_isa` (the bits are the same on either instruction set).
+// A bfloat16 model (float layers only; hidden, cos, sin and the cache in bfloat16) runs the float
+// loop as it runs in bfloat16: each float_linear's input widened and its output rounded to bfloat16
+// (FloatLinear.rows), the rotary's two products and their sum each rounded to bfloat16, the
+// attention's float32 output rounded to bfloat16, the residual adds and silu in bfloat16 (ATen).
 // weights: 16 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
 // codes, d, m, bias, down codes, d, m (an empty tensor for a missing m or bias; d and m empty for a
 // float layer); sizes: 5 a layer
@@ -30,6 +34,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "ponder_kernels.h"
 
@@ -38,23 +43,47 @@ namespace {
 constexpr int64_t kTensors = 16, kSizes = 5, kFloats = 3;
 
 c10::optional<at::Tensor> present(const at::Tensor& t) {
-  return t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
+  return !t.defined() || t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
+}
+
+// runtime.model.decoder._Norm, operator for operator: on float32 rows, or on bfloat16 ones (computed
+// in float32, then rounded back before the weight's product).
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  const bool wide = hidden.scalar_type() == at::kFloat;
+  const at::Tensor x = wide ? hidden : hidden.to(at::kFloat);
+  const at::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
+  const at::Tensor normed = x * at::rsqrt(variance + eps);
+  return weight * (wide ? normed : normed.to(hidden.scalar_type()));
+}
+
+// FloatLinear.rows: float32 in and out, or a bfloat16 input widened and the output rounded back.
+at::Tensor float_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t float_isa) {
+  if (x.scalar_type() == at::kFloat) return ponder::float_linear(x, weight, present(bias), float_isa);
+  const c10::optional<at::Tensor> given = present(bias);
+  const c10::optional<at::Tensor> wide_bias =
+      given ? c10::optional<at::Tensor>(given->to(at::kFloat)) : c10::optional<at::Tensor>();
+  return ponder::float_linear(x.to(at::kFloat), weight, wide_bias, float_isa).to(x.scalar_type());
 }
 
 // The decoder's rotary arithmetic, element for element: two products, each rounded, then their sum
 // (the kernels are built without floating-point contraction, so no fused multiply-add).
-// runtime.model.decoder._Norm on float32 rows, operator for operator.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
-  return weight * (x * at::rsqrt(variance + eps));
-}
-
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < D; ++i) {
     const float a = x[i] * cos[i];
     const float b = x[(i + half) % D] * sin[i];
     out[i] = a + b;
+  }
+}
+
+// The same in bfloat16, as ATen computes it on bfloat16 tensors: each product and the sum computed in
+// float32 and rounded to bfloat16 (to nearest, ties to even). x, cos and sin hold bfloat16 values.
+inline void rotate_bf16(const float* x, const float* cos, const float* sin, int64_t D, c10::BFloat16* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const c10::BFloat16 a = x[i] * cos[i];
+    const c10::BFloat16 b = x[(i + half) % D] * sin[i];
+    out[i] = static_cast<float>(a) + static_cast<float>(b);
   }
 }
 
@@ -66,9 +95,12 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kTensors &&
               static_cast<int64_t>(sizes.size()) == L * kSizes && static_cast<int64_t>(floats.size()) == L * kFloats,
               "int4_layers: weights, sizes and floats must hold 16, 5 and 3 entries a layer");
-  TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.scalar_type() == at::kFloat, "int4_layers: hidden must be float32 [T, E]");
-  TORCH_CHECK(cache.dim() == 6 && cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.size(1) >= L &&
-              cache.size(3) == KVH, "int4_layers: cache must be contiguous float32 [blocks, layers, 2, kv_heads, bs, D]");
+  const bool narrow = hidden_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(hidden_in.dim() == 2 && (hidden_in.scalar_type() == at::kFloat || narrow),
+              "int4_layers: hidden must be float32 or bfloat16 [T, E]");
+  TORCH_CHECK(cache.dim() == 6 && cache.scalar_type() == hidden_in.scalar_type() && cache.is_contiguous() &&
+              cache.size(1) >= L && cache.size(3) == KVH,
+              "int4_layers: cache must be contiguous [blocks, layers, 2, kv_heads, bs, D] in hidden's dtype");
   const int64_t T = hidden_in.size(0), D = cache.size(5), bs = cache.size(4);
   TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
               sin.scalar_type() == at::kFloat && cos.numel() == T * D && sin.numel() == T * D,
@@ -81,40 +113,60 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     TORCH_CHECK(slots[i] >= 0 && slots[i] + (L - 1) * layer_rows < cache_rows, "int4_layers: no cache row ", slots[i]);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kv = cache.data_ptr<float>();
+  float* kv = narrow ? nullptr : cache.data_ptr<float>();
+  c10::BFloat16* kv16 = narrow ? cache.data_ptr<c10::BFloat16>() : nullptr;
   at::Tensor hidden = hidden_in.contiguous();
-  at::Tensor queries = at::empty({T, H, D}, hidden.options());
-  at::Tensor attended = at::empty({T, H, D}, hidden.options());
+  at::Tensor queries = at::empty({T, H, D}, hidden.options().dtype(at::kFloat));
+  at::Tensor attended = at::empty({T, H, D}, hidden.options().dtype(at::kFloat));
   float* qp = queries.data_ptr<float>();
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* w = weights.data() + l * kTensors;
     const int64_t* n = sizes.data() + l * kSizes;
     const double* f = floats.data() + l * kFloats;
     const bool is_float = w[1].is_floating_point();
+    TORCH_CHECK(is_float || !narrow, "int4_layers: a bfloat16 stack takes float layers only");
     at::Tensor qkv;
     if (is_float) {
-      qkv = ponder::float_linear(rms_norm(hidden, w[0], f[0]), w[1], present(w[4]), float_isa);
+      qkv = float_rows(rms_norm(hidden, w[0], f[0]), w[1], w[4], float_isa);
     } else {
       qkv = ponder::q4_linear(hidden, w[1], w[2], present(w[3]), n[0], w[0], f[0], {}, -1);
       if (w[4].numel() != 0) qkv = qkv + w[4];
     }
     TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "int4_layers: layer ", l, "'s qkv has ", qkv.size(1), " outputs");
-    const float* x = qkv.data_ptr<float>();
+    const at::Tensor qkv32 = narrow ? qkv.to(at::kFloat) : qkv;  // bfloat16 values, widened exactly
+    const float* x = qkv32.data_ptr<float>();
     const int64_t width = qkv.size(1);
+    std::vector<c10::BFloat16> rotated(narrow ? D : 0);
     for (int64_t t = 0; t < T; ++t) {
       const float* row = x + t * width;
-      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, cp + t * D, sp + t * D, D, qp + (t * H + h) * D);
+      for (int64_t h = 0; h < H; ++h) {
+        float* q = qp + (t * H + h) * D;
+        if (!narrow) {
+          rotate(row + h * D, cp + t * D, sp + t * D, D, q);
+          continue;
+        }
+        rotate_bf16(row + h * D, cp + t * D, sp + t * D, D, rotated.data());
+        for (int64_t i = 0; i < D; ++i) q[i] = static_cast<float>(rotated[i]);
+      }
       for (int64_t h = 0; h < KVH; ++h) {
-        rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + (slots[t * KVH + h] + l * layer_rows) * D);
-        std::memcpy(kv + (slots[(T + t) * KVH + h] + l * layer_rows) * D, row + (H + KVH + h) * D, D * sizeof(float));
+        const int64_t key = (slots[t * KVH + h] + l * layer_rows) * D, value = (slots[(T + t) * KVH + h] + l * layer_rows) * D;
+        if (!narrow) {
+          rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + key);
+          std::memcpy(kv + value, row + (H + KVH + h) * D, D * sizeof(float));
+          continue;
+        }
+        rotate_bf16(row + (H + h) * D, cp + t * D, sp + t * D, D, kv16 + key);
+        const c10::BFloat16* values = qkv.data_ptr<c10::BFloat16>() + t * width + (H + KVH + h) * D;
+        std::memcpy(kv16 + value, values, D * sizeof(c10::BFloat16));
       }
     }
     attended.zero_();
     ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, 0);
     at::Tensor gate_up;
     if (is_float) {
-      hidden = hidden + ponder::float_linear(attended.view({T, H * D}), w[5], {}, float_isa);
-      gate_up = ponder::float_linear(rms_norm(hidden, w[8], f[1]), w[9], present(w[12]), float_isa);
+      const at::Tensor out = narrow ? attended.to(at::kBFloat16) : attended;  // attention's output in the model's dtype
+      hidden = hidden + float_rows(out.view({T, H * D}), w[5], at::Tensor(), float_isa);
+      gate_up = float_rows(rms_norm(hidden, w[8], f[1]), w[9], w[12], float_isa);
     } else {
       hidden = ponder::q4_linear(attended.view({T, H * D}), w[5], w[6], present(w[7]), n[1], {}, 0.0, hidden, -1);
       gate_up = ponder::q4_linear(hidden, w[9], w[10], present(w[11]), n[2], w[8], f[1], {}, -1);
@@ -124,7 +176,7 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     // silu through ATen, as the decoder calls it (its vectorized exp is part of the bits); the product
     // is exact elementwise arithmetic.
     at::Tensor act = at::silu(gate_up.narrow(1, 0, gate)).mul_(gate_up.narrow(1, gate, gate_up.size(1) - gate));
-    hidden = is_float ? hidden + ponder::float_linear(act, w[13], {}, float_isa)
+    hidden = is_float ? hidden + float_rows(act, w[13], at::Tensor(), float_isa)
                     : ponder::q4_linear(act, w[13], w[14], present(w[15]), n[3], {}, 0.0, hidden, -1);
   }
   return hidden;

@@ -64,16 +64,18 @@ def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transfor
         assert torch.allclose(a, b, rtol=0, atol=2e-5 * b.abs().max().item())
 
 
-@pytest.mark.parametrize("mode", ["int4", "auto"])  # auto: every layer in ponder's float kernel
-@pytest.mark.parametrize("invariant", [True, False])
-def test_the_stack_kernel_gives_the_python_loop_s_bits(model_dir, invariant, mode):
+@pytest.mark.parametrize("mode, dtype", [("int4", "auto"), ("auto", "auto"), ("auto", "bfloat16")])  # auto:
+@pytest.mark.parametrize("invariant", [True, False])  # every layer in ponder's float kernel
+def test_the_stack_kernel_gives_the_python_loop_s_bits(model_dir, invariant, mode, dtype):
     # A step whose every row the decode kernel attends runs the whole stack in one kernel call
-    # (LayerStack); the Python loop over the same kernels must give the very same logits and tokens.
+    # (LayerStack); the Python loop over the same kernels must give the very same logits and tokens
+    # (a bfloat16 model too: every rounding of the loop's bfloat16 operators kept).
     results, logits, covered, padded = [], [], [], []
     for stack in (True, False):
-        engine = engine_for(model_dir, quantize=mode, batch_invariant=invariant, num_blocks=64)
+        engine = engine_for(model_dir, quantize=mode, dtype=dtype, batch_invariant=invariant, num_blocks=64)
         decoder = engine.runner.decoder
         assert decoder.stack is not None and (decoder.int4, decoder.floats) == (mode == "int4", mode == "auto")
+        assert engine.runner.cache.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
         if stack:
             covers = decoder.stack.covers
             decoder.stack.covers = lambda meta: padded.append(meta.num_padding) or covered.append(covers(meta)) \
