@@ -285,6 +285,7 @@ class LayerStack:
 
     def __init__(self, decoder: LeanDecoder, kernel) -> None:
         self.kernel = kernel
+        self.dtype = decoder.embed.weight.dtype  # the activations' (float32, or bfloat16 with float layers)
         self.heads, self.kv_heads = decoder.num_heads, decoder.num_kv_heads
         empty = torch.empty(0)
         self.weights: list[torch.Tensor] = []
@@ -315,11 +316,11 @@ class LayerStack:
         except KernelUnavailable:
             return None
 
-    @staticmethod
-    def covers(meta: AttentionMetadata) -> bool:
-        """True when every row of the step is attended by the decode kernel and no residency mode
-        needs to run between layers."""
-        return meta.decode_rows is not None and not meta.decode_groups and not meta.prefills and meta.layers is None
+    def covers(self, meta: AttentionMetadata) -> bool:
+        """True when every row of the step is attended by the decode kernel, no residency mode needs
+        to run between layers, and the cache holds the activations' dtype."""
+        return meta.decode_rows is not None and not meta.decode_groups and not meta.prefills and \
+            meta.layers is None and meta.cache.dtype == self.dtype
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -268,13 +268,14 @@ bool supported() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// (key, KV head) pairs below which a call runs on one thread. The keys and values a call reads come
-// mostly from memory (a layer of 16 streams of 80 tokens: 2 MB of a float32 cache), so a second
-// thread pays from a few hundred pairs on: at 4096 (the release before) 16 streams of 64-token
-// contexts ran on one thread, and the SmolLM2 Q4_K_M file decoded 16 streams at 958-1046 tok/s
-// against 1062-1134 at 512 (alternating runs, Zen 4); one stream over a 600-token context 132-162
-// against 153-171.
-constexpr int64_t kInlineKeys = 512;
+// (key, KV head) pairs below which a call runs on one thread: one query's (one stream's decode
+// step), or several queries'. The keys and values a batch reads come mostly from memory (a layer of
+// 16 streams of 80 tokens: 2 MB of a float32 cache), so a second thread pays from a few hundred
+// pairs on: at 4096 for both (the release before) 16 streams of 64-token contexts ran on one
+// thread, and the SmolLM2 Q4_K_M file decoded 16 streams at 958-1046 tok/s against 1062-1134 with
+// 512 (alternating runs, Zen 4). One query keeps 4096: served over HTTP, where the server's and the
+// client's wake-ups take a core now and then, it was measured faster on the calling thread alone.
+constexpr int64_t kInlineKeysOne = 4096, kInlineKeysMany = 512;
 
 }  // namespace
 
@@ -333,7 +334,7 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
   // the others and waiting for them costs more than they save, most of all on a busy machine.
   int64_t keys = 0;
   for (int64_t g = 0; g < G; ++g) keys += cp[g];
-  const int64_t grain = keys * KVH < kInlineKeys ? G * KVH : 1;
+  const int64_t grain = keys * KVH < (G == 1 ? kInlineKeysOne : kInlineKeysMany) ? G * KVH : 1;
   at::parallel_for(0, G * KVH, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(shared * longest);
     for (int64_t i = i0; i < i1; ++i) {
