@@ -25,9 +25,10 @@ from server.errors import APIError
 from server.generation import Generation
 from server.http_edge import EdgeMetrics, quiet_probe_access_log
 from server.metrics import Metrics
+from server.non_openai_schemas import DetokenizeBody, RewardsBody, TokenizeBody
 from server.responses import PromptAsks
 from server.rewards import reward_request, rewards_body
-from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeBody, RewardsBody, TokenizeBody
+from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.tool_output import ToolCalls
 from server.trees import SearchTrees
 from server.ui import install as install_ui

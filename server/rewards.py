@@ -12,7 +12,7 @@ import time
 import uuid
 from runtime.wire.protocol import RewardCandidate, Rewarded, RewardRequest
 from server.errors import APIError
-from server.schemas import RewardsBody
+from server.non_openai_schemas import RewardsBody
 
 # Built-in verifiers a request may name beside the configured reward models; `confidence` and
 # `calculator` rank by the log-probabilities of tokens the generator sampled, which given text has none of.

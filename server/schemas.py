@@ -42,27 +42,29 @@ def _check_wire_value(value: Any) -> None:
             _check_wire_value(item)
 
 
-class _Body(_Wire):
+class Body(_Wire):
+    """A request body, or a part of one: checked for the wire, unknown fields ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class CalledFunction(_Body):
+class CalledFunction(Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     # "function": the deprecated function-calling API's result message (treated as a tool's)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
@@ -94,7 +96,7 @@ class ChatMessage(_Body):
         return out
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far (with include_usage)
     include_search_events: bool = False
@@ -153,7 +155,7 @@ NULLABLE = frozenset({"temperature", "top_p", "n", "presence_penalty", "frequenc
                       "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "echo", "best_of"})
 
 
-class _Generation(_Body):
+class _Generation(Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -365,50 +367,3 @@ class CompletionRequest(_Generation):
         asks = [k for k in (self.echo_logprobs, self.prompt_logprobs) if k is not None]
         return self.sampling(self.max_tokens, wants, self.logprobs or 0, echo=self.echo,
                              prompt_logprobs=max(asks) if asks else None, defaults=defaults)
-
-
-class TokenizeBody(_Body):
-    """vLLM's /tokenize: a prompt, or messages through the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (as vLLM)
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("send exactly one of prompt and messages")
-        return self
-
-    def wire_messages(self) -> tuple[dict[str, Any], ...] | None:
-        if self.messages is None:
-            return None
-        return tuple(m.wire() for m in self.messages)
-
-
-class DetokenizeBody(_Body):
-    model: str | None = None
-    tokens: list[int]
-
-
-class RewardInput(_Body):
-    """One response of a batch: its text, or its steps."""
-
-    response: str | None = None
-    steps: list[str] | None = None
-
-
-class RewardsBody(_Body):
-    """POST /v1/rewards (server.rewards): the question, and the response(s) to score step by step."""
-
-    model: str | None = None
-    verifier: str | None = None  # None: the first configured reward model, else the judge
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    prompt: str | None = None
-    response: str | None = None
-    steps: list[str] | None = None
-    input: list[RewardInput] | None = None
-    step_delimiter: str = Field(SearchParams().step_delimiter, min_length=1)
-    aggregation: Literal["last", "min", "prod", "mean"] = "last"
