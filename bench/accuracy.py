@@ -201,7 +201,8 @@ def messages_for(question: str) -> tuple[dict[str, str], ...]:
 
 
 def request_for(problem: Problem, config: Config, setup: Setup, request_id: str):
-    from runtime.wire.protocol import GenerateRequest, SamplingParams, SearchParams
+    from runtime.wire.params import SamplingParams, SearchParams
+    from runtime.wire.protocol import GenerateRequest
 
     stepwise = config.method in VERIFIED
     greedy = config.method == "greedy"

@@ -39,7 +39,8 @@ from bench.report import emit, kernel_isa, plot_path
 from runtime.model import attention
 from runtime.bootstrap import build_engine
 from runtime.model.loader import load_causal_lm, resolve_model
-from runtime.wire.protocol import GenerateRequest, RuntimeOptions, SamplingParams
+from runtime.wire.params import SamplingParams
+from runtime.wire.protocol import GenerateRequest, RuntimeOptions
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 PONDER = {"default": {}, "not-invariant": {"batch_invariant": False}, "float32": {"quantize": "none"},

@@ -24,7 +24,8 @@ import torch
 
 from bench import served
 from bench.report import columns, emit
-from runtime.wire.protocol import GenerateRequest, SamplingParams
+from runtime.wire.params import SamplingParams
+from runtime.wire.protocol import GenerateRequest
 
 
 def hf_generate(model, prompt: list[int], tokens: int) -> dict:

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from bench.report import emit
 from runtime.model import attention
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import GenerateRequest, RuntimeOptions, SamplingParams
+from runtime.wire.params import SamplingParams
+from runtime.wire.protocol import GenerateRequest, RuntimeOptions
 from runtime.model.quantize import QUANTIZE_MODES
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "declaration.txt"

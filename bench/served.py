@@ -25,7 +25,8 @@ from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.residency import tier_payload
 from storage.kv_cache import kv_shape_of
 from runtime.model.loader import load_causal_lm, load_tokenizer, pick_device, pick_dtype, resolve_model
-from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError
 
 QUESTION = (
     "A bakery sells muffins for $3 and cookies for $1.50. On Monday it sold 48 muffins and twice "

@@ -22,7 +22,8 @@ from bench import served
 from bench.report import emit
 from bench.threads import torch_threads
 from bench.search import PROBLEMS, messages_for
-from runtime.wire.protocol import GenerateRequest, SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import GenerateRequest
 
 
 def search(engine, problem: str, n: int, steps: int, step_tokens: int, seed: int) -> dict:

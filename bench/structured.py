@@ -30,7 +30,8 @@ import time
 from bench.decode import chat_prompt_ids
 from bench.report import emit, kernel_isa
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import Constraint, GenerateRequest, RuntimeOptions, SamplingParams
+from runtime.wire.params import Constraint, SamplingParams
+from runtime.wire.protocol import GenerateRequest, RuntimeOptions
 
 SCHEMA = {"type": "object", "properties": {"notes": {
     "type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 64}}, "required": ["notes"]}

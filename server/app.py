@@ -16,9 +16,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.wire.client import READY, RuntimeClient, RuntimeUnavailable, SpawnedRuntime
-from runtime.wire.protocol import (
-    Constraint, DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest, ToolCalling,
-)
+from runtime.wire.params import Constraint, ToolCalling
+from runtime.wire.protocol import DetokenizeRequest, GenerateRequest, RequestError, TokenizeRequest
 from server import errors
 from server.config import Settings
 from server.errors import APIError

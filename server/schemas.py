@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from runtime.wire.protocol import Constraint, SamplingParams, SearchParams, ToolCalling
+from runtime.wire.params import Constraint, SamplingParams, SearchParams, ToolCalling
 from server.structured import (
     FunctionDefinition, NamedFunction, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolChoice,
     constraint_of, tool_calling_of,

@@ -23,7 +23,7 @@ from llguidance import LLMatcher
 
 from runtime.grammar.schema import ANY_OBJECT, JSON_STYLE, tightened
 from runtime.grammar.tools import ToolFormat, tool_grammar
-from runtime.wire.protocol import Constraint, ToolCalling
+from runtime.wire.params import Constraint, ToolCalling
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
 

@@ -14,7 +14,7 @@ import json
 from typing import Any, Literal
 
 from runtime.grammar.schema import tightened
-from runtime.wire.protocol import ToolCalling
+from runtime.wire.params import ToolCalling
 
 ToolFormat = Literal["hermes", "llama3_json", "mistral"]
 

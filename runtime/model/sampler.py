@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.wire.protocol import SamplingParams
+from runtime.wire.params import SamplingParams
 
 
 def derive_seed(seed: int | None, *path: int) -> int:

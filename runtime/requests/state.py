@@ -7,9 +7,10 @@ from typing import Protocol
 
 from runtime.grammar.tools import template_inputs, tool_format_of
 from runtime.model.detokenizer import IncrementalDetokenizer
+from runtime.wire.params import SamplingParams
 from runtime.wire.protocol import (
-    DetokenizeRequest, Detokenized, GenerateRequest, PromptLogprob, RankedLogprob, RequestError, SamplingParams,
-    TokenizeRequest, Tokenized, TokenLogprob, TopLogprob,
+    DetokenizeRequest, Detokenized, GenerateRequest, PromptLogprob, RankedLogprob, RequestError, TokenizeRequest,
+    Tokenized, TokenLogprob, TopLogprob,
 )
 from runtime.model.sampler import SamplingState, ScoredToken
 from scheduler.sequence import Sequence

@@ -14,7 +14,7 @@ from runtime.search.host import SearchHost
 from runtime.search.paths import Lookahead, SearchPath
 from runtime.search.plan import SearchPlan
 from runtime.search.steps import StepRules
-from runtime.wire.protocol import SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
 from scheduler.sequence import Sequence
 
 

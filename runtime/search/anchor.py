@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from runtime.wire.protocol import SamplingParams
+from runtime.wire.params import SamplingParams
 
 ANCHOR_UID = -1  # never a sampled path's number: the sampled paths' seeds stay what they were without it
 

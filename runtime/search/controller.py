@@ -22,7 +22,7 @@ from collections import deque
 from types import SimpleNamespace
 
 from runtime.grammar.matcher import Grammar
-from runtime.wire.protocol import SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
 from runtime.model.sampler import SamplingState, derive_seed
 from runtime.search.ahead import Rollouts
 from runtime.search.anchor import ANCHOR_UID, anchor_params

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from runtime.model.detokenizer import StepText
 from runtime.search.aggregate import normalize_step
-from runtime.wire.protocol import SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
 
 
 @dataclass(frozen=True, eq=False)

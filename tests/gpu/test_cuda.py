@@ -16,7 +16,8 @@ import httpx
 import pytest
 import torch
 
-from runtime.wire.protocol import Delta, SamplingParams
+from runtime.wire.params import SamplingParams
+from runtime.wire.protocol import Delta
 from runtime.model.row_padding import RowPadding
 from runtime.model.sampler import SamplingState, sample
 from storage.host_tier import HostTier

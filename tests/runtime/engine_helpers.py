@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import (
-    Accepted, Delta, Finished, GenerateRequest, RequestError, RuntimeOptions, SamplingParams,
-)
+from runtime.wire.params import SamplingParams
+from runtime.wire.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, RuntimeOptions
 
 
 def engine_for(path, **options):

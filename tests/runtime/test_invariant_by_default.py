@@ -5,7 +5,8 @@ size; and the same for plain sampling with n > 1."""
 import pytest
 
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import Delta, Finished, GenerateRequest, SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, Finished, GenerateRequest
 from server.config import Settings
 from tests.runtime.engine_helpers import request
 from tests.runtime.search.test_search_engine import engine_choices, run_search

@@ -15,8 +15,9 @@ import torch
 
 from runtime import process
 from runtime.wire.framing import recv_frame, send_frame
+from runtime.wire.params import SamplingParams
 from runtime.wire.protocol import (
-    GenerateRequest, Ready, RequestError, RuntimeOptions, SamplingParams, SettingsChecked, decode_from_runtime, encode,
+    GenerateRequest, Ready, RequestError, RuntimeOptions, SettingsChecked, decode_from_runtime, encode,
 )
 
 
@@ -186,7 +187,7 @@ def test_the_loop_checks_the_engine_each_time_it_runs_out_of_work_and_serving_go
 
 def test_a_real_engine_passes_its_idle_check_after_a_search_and_a_plain_request(tiny_llama):
     from tests.runtime.engine_helpers import engine_for
-    from runtime.wire.protocol import SearchParams
+    from runtime.wire.params import SearchParams
 
     engine = engine_for(tiny_llama, num_blocks=128)
     for request_id, search in (("plain", None), ("search", SearchParams(strategy="beam", n=4, max_steps=2,

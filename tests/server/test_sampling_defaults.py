@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.wire.protocol import SamplingParams
+from runtime.wire.params import SamplingParams
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from tests.conftest import build_model
 from tests.runtime.model.test_generation_config import QWEN25_DEFAULTS, QWEN25_INSTRUCT

@@ -2,9 +2,8 @@
 
 import base64
 
-from runtime.wire.protocol import (
-    GenerateRequest, NodeChange, SearchParams, SearchTree, TreeNode, decode_from_runtime, encode,
-)
+from runtime.wire.params import SearchParams
+from runtime.wire.protocol import GenerateRequest, NodeChange, SearchTree, TreeNode, decode_from_runtime, encode
 from server.trees import CANCELLED, FINISHED, RUNNING, SearchTrees
 from server.ui import _presented_key
 

@@ -16,7 +16,8 @@ import torch
 from llguidance import LLMatcher
 
 from runtime.grammar.compiler import JSON_STYLE
-from runtime.wire.protocol import Accepted, Constraint, GenerateRequest, SamplingParams, SearchParams, ToolCalling
+from runtime.wire.params import Constraint, SamplingParams, SearchParams, ToolCalling
+from runtime.wire.protocol import Accepted, GenerateRequest
 from tests.runtime.engine_helpers import engine_for
 
 SCHEMA = {"type": "object", "properties": {

@@ -11,7 +11,7 @@ import torch
 
 from runtime.grammar.compiler import GrammarError
 from runtime.grammar.matcher import Grammar, allowed_tokens
-from runtime.wire.protocol import Constraint, ToolCalling
+from runtime.wire.params import Constraint, ToolCalling
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.decoder import LeanDecoder
-from runtime.wire.protocol import Delta, GenerateRequest, SamplingParams
+from runtime.wire.params import SamplingParams
+from runtime.wire.protocol import Delta, GenerateRequest
 from runtime.model.row_padding import RowPadding, attention_windows
 from tests.runtime.engine_helpers import engine_for
 

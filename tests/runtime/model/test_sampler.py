@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from runtime.wire.protocol import SamplingParams
+from runtime.wire.params import SamplingParams
 from runtime.model.sampler import SamplingState, sample
 
 

@@ -8,7 +8,8 @@ import pytest
 from runtime.search.anchor import anchor_first, outranks
 from runtime.search.controller import SearchController
 from runtime.verify.scoring import CalculatorScorer
-from runtime.wire.protocol import Delta, Finished, GenerateRequest, SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, Finished, GenerateRequest
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.test_search_engine import run_search
 

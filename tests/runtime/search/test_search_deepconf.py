@@ -11,7 +11,8 @@ from runtime.model.sampler import SamplingState, sample
 from runtime.search.answers import Candidate, select
 from runtime.search.confidence import TraceConfidence, percentile
 from runtime.search.strategies import DeepConf, make_strategy
-from runtime.wire.protocol import Delta, Finished, SamplingParams, SearchEvent
+from runtime.wire.params import SamplingParams
+from runtime.wire.protocol import Delta, Finished, SearchEvent
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.test_search_engine import engine_choices, search_request
 from tests.runtime.search.test_search_particles import path

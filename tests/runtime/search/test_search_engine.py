@@ -4,9 +4,8 @@ import pytest
 
 from transformers import AutoModelForCausalLM
 
-from runtime.wire.protocol import (
-    Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchEvent, SearchParams,
-)
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError, SearchEvent
 from runtime.verify.verifiers.judge import JudgeVerifier
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.reference import ReferenceSearch

@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError, SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, Finished, GenerateRequest, RequestError
 from runtime.search import controller as controller_module
 from tests.runtime.engine_helpers import engine_for
 

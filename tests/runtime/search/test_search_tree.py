@@ -2,7 +2,8 @@
 
 import pytest
 
-from runtime.wire.protocol import Delta, GenerateRequest, NodeChange, SamplingParams, SearchParams, SearchTree, TreeNode
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, GenerateRequest, NodeChange, SearchTree, TreeNode
 from runtime.search.tree import TreeRecorder
 from tests.runtime.engine_helpers import engine_for
 

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.wire.protocol import Delta, GenerateRequest, SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, GenerateRequest
 from runtime.verify.scoring import CalculatorScorer
 from runtime.verify.verifiers.calculator import (
     CHECKED, REFUTED, UNCHECKED, UNSUPPORTED, claims, evaluate, step_score, tier,

@@ -7,7 +7,8 @@ from bench.accuracy import messages_for
 from runtime.search.aggregate import split_steps
 from runtime.verify.verifiers.calculator import claims, normalize
 from runtime.verify.verifiers.grounding import is_supported, operands, question_numbers
-from runtime.wire.protocol import Delta, GenerateRequest, SamplingParams, SearchParams
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, GenerateRequest
 from tests.runtime.search.test_search_engine import run_search
 
 PENCILS = "Sara has 12 pencils and gives away 5. How many pencils does she have left?"
