@@ -20,7 +20,7 @@ first); else none. `useful` is measured per step group over every search the eng
 from `PRIOR_USEFUL` as if `PRIOR_TOKENS` speculative tokens had been measured at it: a search's first
 groups save nothing (the steps their tokens save come in later groups, where children adopt them),
 so the measurement alone would decline after the first group wherever it runs. The prior is what the
-search example measured with speculation always on (0.011-0.023 steps a token, 17,000-21,000 tokens a
+search example measured with speculation always on (0.010-0.023 steps a token, 12,800-21,400 tokens a
 search, on a CPU and on an H200). On a CPU, where a row costs a sixth of a step's fixed part or more,
 that declines from the first step, so `auto` costs nothing there; on a GPU, where a row costs under a
 hundredth of it, it speculates from the first step on. Until the fit has steps of two batch sizes, no
