@@ -105,6 +105,11 @@ class Strategy:
     def expand(self, live: Sequence[PathView]) -> Expansion:
         raise NotImplementedError
 
+    @property
+    def keep(self) -> int:
+        """How many live paths a beam keeps when a step settles (beam search, dynamic branching)."""
+        return max(1, self.n // self.beam_width)
+
     def widest_child(self, num_live: int) -> int:
         """How many children speculation decodes ahead for one survivor when `num_live` live paths
         settle: the most it gets where the count alone tells (beam search), else `beam_width`."""
@@ -146,16 +151,15 @@ class BeamSearch(Strategy):
     name = "beam"
 
     def expand(self, live: Sequence[PathView]) -> Expansion:
-        keep = max(1, self.n // self.beam_width)
-        survivors = rank(drop_duplicates(live))[:keep]
+        survivors = rank(drop_duplicates(live))[:self.keep]
         return _counts(survivors, self.n) if survivors else Expansion((), ())
 
     def surely_pruned(self, ended: Sequence[PathView]) -> set[int]:
-        return _outranked(ended, max(1, self.n // self.beam_width))
+        return _outranked(ended, self.keep)
 
     def widest_child(self, num_live: int) -> int:
         """Fewer survivors than it keeps share all `n` children (the refill)."""
-        return math.ceil(self.n / min(max(1, self.n // self.beam_width), max(1, num_live)))
+        return math.ceil(self.n / min(self.keep, max(1, num_live)))
 
 
 class DynamicBranching(Strategy):
@@ -164,8 +168,7 @@ class DynamicBranching(Strategy):
     name = "dynamic_branching"
 
     def expand(self, live: Sequence[PathView]) -> Expansion:
-        keep = max(1, self.n // self.beam_width)
-        survivors = rank(drop_duplicates(live))[:keep]
+        survivors = rank(drop_duplicates(live))[:self.keep]
         if not survivors:
             return Expansion((), ())
         counts = allocate_children([p.score for p in survivors], self.n)
@@ -173,7 +176,7 @@ class DynamicBranching(Strategy):
         return Expansion(tuple(u for u, _ in pairs), tuple(c for _, c in pairs))
 
     def surely_pruned(self, ended: Sequence[PathView]) -> set[int]:
-        return _outranked(ended, max(1, self.n // self.beam_width))
+        return _outranked(ended, self.keep)
 
 
 class DVTS(Strategy):

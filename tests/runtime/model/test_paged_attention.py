@@ -190,6 +190,30 @@ def test_a_bfloat16_cache_gives_the_bits_of_a_float32_cache_of_its_values(heads,
 
 
 @pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
+def test_a_batch_split_across_threads_gives_each_query_its_bits_alone():
+    """Several queries with 512 (key, KV head) pairs or more go to every thread (one query alone keeps
+    to the calling thread below 4,096): each query's bits are those it gets alone on one thread."""
+    cache = KVCache(KVShape(1, KVH, D, BS), 64, torch.float32, torch.device("cpu"))
+    cache.kv.normal_(generator=torch.Generator().manual_seed(13))
+    gen = torch.Generator().manual_seed(14)
+    tables = torch.stack([torch.randperm(64, generator=gen)[:20] for _ in range(8)])
+    ctx = torch.tensor([40, 77, 9, 64, 80, 33, 71, 58])  # 432 keys, 864 pairs over 2 KV heads
+    queries = torch.randn(8, H, D, generator=gen)
+    rows = torch.arange(8)
+    batch = torch.zeros(8, H, D)
+    attention_kernel()(queries, rows, cache.kv, tables, ctx, 0, 0.3, batch)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for g in range(8):
+            alone = torch.zeros(8, H, D)
+            attention_kernel()(queries, rows[g:g + 1], cache.kv, tables[g:g + 1], ctx[g:g + 1], 0, 0.3, alone)
+            assert torch.equal(alone[g], batch[g])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
 def test_the_kernel_refuses_what_it_cannot_read():
     cache = KVCache(KVShape(2, KVH, D, BS), 8, torch.float32, torch.device("cpu"))
     q, out = torch.randn(2, H, D), torch.zeros(2, H, D)
