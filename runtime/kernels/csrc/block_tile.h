@@ -43,13 +43,14 @@ inline __m256 load_scales(const void* p, int64_t i) {
 template <int TR, int BITS, int SCALES, bool SPLIT>
 void block_tile(const int8_t* xq, const float* xscale, const float* xsum, const int32_t* xs16, int64_t K, int64_t G,
                 const uint8_t* codes, const void* d, const void* m, const float* res, float* out, int64_t ldo,
-                int64_t width) {
+                int64_t width, const uint8_t* next) {
   constexpr int span = Q_SPAN(BITS);
   __m256 acc[TR];
   for (int r = 0; r < TR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F), bit = _mm256_set1_epi32(0x01010101);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* cg = codes + group_bytes(BITS) * g;
+    if (next != nullptr) prefetch(next + group_bytes(BITS) * g, group_bytes(BITS));
     __m256i high = _mm256_setzero_si256();
     if constexpr (BITS == 5) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 128));
     __m256i chain[TR], total[TR], first[TR];
@@ -140,16 +141,23 @@ inline __m512i join(const uint8_t* lo, const uint8_t* hi) {
 // integer sums and float operations exactly `block_tile`'s, so the same bits. A signed code c is
 // taken as the unsigned c + 128, and 128 times the activations' sum taken off again (`xs16`: each
 // row's sums of 16 activations, 2 a group): the same integer sums without a sign operation a row.
+// `next`: the codes of the block pair after these (contiguous, 2 x G groups), prefetched a group at a
+// time, or null.
 template <int TR, int BITS, int SCALES, bool SPLIT>
 void wide_block_tile(const int8_t* xq, const float* xscale, const float* xsum, const int32_t* xs16, int64_t K,
                      int64_t G, const uint8_t* c0, const uint8_t* c1, const void* d0, const void* d1, const void* m0,
-                     const void* m1, const float* res, float* out, int64_t ldo, int64_t w0, int64_t w1) {
+                     const void* m1, const float* res, float* out, int64_t ldo, int64_t w0, int64_t w1,
+                     const uint8_t* next) {
   __m512 acc[TR];
   for (int r = 0; r < TR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), bit = _mm512_set1_epi32(0x01010101), zero = _mm512_setzero_si512();
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < G; ++g) {
     const int64_t offset = group_bytes(BITS) * g;
+    if (next != nullptr) {
+      prefetch(next + offset, group_bytes(BITS));
+      prefetch(next + G * group_bytes(BITS) + offset, group_bytes(BITS));
+    }
     __m512i high = zero;
     if constexpr (BITS == 5) high = join(c0 + offset + 128, c1 + offset + 128);
     __m512i total[TR], first[TR];
@@ -262,11 +270,13 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
     const uint8_t* db = static_cast<const uint8_t*>(d) + b0 * stride;
     const uint8_t* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b0 * mstride;
     const int64_t n = 8 * b0, w1 = std::min<int64_t>(8, N - n - 8);
+    // With more than one row the first row tile prefetches the next pair's codes (q4_tile.h's `prefetch`).
+    const uint8_t* next = R > 1 && b0 + 3 < b1 ? c + 2 * G * group_bytes(BITS) : nullptr;
     row_tiles<Q_ROWS>(R, [&](auto rows, int64_t r) {
       wide_block_tile<decltype(rows)::value, BITS, SCALES, SPLIT>(
           xq + r * K, xscale + r * G, xsum + r * G, sums == nullptr ? nullptr : sums + r * 2 * G, K, G, c,
           c + G * group_bytes(BITS), db, db + stride, mb, mb == nullptr ? nullptr : mb + mstride, at(res, r, n),
-          out + r * N + n, N, 8, w1);
+          out + r * N + n, N, 8, w1, r == 0 ? next : nullptr);
     });
   }
 #endif
@@ -275,10 +285,12 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
     const void* db = static_cast<const uint8_t*>(d) + b * stride;
     const void* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b * mstride;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
+    const uint8_t* next = R > 1 && b + 1 < b1 ? c + G * group_bytes(BITS) : nullptr;
     row_tiles<Q_ROWS>(R, [&](auto rows, int64_t r) {
       block_tile<decltype(rows)::value, BITS, SCALES, SPLIT>(xq + r * K, xscale + r * G, xsum + r * G,
                                                              sums == nullptr ? nullptr : sums + r * 2 * G, K, G, c,
-                                                             db, mb, at(res, r, n), out + r * N + n, N, width);
+                                                             db, mb, at(res, r, n), out + r * N + n, N, width,
+                                                             r == 0 ? next : nullptr);
     });
   }
 }

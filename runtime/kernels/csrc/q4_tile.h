@@ -29,6 +29,15 @@ inline void row_tiles(int64_t R, Tile&& tile) {
   }
 }
 
+// `bytes` from `p` into the first-level cache, a line at a time. With more than one row, the tiles
+// prefetch the next block's codes while the first row tile streams its own, so the row tiles after it
+// and the next block find them in cache (SmolLM2 in-process, 16 streams, AVX512-VNNI: the Q4_1 file
+// 1,080-1,100 -> 1,375-1,400 tok/s, Q8_0 930 -> 1,130-1,290; 4 streams +20-25 %); one row streams
+// them better from the hardware's prefetcher alone (the Q8_0 file, one stream: 254 -> 208 tok/s).
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
 // A tile row's 8 lanes into its first `width` outputs (plus `res`'s when given).
 inline void store_row(__m256 acc, const float* res, float* out, int64_t width) {
   alignas(32) float y[8];
@@ -100,12 +109,14 @@ void prepare(const float* x, int64_t K, const float* weight, float eps, float* y
 // `m` hold 8 float16 a group. Only the first `width` lanes are written (a last block may be partial).
 template <int TR>
 void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G, const uint8_t* codes,
-          const uint16_t* d, const uint16_t* m, const float* res, float* out, int64_t ldo, int64_t width) {
+          const uint16_t* d, const uint16_t* m, const float* res, float* out, int64_t ldo, int64_t width,
+          const uint8_t* next) {
   __m256 acc[TR];
   for (int r = 0; r < TR; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     const __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 8 * g)));
+    if (next != nullptr) prefetch(next + 128 * g, 128);
 #if Q4_CHAINS == 2
     __m256i a[TR], b[TR];  // two chains a row (low and high nibbles), summed exactly
     for (int r = 0; r < TR; ++r) a[r] = b[r] = _mm256_setzero_si256();
@@ -154,7 +165,7 @@ void tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, i
 template <int TR>
 void wide_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G, const uint8_t* c0,
                const uint8_t* c1, const uint16_t* d0, const uint16_t* d1, const uint16_t* m0, const uint16_t* m1,
-               const float* res, float* out, int64_t ldo, int64_t w0, int64_t w1) {
+               const float* res, float* out, int64_t ldo, int64_t w0, int64_t w1, const uint8_t* next) {
   __m512 acc[TR];
   for (int r = 0; r < TR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -165,6 +176,10 @@ void wide_tile(const int8_t* xq, const float* xscale, const float* xsum, int64_t
   };
   for (int64_t g = 0; g < G; ++g) {
     const __m512 dg = halves(d0 + 8 * g, d1 + 8 * g);
+    if (next != nullptr) {
+      prefetch(next + 128 * g, 128);
+      prefetch(next + 4 * K + 128 * g, 128);
+    }
     __m512i a[TR], b[TR];
     for (int r = 0; r < TR; ++r) a[r] = b[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -208,10 +223,11 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
     const uint16_t* db = d + b0 * 8 * G;
     const uint16_t* mb = m == nullptr ? nullptr : m + b0 * 8 * G;
     const int64_t n = 8 * b0, w1 = std::min<int64_t>(8, N - n - 8);
+    const uint8_t* next = R > 1 && b0 + 3 < b1 ? c + 8 * K : nullptr;
     row_tiles<Q4_ROWS>(R, [&](auto rows, int64_t r) {
       wide_tile<decltype(rows)::value>(xq + r * K, xscale + r * G, xsum + r * G, K, G, c, c + 4 * K, db, db + 8 * G,
                                        mb, mb == nullptr ? nullptr : mb + 8 * G, at(res, r, n), out + r * N + n, N,
-                                       8, w1);
+                                       8, w1, r == 0 ? next : nullptr);
     });
   }
 #endif
@@ -220,9 +236,10 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
     const uint16_t* db = d + b * 8 * G;
     const uint16_t* mb = m == nullptr ? nullptr : m + b * 8 * G;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
+    const uint8_t* next = R > 1 && b + 1 < b1 ? c + 4 * K : nullptr;
     row_tiles<Q4_ROWS>(R, [&](auto rows, int64_t r) {
       tile<decltype(rows)::value>(xq + r * K, xscale + r * G, xsum + r * G, K, G, c, db, mb, at(res, r, n),
-                                  out + r * N + n, N, width);
+                                  out + r * N + n, N, width, r == 0 ? next : nullptr);
     });
   }
 }
