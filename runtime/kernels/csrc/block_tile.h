@@ -272,6 +272,10 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
     const int64_t n = 8 * b0, w1 = std::min<int64_t>(8, N - n - 8);
     // With more than one row the first row tile prefetches the next pair's codes (q4_tile.h's `prefetch`).
     const uint8_t* next = R > 1 && b0 + 3 < b1 ? c + 2 * G * group_bytes(BITS) : nullptr;
+    if (next != nullptr) {  // and the next pair's scales, at once (a few lines)
+      prefetch(db + 2 * stride, 2 * stride);
+      if (mb != nullptr) prefetch(mb + 2 * mstride, 2 * mstride);
+    }
     row_tiles<Q_ROWS>(R, [&](auto rows, int64_t r) {
       wide_block_tile<decltype(rows)::value, BITS, SCALES, SPLIT>(
           xq + r * K, xscale + r * G, xsum + r * G, sums == nullptr ? nullptr : sums + r * 2 * G, K, G, c,
@@ -286,6 +290,10 @@ void format_blocks(const int8_t* xq, const float* xscale, const float* xsum, int
     const void* mb = m == nullptr ? nullptr : static_cast<const uint8_t*>(m) + b * mstride;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
     const uint8_t* next = R > 1 && b + 1 < b1 ? c + G * group_bytes(BITS) : nullptr;
+    if (next != nullptr) {
+      prefetch(static_cast<const uint8_t*>(db) + stride, stride);
+      if (mb != nullptr) prefetch(static_cast<const uint8_t*>(mb) + mstride, mstride);
+    }
     row_tiles<Q_ROWS>(R, [&](auto rows, int64_t r) {
       block_tile<decltype(rows)::value, BITS, SCALES, SPLIT>(xq + r * K, xscale + r * G, xsum + r * G,
                                                              sums == nullptr ? nullptr : sums + r * 2 * G, K, G, c,

@@ -224,6 +224,10 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
     const uint16_t* mb = m == nullptr ? nullptr : m + b0 * 8 * G;
     const int64_t n = 8 * b0, w1 = std::min<int64_t>(8, N - n - 8);
     const uint8_t* next = R > 1 && b0 + 3 < b1 ? c + 8 * K : nullptr;
+    if (next != nullptr) {  // and the next pair's scales, at once (a few lines)
+      prefetch(reinterpret_cast<const uint8_t*>(db + 16 * G), 32 * G);
+      if (mb != nullptr) prefetch(reinterpret_cast<const uint8_t*>(mb + 16 * G), 32 * G);
+    }
     row_tiles<Q4_ROWS>(R, [&](auto rows, int64_t r) {
       wide_tile<decltype(rows)::value>(xq + r * K, xscale + r * G, xsum + r * G, K, G, c, c + 4 * K, db, db + 8 * G,
                                        mb, mb == nullptr ? nullptr : mb + 8 * G, at(res, r, n), out + r * N + n, N,
@@ -237,6 +241,10 @@ void blocks(const int8_t* xq, const float* xscale, const float* xsum, int64_t R,
     const uint16_t* mb = m == nullptr ? nullptr : m + b * 8 * G;
     const int64_t n = 8 * b, width = std::min<int64_t>(8, N - n);
     const uint8_t* next = R > 1 && b + 1 < b1 ? c + 4 * K : nullptr;
+    if (next != nullptr) {
+      prefetch(reinterpret_cast<const uint8_t*>(db + 8 * G), 16 * G);
+      if (mb != nullptr) prefetch(reinterpret_cast<const uint8_t*>(mb + 8 * G), 16 * G);
+    }
     row_tiles<Q4_ROWS>(R, [&](auto rows, int64_t r) {
       tile<decltype(rows)::value>(xq + r * K, xscale + r * G, xsum + r * G, K, G, c, db, mb, at(res, r, n),
                                   out + r * N + n, N, width, r == 0 ? next : nullptr);
