@@ -30,10 +30,11 @@ inline void row_tiles(int64_t R, Tile&& tile) {
 }
 
 // `bytes` from `p` into the first-level cache, a line at a time. With more than one row, the tiles
-// prefetch the next block's codes while the first row tile streams its own, so the row tiles after it
-// and the next block find them in cache (SmolLM2 in-process, 16 streams, AVX512-VNNI: the Q4_1 file
-// 1,080-1,100 -> 1,375-1,400 tok/s, Q8_0 930 -> 1,130-1,290; 4 streams +20-25 %); one row streams
-// them better from the hardware's prefetcher alone (the Q8_0 file, one stream: 254 -> 208 tok/s).
+// prefetch the next block's codes (a group at a time) and scales (at once) while the first row tile
+// streams its own, so the row tiles after it and the next block find them in cache (SmolLM2
+// in-process, 16 streams, AVX512-VNNI: the Q4_1 file 1,080-1,100 -> 1,375-1,400 tok/s, Q8_0 930 ->
+// 1,130-1,350; 4 streams +20-25 %; prefill unchanged); one row streams them better from the
+// hardware's prefetcher alone (the Q8_0 file, one stream: 254 -> 208 tok/s).
 inline void prefetch(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
