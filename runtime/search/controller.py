@@ -68,7 +68,7 @@ class SearchController(SearchOutput):
         self.active: set[SearchPath] = set()  # paths of the group running now
         self.to_group: list[SearchPath] = []  # the paths of the latest `GroupStep`, in its order
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
-        self.speculation = Speculation(self, search.beam_width, bool(host.config.speculative_extension))
+        self.speculation = Speculation(self, search.n, search.beam_width, bool(host.config.speculative_extension))
         self.advance_pending = False
         self.scores_ahead = 0  # step scores taken from a look-ahead verification
         self.stepped: list[SearchPath] = []
@@ -180,6 +180,10 @@ class SearchController(SearchOutput):
             return self.strategy.widest_child(self.strategy.n)
         live = sum(not p.is_done for p in self.stepped if p is not self.anchor)
         return self.strategy.widest_child(live + sum(p is not self.anchor for p in self.generating))
+
+    def likely_children(self, live_share: float) -> int:
+        """The children a survivor gets were that share of a full step's paths to settle live."""
+        return self.strategy.widest_child(max(1, round(self.strategy.n * live_share)))
 
     def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]:
         """Of live paths that ended the step being decoded, with their step's scores (a free verifier's,

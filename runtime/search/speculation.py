@@ -57,6 +57,7 @@ from typing import Protocol
 from runtime.model.detokenizer import StepText
 from runtime.model.sampler import SamplingState
 from runtime.search.anchor import ANCHOR_UID
+from runtime.search.child_counts import ChildCounts
 from runtime.search.aggregate import normalize_step
 from runtime.search.host import SearchHost
 from runtime.search.paths import SearchPath, StepAhead
@@ -82,6 +83,8 @@ class SpeculationPort(Protocol):
     def count_token(self) -> None: ...
 
     def children_limit(self, step: int) -> int: ...  # the fewest children a survivor of the step gets
+
+    def likely_children(self, live_share: float) -> int: ...  # a survivor's children where that share settles live
 
     def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]: ...  # pruned at the settling, whatever comes
 
@@ -126,7 +129,7 @@ Lineage = SearchPath | Branch
 class Speculation:
     """A search's speculative lineages: which run, their branches and potential, what they become."""
 
-    def __init__(self, search: SpeculationPort, beam_width: int, is_enabled: bool) -> None:
+    def __init__(self, search: SpeculationPort, num_paths: int, beam_width: int, is_enabled: bool) -> None:
         self.search = search
         self.beam_width = beam_width
         self.is_enabled = is_enabled
@@ -137,7 +140,8 @@ class Speculation:
         self.doomed: set[Lineage] = set()  # paths surely pruned at the settling and everything below them
         self.branches: dict[Lineage, dict[tuple[int, int], Branch]] = {}  # lineage -> (fork at, ordinal) -> branch
         self.wants: list[tuple] = []  # (rank, -potential, ordinal, asked, lineage, fork at, step)
-        self.limits: dict[int, int] = {}  # step -> the children wanted per lineage at its end (children_limit)
+        self.counts = ChildCounts(search, num_paths)  # step -> the children wanted per lineage at its end
+        self.later: dict[int, dict[Lineage, int]] = {}  # a step after the one decoded -> lineages that completed it, at
         self.reached: list[SearchPath] = []  # the paths that ended the step being decoded (`path_ended`)
         self.known: dict[int, dict[tuple[int, ...], float]] = {}  # step -> lineage's seed key -> its free score
         self.num_asked = 0
@@ -155,6 +159,7 @@ class Speculation:
         self.score_range = (min(scores), max(scores)) if scores else None
         self.wants = []
         self.reached = list(done)
+        self.later = {step: lineages for step, lineages in self.later.items() if step > self.search.step_index}
         if self.is_open:
             for path in done:
                 self._walk(path)
@@ -182,6 +187,9 @@ class Speculation:
     def hand_over(self, branch: Branch, child: SearchPath) -> None:
         """`child` adopted `branch`: the branches below it are the child's."""
         below = self.branches.pop(branch, None)
+        for lineages in self.later.values():
+            if branch in lineages:
+                lineages[child] = lineages.pop(branch)
         if below:
             self.branches[child] = below
 
@@ -196,6 +204,8 @@ class Speculation:
 
     def release(self, lineage: Lineage) -> None:
         """Everything below `lineage` is dropped (it was pruned, or ends)."""
+        for lineages in self.later.values():
+            lineages.pop(lineage, None)
         for branch in self.branches.pop(lineage, {}).values():
             self._drop(branch)
 
@@ -237,6 +247,7 @@ class Speculation:
         reason, ends_step = self.search.rules.outcome(lineage, out.token_id, step.start, is_last_step=runs_to_end)
         if reason is not None or ends_step:
             step.end, step.finish = len(lineage.seq.token_ids), reason
+            self._completed(step.step, reason is not None)
             if reason is None:
                 step.score = self.search.score_ahead(step.logprobs)
                 self._reached(lineage, step.end, step.step)
@@ -254,6 +265,10 @@ class Speculation:
     def _walk(self, lineage: Lineage) -> None:
         """Want what `lineage` and everything below it may decode next: the step it began, or those
         past the last step it completed."""
+        if isinstance(lineage, SearchPath) and lineage.ahead:
+            self._reached(lineage, lineage.step_end, self.search.step_index, itself=False)
+        for ahead in lineage.ahead[:-1]:  # (it went on past them: they are complete)
+            self._reached(lineage, ahead.end, ahead.step, itself=False)
         if lineage.ahead:
             last = lineage.ahead[-1]
             if last.end is None:
@@ -265,7 +280,7 @@ class Speculation:
         for branch in list(self.branches.get(lineage, {}).values()):
             self._walk(branch)
 
-    def _reached(self, lineage: Lineage, at: int, step: int) -> None:
+    def _reached(self, lineage: Lineage, at: int, step: int, itself: bool = True) -> None:
         """`lineage`'s tokens complete step `step` at token index `at` (its score there is known where it
         is free): it may go on as itself, and branches may fork there for the children a survivor will
         get (`_want_children`)."""
@@ -275,12 +290,14 @@ class Speculation:
         if score is not None:
             self.known.setdefault(step, {})[lineage.seed_key] = score
         potential = self._potential(lineage, step)
-        self._want(step + 1, lineage, 0, at, potential)
+        if itself:
+            self._want(step + 1, lineage, 0, at, potential)
         if isinstance(lineage, SearchPath) and step == self.search.step_index and lineage not in self.reached:
             self.reached.append(lineage)
-        limit = self.limits.setdefault(step, self.search.children_limit(step))
         if self._expands(lineage, step):
-            self._want_children(lineage, at, step, potential, 1, limit)
+            if step > self.search.step_index:
+                self.later.setdefault(step, {})[lineage] = at
+            self._want_children(lineage, at, step, potential, 1, self.counts.at(step))
 
     def path_ended(self) -> None:
         """A path ended the step being decoded, or finished (or a group opened): the paths surely pruned
@@ -290,14 +307,25 @@ class Speculation:
         if not self.is_open or self.search.step_shape(step + 1) is None:
             return
         self._doom()
-        before, limit = self.limits.get(step, self.beam_width), self.search.children_limit(step)
-        if limit <= before:
+        grown = self.counts.sure_grew()
+        if grown is None:
             return
-        self.limits[step] = limit
+        before, limit = grown
         for path in self.reached:
             if not path.is_done and self._expands(path, step):
                 self._want_children(path, path.step_end, step, self._potential(path, step), before, limit)
         self._fill()
+
+    def _completed(self, step: int, finished: bool) -> None:
+        """A speculative lineage completed step `step`, `finished` there or not: if that makes more
+        children likely for the survivors of a later step, the lineages that completed it want them."""
+        grown = self.counts.completed(step, finished)
+        if grown is None:
+            return
+        before, limit = grown
+        for lineage, at in list(self.later.get(step, {}).items()):
+            if lineage not in self.doomed:
+                self._want_children(lineage, at, step, self._potential(lineage, step), before, limit)
 
     def _doom(self) -> None:
         """The paths that ended the step and are surely pruned when it settles (a free verifier's scores

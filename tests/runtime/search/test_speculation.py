@@ -121,10 +121,17 @@ def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pru
     keeps (4 of 8), whose children past `beam_width` are wanted; the confidence verifier's step
     scores are read ahead, and paths they surely prune stop speculating before the step settles. The
     search is the one without speculation, for every seed."""
+    from runtime.search.child_counts import ChildCounts
     from runtime.search.speculation import Speculation
 
-    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0}
+    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0, "likely_grew": 0}
     make_way, want, score, doom = Speculation._make_way, Speculation._want, Speculation._score, Speculation._doom
+    completed = ChildCounts.completed
+
+    def watch_completed(self, step, finished):
+        grown = completed(self, step, finished)
+        seen["likely_grew"] += grown is not None
+        return grown
 
     def watch_doom(self):
         before = len(self.doomed)
@@ -149,6 +156,7 @@ def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pru
     monkeypatch.setattr(Speculation, "_want", watch_want)
     monkeypatch.setattr(Speculation, "_score", watch_score)
     monkeypatch.setattr(Speculation, "_doom", watch_doom)
+    monkeypatch.setattr(ChildCounts, "completed", watch_completed)
     engines = {speculative: engine_for(tiny_llama, num_blocks=1024, max_num_seqs=12, speculative_extension=speculative)
                for speculative in (False, True)}
     for seed in (11, 12, 13):
@@ -190,3 +198,27 @@ def test_a_path_surely_pruned_is_pruned_whatever_paths_join(strategy):
             for joined in (ended, ended + later, ended + later[:1]):
                 assert uid not in rule.expand(joined).parents
     assert checked > 50
+
+
+def test_a_later_steps_children_are_the_sure_count_until_its_lineages_tell_how_its_paths_end():
+    """`ChildCounts`: a later step's count is the strategy's for a full step until half a step's paths
+    have completed it ahead; then the share of them that ended it live, of `n` paths, gives the
+    survivors' children (beam search, n=16, width 4: 4 survivors, 4 children each, while 8 or more
+    are live; 2 live, 8 children). It never shrinks, and the step being decoded counts only surely."""
+    from runtime.search.child_counts import ChildCounts
+
+    strategy = make_strategy("beam", 16, 4)
+    port = SimpleNamespace(step_index=1, children_limit=lambda step: 4 if step > 1 else 5,
+                           likely_children=lambda share: strategy.widest_child(max(1, round(16 * share))))
+    counts = ChildCounts(port, 16)
+    assert counts.at(3) == 4 and counts.at(1) == 5
+    for _ in range(5):
+        assert counts.completed(3, finished=True) is None  # 5 of the 8 it waits for
+    assert counts.completed(3, finished=False) is None
+    assert counts.completed(3, finished=True) is None
+    assert counts.completed(3, finished=True) == (4, 8)  # 1 of 8 ended live: 2 survivors' worth, 8 children
+    assert counts.at(3) == 8
+    for _ in range(8):
+        assert counts.completed(3, finished=False) is None  # more live now: never fewer children
+    assert counts.at(3) == 8
+    assert counts.completed(1, finished=True) is None and counts.at(1) == 5  # the step being decoded: sure only
