@@ -30,12 +30,16 @@ How many children a survivor gets is the strategy's (`widest_child`): a beam ref
 from fewer survivors where paths finished or were duplicates, so a survivor may get more than
 `beam_width`. For the step being decoded the controller counts (`children_limit`) how many a
 survivor will get at least: as many as were every path still decoding to settle live (no more can
-survive); as paths finish, the paths that ended the step want more (`path_ended`). Each lineage wants
+survive); as paths finish, the paths that ended the step want more (`path_ended`). For a later step
+the share of the speculative lineages that ended it live makes a count likely (`ChildCounts`), and
+as it grows the lineages that completed that step want more (`_completed`). Each lineage wants
 that many children, those within its potential (scaled to that many) ranked with the next step, the
 others with the step after. Where the scores are free, a path that ended the step and is surely
 pruned when it settles (`SpeculationPort.surely_pruned`) wants nothing more, nor does anything below
 it, and what of it runs yields its slot.
 
+When a group opens, everything wanted is asked again: below each path whose step is done, every
+step a lineage completed ahead wants its children (not only its last one), and its last step goes on.
 Slots are handed out lazily, as lineages end their steps: the nearest rank first, then the highest
 potential, then lower ordinals (going on as itself first), then in the order asked. A lineage that
 ends a step keeps its slot only where going on is the first thing wanted. With no slot idle (or the
