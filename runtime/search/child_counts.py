@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+
 class CountPort(Protocol):
     step_index: int  # the step being decoded
 
@@ -35,6 +36,7 @@ class ChildCounts:
         self.outcomes: dict[int, list[int]] = {}  # later step -> [lineages that ended it live, that finished there]
 
     def at(self, step: int) -> int:
+        """The children a lineage that completed `step` wants now."""
         if step not in self.counts:
             self.counts[step] = max(self.search.children_limit(step), self._likely(step))
         return self.counts[step]

@@ -118,15 +118,21 @@ def test_descendants_decode_several_steps_ahead_and_are_adopted(tiny_llama, monk
 def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pruned_stop(tiny_llama, monkeypatch):
     """With 12 rows, a running lineage ranked after a want gives up its slot at its next token and
     decodes the rest of its step later; paths finishing early leave fewer survivors than the beam
-    keeps (4 of 8), whose children past `beam_width` are wanted; the confidence verifier's step
-    scores are read ahead, and paths they surely prune stop speculating before the step settles. The
-    search is the one without speculation, for every seed."""
+    keeps (4 of 8), whose children past `beam_width` are wanted, and so are those that the lineages
+    completing a later step ahead make likely there; a group's opening wants the children of every
+    step a lineage completed ahead again; the confidence verifier's step scores are read ahead, and
+    paths they surely prune stop speculating before the step settles. The search is the one without
+    speculation, for every seed."""
     from runtime.search.child_counts import ChildCounts
     from runtime.search.speculation import Speculation
 
-    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0, "likely_grew": 0}
+    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0, "likely_grew": 0, "wanted_again": 0}
     make_way, want, score, doom = Speculation._make_way, Speculation._want, Speculation._score, Speculation._doom
-    completed = ChildCounts.completed
+    completed, reached = ChildCounts.completed, Speculation._reached
+
+    def watch_reached(self, lineage, at, step, itself=True):
+        seen["wanted_again"] += not itself
+        reached(self, lineage, at, step, itself)
 
     def watch_completed(self, step, finished):
         grown = completed(self, step, finished)
@@ -157,6 +163,7 @@ def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pru
     monkeypatch.setattr(Speculation, "_score", watch_score)
     monkeypatch.setattr(Speculation, "_doom", watch_doom)
     monkeypatch.setattr(ChildCounts, "completed", watch_completed)
+    monkeypatch.setattr(Speculation, "_reached", watch_reached)
     engines = {speculative: engine_for(tiny_llama, num_blocks=1024, max_num_seqs=12, speculative_extension=speculative)
                for speculative in (False, True)}
     for seed in (11, 12, 13):
