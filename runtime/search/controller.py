@@ -34,7 +34,7 @@ from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.plan import SearchPlan
 from runtime.search.speculation import Branch, Speculation
 from runtime.search.steps import StepRules
-from runtime.search.strategies import Strategy, make_strategy
+from runtime.search.strategies import Expansion, Strategy, make_strategy
 from runtime.search.tree import TreeRecorder
 from scheduler.sequence import Sequence
 
@@ -180,6 +180,15 @@ class SearchController(SearchOutput):
             return self.strategy.widest_child(self.strategy.n)
         live = sum(not p.is_done for p in self.stepped if p is not self.anchor)
         return self.strategy.widest_child(live + sum(p is not self.anchor for p in self.generating))
+
+    def expansion_ahead(self, candidates) -> Expansion | None:
+        """The strategy's expansion of lineages that completed a step ahead, with their scores to it
+        (`runtime.search.projection`), where it expands by scores alone; None otherwise."""
+        if not self.strategy.expands_by_scores:
+            return None
+        return self.strategy.expand([SimpleNamespace(uid=c.uid, subtree=c.subtree, is_done=False, text=c.text,
+                                                     score=aggregate(c.scores, self.search.aggregation))
+                                     for c in candidates])
 
     def likely_children(self, live_share: float) -> int:
         """The children a survivor gets were that share of a full step's paths to settle live."""

@@ -66,6 +66,8 @@ from runtime.search.aggregate import normalize_step
 from runtime.search.host import SearchHost
 from runtime.search.paths import SearchPath, StepAhead
 from runtime.search.plan import SearchPlan
+from runtime.search.projection import Candidate, Projection, project
+from runtime.search.strategies import Expansion
 from runtime.search.steps import StepRules
 from scheduler.sequence import Sequence
 
@@ -91,6 +93,8 @@ class SpeculationPort(Protocol):
     def likely_children(self, live_share: float) -> int: ...  # a survivor's children where that share settles live
 
     def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]: ...  # pruned at the settling, whatever comes
+
+    def expansion_ahead(self, candidates: list[Candidate]) -> Expansion | None: ...  # the strategy's, replayed (None: not)
 
     def score_ahead(self, logprobs: list[float]) -> float | None: ...  # a step's score, where it is free
 
@@ -149,6 +153,7 @@ class Speculation:
         self.reached: list[SearchPath] = []  # the paths that ended the step being decoded (`path_ended`)
         self.known: dict[int, dict[tuple[int, ...], float]] = {}  # step -> lineage's seed key -> its free score
         self.num_asked = 0
+        self.projection: Projection | None = None  # the search as the scores read so far settle it (None: to redo)
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
         self.num_decoded = 0  # speculative tokens decoded, kept or not
         self.num_reported = 0  # of them, those the step-cost model has heard of
@@ -163,6 +168,7 @@ class Speculation:
         self.score_range = (min(scores), max(scores)) if scores else None
         self.wants = []
         self.reached = list(done)
+        self.projection = None
         self.later = {step: lineages for step, lineages in self.later.items() if step > self.search.step_index}
         if self.is_open:
             for path in done:
@@ -191,6 +197,7 @@ class Speculation:
     def hand_over(self, branch: Branch, child: SearchPath) -> None:
         """`child` adopted `branch`: the branches below it are the child's."""
         below = self.branches.pop(branch, None)
+        self.projection = None
         for lineages in self.later.values():
             if branch in lineages:
                 lineages[child] = lineages.pop(branch)
@@ -208,6 +215,7 @@ class Speculation:
 
     def release(self, lineage: Lineage) -> None:
         """Everything below `lineage` is dropped (it was pruned, or ends)."""
+        self.projection = None
         for lineages in self.later.values():
             lineages.pop(lineage, None)
         for branch in self.branches.pop(lineage, {}).values():
@@ -251,6 +259,7 @@ class Speculation:
         reason, ends_step = self.search.rules.outcome(lineage, out.token_id, step.start, is_last_step=runs_to_end)
         if reason is not None or ends_step:
             step.end, step.finish = len(lineage.seq.token_ids), reason
+            self.projection = None
             self._completed(step.step, reason is not None)
             if reason is None:
                 step.score = self.search.score_ahead(step.logprobs)
@@ -311,6 +320,7 @@ class Speculation:
         if not self.is_open or self.search.step_shape(step + 1) is None:
             return
         self._doom()
+        self.projection = None
         grown = self.counts.sure_grew()
         if grown is None:
             return
@@ -425,7 +435,7 @@ class Speculation:
     def _go_on(self, lineage: Lineage) -> None:
         """`lineage`, holding a slot, completed a step (or ended): it goes on as itself where that is the
         first thing wanted, else its slot goes to what is."""
-        self.wants.sort(key=lambda w: w[:4])
+        self.wants.sort(key=self._order)
         first = self.wants[0] if self.wants else None
         more = 0 if lineage in self.running else 1
         if first is not None and first[4] is lineage and first[2] == 0 and self._may_run(more):
@@ -440,7 +450,7 @@ class Speculation:
         """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
         engine does not count yet), nearest step and highest potential first. With no slot idle (or the
         cap reached), running lineages ranked after the first wants yield their slots (`_make_way`)."""
-        self.wants.sort(key=lambda w: w[:4])
+        self.wants.sort(key=self._order)
         started = 0
         while self.wants and self.is_open:
             host = self.search.host
@@ -460,13 +470,41 @@ class Speculation:
     def _make_way(self) -> None:
         """No slot is idle: the running lineages ranked after wants yield their slots to them, each at
         its next token (then it parks, wanted again as it was), the last ranked first."""
-        order = sorted((key, i) for i, (lineage, key) in enumerate(self.running.items()) if lineage not in self.yielding)
+        projection = self._projected()
+        order = sorted(((not projection.decodes_path(lineage, lineage.ahead[-1].step), *key), i)
+                       for i, (lineage, key) in enumerate(self.running.items()) if lineage not in self.yielding)
         lineages = list(self.running)
         for want in self.wants[len(self.yielding):len(self.yielding) + len(order)]:  # the first have their slots coming
             key, i = order.pop()
-            if want[:2] >= key:
+            if self._order(want)[:3] >= key:
                 return
             self.yielding.add(lineages[i])
+
+    def _order(self, want: tuple) -> tuple:
+        """A want's place: first those the projection makes a path's step, then by rank, potential,
+        ordinal and the order asked."""
+        rank, minus_potential, ordinal, asked, lineage, at, step = want
+        projection = self._projected()
+        is_path = projection.decodes_path(lineage, step) if at is None else projection.wants_child(lineage, at, ordinal)
+        return not is_path, rank, minus_potential, ordinal, asked
+
+    def _projected(self) -> Projection:
+        """The search as the scores read so far settle it (`runtime.search.projection`), from the live
+        paths that ended the step being decoded with their free scores."""
+        if self.projection is None:
+            step = self.search.step_index
+            known = self.known.get(step, {})
+            first = [Candidate(p, p.step_end, p.step_scores + [known[p.seed_key]], p.text, p.uid, p.subtree)
+                     for p in self.reached if not p.is_done and p.seed_key in known and self._expands(p, step)]
+            self.projection = project(first, step, self.search.expansion_ahead, self._goes_on, self._child)
+        return self.projection
+
+    def _goes_on(self, step: int) -> bool:
+        shape = self.search.step_shape(step)
+        return shape is not None and shape[1] and self.search.step_shape(step + 1) is not None
+
+    def _child(self, lineage: Lineage, at: int, ordinal: int) -> Lineage | None:
+        return lineage if ordinal == 0 else self.branches.get(lineage, {}).get((at, ordinal))
 
     def _run(self, lineage: Lineage, at: int | None, step: int, key: tuple, resume: bool = True) -> None:
         """`lineage` decodes on: into step `step` from `at` (None: the step it began)."""
@@ -484,6 +522,7 @@ class Speculation:
         branch = Branch(self, parent.child_seed_key(ordinal, at), at, seq,
                         self.search.child_sampling(parent, ordinal, at), -key[1], [StepAhead(at, step)])
         seq.owner = branch
+        self.projection = None
         self.branches.setdefault(parent, {})[(at, ordinal)] = branch
         self.running[branch] = key
         self.search.plan.resume(seq)

@@ -88,6 +88,9 @@ class Strategy:
     confidence_k = 0
     #: the answer's selection rule, or None: the request's `select`
     selection: str | None = None
+    #: its expansion is a function of the live paths' scores, texts and uids alone (no draws, no
+    #: history), so speculation may replay it over the steps decoded ahead (runtime.search.projection)
+    expands_by_scores = False
 
     def __init__(self, n: int, beam_width: int, seed: int | None = None) -> None:
         self.n = n
@@ -149,6 +152,7 @@ class BeamSearch(Strategy):
     """Keep the best n // beam_width live paths and refill to n by cyclic duplication."""
 
     name = "beam"
+    expands_by_scores = True
 
     def expand(self, live: Sequence[PathView]) -> Expansion:
         survivors = rank(drop_duplicates(live))[:self.keep]
@@ -166,6 +170,7 @@ class DynamicBranching(Strategy):
     """Beam search whose children per survivor are proportional to its score."""
 
     name = "dynamic_branching"
+    expands_by_scores = True
 
     def expand(self, live: Sequence[PathView]) -> Expansion:
         survivors = rank(drop_duplicates(live))[:self.keep]

@@ -120,13 +120,23 @@ def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pru
     decodes the rest of its step later; paths finishing early leave fewer survivors than the beam
     keeps (4 of 8), whose children past `beam_width` are wanted, and so are those that the lineages
     completing a later step ahead make likely there; a group's opening wants the children of every
-    step a lineage completed ahead again; the confidence verifier's step scores are read ahead, and
-    paths they surely prune stop speculating before the step settles. The search is the one without
+    step a lineage completed ahead again; the confidence verifier's step scores are read ahead, paths
+    they surely prune stop speculating before the step settles, and the beam's settling replayed on
+    them orders what decodes first. The search is the one without
     speculation, for every seed."""
     from runtime.search.child_counts import ChildCounts
     from runtime.search.speculation import Speculation
 
-    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0, "likely_grew": 0, "wanted_again": 0}
+    import runtime.search.speculation as speculation
+
+    seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0, "likely_grew": 0, "wanted_again": 0,
+            "projected": 0}
+    project = speculation.project
+
+    def watch_project(*args):
+        projection = project(*args)
+        seen["projected"] += bool(projection.children)
+        return projection
     make_way, want, score, doom = Speculation._make_way, Speculation._want, Speculation._score, Speculation._doom
     completed, reached = ChildCounts.completed, Speculation._reached
 
@@ -164,6 +174,7 @@ def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pru
     monkeypatch.setattr(Speculation, "_doom", watch_doom)
     monkeypatch.setattr(ChildCounts, "completed", watch_completed)
     monkeypatch.setattr(Speculation, "_reached", watch_reached)
+    monkeypatch.setattr(speculation, "project", watch_project)
     engines = {speculative: engine_for(tiny_llama, num_blocks=1024, max_num_seqs=12, speculative_extension=speculative)
                for speculative in (False, True)}
     for seed in (11, 12, 13):
@@ -229,3 +240,38 @@ def test_a_later_steps_children_are_the_sure_count_until_its_lineages_tell_how_i
         assert counts.completed(3, finished=False) is None  # more live now: never fewer children
     assert counts.at(3) == 8
     assert counts.completed(1, finished=True) is None and counts.at(1) == 5  # the step being decoded: sure only
+
+
+def test_the_projection_replays_the_beam_over_the_steps_decoded_ahead():
+    """`project`: beam search (n=4, width 2: it keeps 2) over the paths that ended a step: the two best
+    survive with 2 children each (itself, and branch 1); those whose next step is complete and live
+    are the next level, scored by it, the new child numbered after every real uid; a child not yet
+    decoding, a step not yet complete and a pruned path's children are not projected."""
+    from runtime.search.aggregate import aggregate
+    from runtime.search.paths import StepAhead
+    from runtime.search.projection import FIRST_PROJECTED_UID, Candidate, project
+
+    def lineage(*ahead):
+        return SimpleNamespace(ahead=list(ahead), seq=SimpleNamespace(token_ids=list(range(20))))
+
+    a = lineage(StepAhead(10, 1, end=15, score=0.3))
+    a1 = lineage(StepAhead(10, 1, end=14, score=0.8))
+    b, c = lineage(), lineage(StepAhead(10, 1))
+    branches = {(id(a), 1): a1}
+    strategy = make_strategy("beam", 4, 2)
+    expanded = []
+
+    def expand(candidates):
+        expanded.append(sorted(cand.uid for cand in candidates))
+        return strategy.expand([SimpleNamespace(uid=cand.uid, subtree=0, is_done=False, text=cand.text,
+                                                score=aggregate(cand.scores, "last")) for cand in candidates])
+
+    first = [Candidate(a, 10, [0.9], "a", 0), Candidate(b, 10, [0.5], "b", 1), Candidate(c, 10, [0.7], "c", 2)]
+    projection = project(first, 0, expand, lambda step: step < 2,
+                         lambda lin, at, k: lin if k == 0 else branches.get((id(lin), k)))
+    assert expanded == [[0, 1, 2], [0, FIRST_PROJECTED_UID]]
+    assert projection.wants_child(a, 10, 1) and not projection.wants_child(a, 10, 2)
+    assert projection.wants_child(c, 10, 1) and not projection.wants_child(b, 10, 0)
+    assert projection.decodes_path(a1, 1) and projection.decodes_path(c, 1) and not projection.decodes_path(b, 1)
+    assert projection.wants_child(a1, 14, 1) and projection.wants_child(a, 15, 1)  # the second level
+    assert len(projection.children) == 4  # c's own step is not complete: no level after it
