@@ -40,9 +40,11 @@ it, and what of it runs yields its slot.
 
 When a group opens, everything wanted is asked again: below each path whose step is done, every
 step a lineage completed ahead wants its children (not only its last one), and its last step goes on.
-Slots are handed out lazily, as lineages end their steps: the nearest rank first, then the highest
-potential, then lower ordinals (going on as itself first), then in the order asked. A lineage that
-ends a step keeps its slot only where going on is the first thing wanted. With no slot idle (or the
+Where the scores are free and the strategy expands by scores alone, its settling is replayed over
+the steps decoded ahead (`runtime.search.projection`): what that makes paths' steps is wanted first.
+Slots are handed out lazily, as lineages end their steps: the projection's first, the nearest rank
+next, then the highest potential, then lower ordinals (going on as itself first), then in the order
+asked. A lineage that ends a step keeps its slot only where going on is the first thing wanted. With no slot idle (or the
 step-cost model's cap reached), a running lineage ranked after a want yields its slot at its next
 token: it parks, wanted again as ranked before (`_make_way`), so the likely children need not wait for
 unlikely ones to end their steps.
