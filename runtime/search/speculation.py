@@ -96,7 +96,7 @@ class SpeculationPort(Protocol):
 
     def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]: ...  # pruned at the settling, whatever comes
 
-    def expansion_ahead(self, candidates: list[Candidate]) -> Expansion | None: ...  # the strategy's, replayed (None: not)
+    def expansion_ahead(self, candidates: list[Candidate]) -> Expansion | None: ...  # replayed settling (None: none)
 
     def score_ahead(self, logprobs: list[float]) -> float | None: ...  # a step's score, where it is free
 
