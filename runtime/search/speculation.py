@@ -44,10 +44,10 @@ Where the scores are free and the strategy expands by scores alone, its settling
 the steps decoded ahead (`runtime.search.projection`): what that makes paths' steps is wanted first.
 Slots are handed out lazily, as lineages end their steps: the projection's first, the nearest rank
 next, then the highest potential, then lower ordinals (going on as itself first), then in the order
-asked. A lineage that ends a step keeps its slot only where going on is the first thing wanted. With no slot idle (or the
-step-cost model's cap reached), a running lineage ranked after a want yields its slot at its next
-token: it parks, wanted again as ranked before (`_make_way`), so the likely children need not wait for
-unlikely ones to end their steps.
+asked. A lineage that ends a step keeps its slot only where going on is the first thing wanted.
+With no slot idle (or the step-cost model's cap reached), a running lineage ranked after a want
+yields its slot at its next token: it parks, wanted again as ranked before (`_make_way`), so the
+likely children need not wait for unlikely ones to end their steps.
 
 LookAhead verification (section 4.1.3): a reward model scoring a path whose first step ahead is
 complete scores both steps in one sequence (`lookahead_unit`); if the path goes on to that step its
@@ -450,7 +450,8 @@ class Speculation:
 
     def _fill(self, freed: int = 0) -> None:
         """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
-        engine does not count yet), nearest step and highest potential first. With no slot idle (or the
+        engine does not count yet), the projection's first, then the nearest step and highest potential.
+        With no slot idle (or the
         cap reached), running lineages ranked after the first wants yield their slots (`_make_way`)."""
         self.wants.sort(key=self._order)
         started = 0
