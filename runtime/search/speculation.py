@@ -451,8 +451,8 @@ class Speculation:
     def _fill(self, freed: int = 0) -> None:
         """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
         engine does not count yet), the projection's first, then the nearest step and highest potential.
-        With no slot idle (or the
-        cap reached), running lineages ranked after the first wants yield their slots (`_make_way`)."""
+        With no slot idle (or the cap reached), running lineages ranked after the first wants yield their
+        slots (`_make_way`)."""
         self.wants.sort(key=self._order)
         started = 0
         while self.wants and self.is_open:
