@@ -404,6 +404,10 @@ class Engine:
             for controller in list(self.searches.values()):
                 controller.speculation.pause()
                 self._carry_out(controller)
+        else:  # and goes on in those idle again
+            for controller in list(self.searches.values()):
+                if controller.speculation.refill():
+                    self._carry_out(controller)
         if self.residency is not None:
             room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
             for seq in list(self.scheduler.waiting)[:min(room, 8)]:

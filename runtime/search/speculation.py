@@ -47,7 +47,9 @@ next, then the highest potential, then lower ordinals (going on as itself first)
 asked. A lineage that ends a step keeps its slot only where going on is the first thing wanted.
 With no slot idle (or the step-cost model's cap reached), a running lineage ranked after a want
 yields its slot at its next token: it parks, wanted again as ranked before (`_make_way`), so the
-likely children need not wait for unlikely ones to end their steps.
+likely children need not wait for unlikely ones to end their steps. Where other work waits, every
+lineage parks, wanted again (`pause`), and the engine offers the wants the slots idle again
+(`refill`).
 
 LookAhead verification (section 4.1.3): a reward model scoring a path whose first step ahead is
 complete scores both steps in one sequence (`lookahead_unit`); if the path goes on to that step its
@@ -228,14 +230,26 @@ class Speculation:
         parked, and none starts until the next group."""
         self.is_open = False
         self.doomed = set()  # (the next group's opening finds them again; the settling releases them)
-        self.pause()
-
-    def pause(self) -> None:
-        """Other work waits: every speculative slot is given back (lineages keep their tokens,
-        parked); lineages ending their steps later may still speculate in slots idle by then."""
         self.wants = []
         for lineage in list(self.running):
             self._end(lineage)
+
+    def pause(self) -> None:
+        """Other work waits: every speculative slot is given back; the lineages keep their tokens,
+        parked, and are wanted again as they were ranked, to go on in slots idle later (`refill`)."""
+        for lineage in list(self.running):
+            rank, minus_potential = self.running[lineage]
+            self._end(lineage)
+            if lineage not in self.doomed:
+                self._want(lineage.ahead[-1].step, lineage, 0, None, -minus_potential, rank)
+
+    def refill(self) -> bool:
+        """Nothing waits and slots are idle: the wanted steps start in them (after a pause). Whether
+        any was wanted."""
+        if not self.is_open or not self.wants or self.search.host.num_idle_slots() <= 0:
+            return False
+        self._fill()
+        return True
 
     def group_done(self, last: SearchPath) -> None:
         """A group of the step is done, `last` its last path to finish: the head start that path had

@@ -275,3 +275,39 @@ def test_the_projection_replays_the_beam_over_the_steps_decoded_ahead():
     assert projection.decodes_path(a1, 1) and projection.decodes_path(c, 1) and not projection.decodes_path(b, 1)
     assert projection.wants_child(a1, 14, 1) and projection.wants_child(a, 15, 1)  # the second level
     assert len(projection.children) == 4  # c's own step is not complete: no level after it
+
+
+def test_searches_running_together_speculate_into_the_slots_each_other_leaves_and_change_nothing(tiny_llama,
+                                                                                               monkeypatch):
+    """Three confidence searches at once on 12 rows: one's speculation pauses while another's paths
+    wait for slots (its lineages parked, wanted again), and goes on once slots are idle (`refill`);
+    every search's tokens, scores and answers are those of the same three searches without
+    speculation."""
+    from runtime.search.speculation import Speculation
+
+    refilled = {"started": 0}
+    refill = Speculation.refill
+
+    def watch_refill(self):
+        before = self.num_rows
+        wanted = refill(self)
+        refilled["started"] += wanted and self.num_rows > before
+        return wanted
+
+    monkeypatch.setattr(Speculation, "refill", watch_refill)
+    results = {}
+    for speculative in (False, True):
+        engine = engine_for(tiny_llama, num_blocks=1024, max_num_seqs=12, speculative_extension=speculative)
+        messages = []
+        for seed in (11, 12, 13):
+            request = with_seed(search_request(f"together-{seed}", strategy="beam", verifier="confidence",
+                                               **dict(SEARCH, beam_width=2, max_steps=6, max_step_tokens=16)), seed)
+            messages += engine.add_request(request)
+        while engine.has_work:
+            messages += engine.step()
+            engine.check_integrity()
+        assert engine.pool.num_used == 0
+        results[speculative] = {seed: outcome([m for m in messages if getattr(m, "request_id", None) == f"together-{seed}"])
+                                for seed in (11, 12, 13)}
+    assert results[True] == results[False]
+    assert refilled["started"] > 0
