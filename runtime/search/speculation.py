@@ -245,8 +245,12 @@ class Speculation:
 
     def refill(self) -> bool:
         """Nothing waits and slots are idle: the wanted steps start in them (after a pause). Whether
-        any was wanted."""
-        if not self.is_open or not self.wants or self.search.host.num_idle_slots() <= 0:
+        it asked for any. Where the step-cost model declines every row and none runs (`auto` on a
+        CPU), nothing could start or yield: it returns at once, as it does every step there."""
+        host = self.search.host
+        if not self.is_open or not self.wants or host.num_idle_slots() <= 0:
+            return False
+        if not self.running and host.speculative_row_cap(0) == 0:
             return False
         self._fill()
         return True
