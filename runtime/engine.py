@@ -17,6 +17,7 @@ from runtime.kv.residency import Residency
 from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.model.quantize import Quantized
+from runtime.model.recurrent import recurrent_states
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
@@ -129,9 +130,11 @@ class Engine:
         config = self.config
         self.cache = KVCache(shape, num_blocks, dtype, self.device, scratch=True)
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache)
+        states = recurrent_states(self.model, config.block_size)
+        self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache,
+                            states=states)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.padding)
+        self.runner = ModelRunner(self.model, self.cache, self.padding, states)
 
     @property
     def tier_chain(self):

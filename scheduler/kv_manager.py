@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from scheduler.sequence import Sequence
 from storage.block_hash import hash_block, hash_blocks
 from storage.block_pool import BlockPool
+from storage.recurrent_state import RecurrentStates
 
 
 @dataclass
@@ -28,8 +29,11 @@ class SlotAllocation:
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, extra_key: bytes = b"", enable_prefix_cache: bool = True) -> None:
+    def __init__(self, pool: BlockPool, extra_key: bytes = b"", enable_prefix_cache: bool = True,
+                 states: RecurrentStates | None = None) -> None:
         self.pool = pool
+        # A model with linear-attention layers: each sequence's recurrent state lives and forks with its blocks.
+        self.states = states
         self.block_size = pool.block_size
         self.extra_key = extra_key
         self.enable_prefix_cache = enable_prefix_cache
@@ -149,10 +153,14 @@ class KVManager:
         child.block_hashes = list(hashes)
         child.num_computed_tokens = computed
         child.num_cached_tokens = parent.num_cached_tokens
+        if self.states is not None:
+            self.states.fork(parent.seq_id, child.seq_id)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, deepest first, so shared prefixes stay cached longest."""
         self.pool.release(reversed(seq.block_table))
+        if self.states is not None:
+            self.states.free(seq.seq_id)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0

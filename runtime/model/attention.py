@@ -107,6 +107,8 @@ class AttentionMetadata:
     # The residency's own attention of each layer (layer, queries, keys, values, scaling) -> output, when it
     # holds the step's KV itself (head-wise, runtime.kv.headwise): nothing of the step is in the cache.
     attention: Callable[..., torch.Tensor] | None = None
+    # The step's sequences as the linear-attention layers see them (runtime.model.recurrent.RecurrentStep)
+    recurrent: object | None = None
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

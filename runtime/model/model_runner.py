@@ -25,9 +25,11 @@ import torch
 from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
+from runtime.model.recurrent import RecurrentLayers, RecurrentStep, Segment
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
+from storage.recurrent_state import RecurrentStates
 
 
 GATHER_TOKENS = 1 << 16  # keys one attention group may gather (queries x window)
@@ -75,7 +77,8 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, padding: RowPadding | None = None) -> None:
+    def __init__(self, model, cache: KVCache, padding: RowPadding | None = None,
+                 states: RecurrentStates | None = None) -> None:
         if padding is not None and cache.scratch_block is None:
             raise ValueError("padding a step needs a cache with a scratch block")
         self.model = model
@@ -88,6 +91,8 @@ class ModelRunner:
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)
         self.decoder = LeanDecoder.build(model)
         self.attention_kernel = _attention_kernel(cache)
+        # Linear-attention layers (runtime.model.recurrent): each sequence's state beside its blocks
+        self.recurrent = RecurrentLayers.build(model, states)
 
     def use_residency(self, residency: StepResidency | None) -> None:
         """Run every step from the next one on through `residency`'s hooks."""
@@ -115,6 +120,7 @@ class ModelRunner:
             else:
                 logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                     logits_to_keep=keep, ponder_attention=step.meta).logits[0]
+            self._finish_recurrent(step)
         finally:
             self._end_step()
         return logits[:len(wanted)].float()
@@ -137,9 +143,14 @@ class ModelRunner:
             else:
                 hidden = self.model.base_model(input_ids=step.input_ids, position_ids=step.positions,
                                                use_cache=False, ponder_attention=step.meta).last_hidden_state[0]
+            self._finish_recurrent(step)
         finally:
             self._end_step()
         return hidden[torch.tensor(rows, device=self.device, dtype=torch.long)]
+
+    def _finish_recurrent(self, step: "StepInputs") -> None:
+        if step.meta.recurrent is not None:
+            self.recurrent.finish(step.meta.recurrent)
 
     def _end_step(self) -> None:
         if self.residency is not None:
@@ -150,6 +161,8 @@ class ModelRunner:
         self.cache.copy_blocks(list(copies))
         attention = self.residency.attention(scheduled) if self.residency is not None else None
         if attention is not None:  # one sequence's tokens and positions, unpadded: the residency attends
+            if self.recurrent is not None:
+                raise RuntimeError("a model with recurrent layers runs over the paged KV only (not head-wise)")
             (entry,) = scheduled
             start, end = entry.seq.num_computed_tokens, entry.seq.num_computed_tokens + entry.num_new_tokens
             meta = AttentionMetadata(self.cache, torch.empty(0), [], [], attention=attention)
@@ -158,39 +171,54 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         tables: list[int] = []  # every entry's block table, one after another
-        starts, counts, splits, table_starts = [], [], [], []
+        starts, counts, splits, table_starts, replays = [], [], [], [], []
         prefills: list[PrefillSlice] = []
         entry_start: list[int] = []
+        segments: list[Segment] = []
+        entry_rows: list[int] = []  # each entry's first row (of its first recomputed token, where any)
         for entry in scheduled:
             seq = entry.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + entry.num_new_tokens
-            entry_start.append(len(input_ids))
-            input_ids.extend(seq.token_ids[start:end])
+            # A model with recurrent layers recomputes, from the state it resumes, the tokens its state
+            # lacks: they read the KV they have and write theirs nowhere (the scratch block).
+            begin = start
+            if self.recurrent is not None:
+                resume = self.recurrent.resume(seq.seq_id, seq.token_ids, start)
+                begin = resume.num_tokens
+                segments.append(Segment(seq.seq_id, seq.token_ids, len(input_ids), begin, end, resume))
+            entry_rows.append(len(input_ids))
+            input_ids.extend(seq.token_ids[begin:end])
+            entry_start.append(len(input_ids) - (end - start))
             # Prompt tokens are prefilled; generated ones (new, or recomputed) attend one query at a time,
             # and so do prompt tokens when results must not depend on the schedule.
             split = start if self.exact_prefill else min(max(start, seq.num_prompt_tokens), end)
             if split > start:
-                prefills.append(self._prefill_slice(len(input_ids) - (end - start), start, split, seq.block_table))
-            starts.append(start)
-            counts.append(end - start)
+                prefills.append(self._prefill_slice(entry_start[-1], start, split, seq.block_table))
+            starts.append(begin)
+            counts.append(end - begin)
             splits.append(split)
+            replays.append(start)
             table_starts.append(len(tables))
             tables.extend(seq.block_table)
         num_tokens = len(input_ids)
-        last_token_index = [s + c - 1 for s, c in zip(entry_start, counts)]
+        last_token_index = [s + c - 1 for s, c in zip(entry_rows, counts)]
         num_pad = self.padding.pad(num_tokens) - num_tokens
 
         # Per token: its entry, absolute position, and slot (block, offset).
         count_t = torch.tensor(counts)
         entry_of = torch.repeat_interleave(torch.arange(len(counts)), count_t)
-        first_row = torch.tensor(entry_start)[entry_of]
+        first_row = torch.tensor(entry_rows)[entry_of]
         positions = torch.tensor(starts)[entry_of] + torch.arange(num_tokens) - first_row
         table_t = torch.tensor(tables, dtype=torch.long)
         table_start_t = torch.tensor(table_starts, dtype=torch.long)
         slot_blocks = table_t[table_start_t[entry_of] + positions // bs]
         slot_offsets = positions % bs
-        # The generated tokens (and, with exact prefill, every token): they attend one query at a time.
-        generated = torch.nonzero(positions >= torch.tensor(splits)[entry_of]).flatten()
+        replayed = positions < torch.tensor(replays)[entry_of]
+        if segments and bool(replayed.any()):
+            slot_blocks = slot_blocks.masked_fill(replayed, self.cache.scratch_block)
+        # The generated tokens (and, with exact prefill, every token; and the tokens a recurrent state
+        # is recomputed over): they attend one query at a time.
+        generated = torch.nonzero((positions >= torch.tensor(splits)[entry_of]) | replayed).flatten()
         decode_rows, decode_groups = None, []
         if self.attention_kernel is not None:
             decode_rows = self._decode_rows(generated, positions, entry_of, table_t, table_start_t)
@@ -211,7 +239,8 @@ class ModelRunner:
             decode_groups[0].rows.shape[0] == num_tokens
         meta = AttentionMetadata(cache=self.cache, slot_rows=slot_rows.to(to),
                                  decode_groups=decode_groups, prefills=prefills, num_padding=num_pad,
-                                 decode_only=decode_only, layers=layers, decode_rows=decode_rows)
+                                 decode_only=decode_only, layers=layers, decode_rows=decode_rows,
+                                 recurrent=RecurrentStep(segments, bs) if segments else None)
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
 

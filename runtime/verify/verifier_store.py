@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.model.model_runner import ModelRunner
+from runtime.model.recurrent import recurrent_states
 from runtime.model.float_layers import float_layers
 from runtime.model.row_padding import padding_for
 from runtime.verify.host import VerifierHost
@@ -76,13 +77,14 @@ class VerifierStore:
         model = verifier.model
         self.device = next(model.parameters()).device
         self.pool = BlockPool(num_blocks, shape.block_size)
-        self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode())
+        states = recurrent_states(model, shape.block_size)
+        self.kv = KVManager(self.pool, extra_key=f"verifier:{name}".encode(), states=states)
         self.cache = KVCache(shape, num_blocks, next(model.parameters()).dtype, self.device, scratch=True)
         if self.device.type == "cpu":  # float layers in ponder's kernel, as a float generator's: no padding
             log.info("reward model %s: %s", name, float_layers(model).describe())
         padding = padding_for(model, batch_invariant, max_batched_tokens, max_model_len=max_model_len,
                               block_size=shape.block_size)
-        self.runner = ModelRunner(model, self.cache, padding)
+        self.runner = ModelRunner(model, self.cache, padding, states)
         self.max_batched_tokens = max_batched_tokens
         self.prefill_token_cap: int | None = None  # a tighter per-step budget (roofline KV split)
         self.last_input_tokens = 0  # mean verifier input of the latest submission (the load, for the split)
