@@ -10,9 +10,9 @@ from the state the sequence resumes (`RecurrentStep`), and records the states ea
 Every token is computed by the recurrent form, token after token: a state after token t is then one
 function of the tokens before it, whatever the steps were cut into, whatever else ran beside it, and
 whether the prompt came from the prefix cache, so seeds hold (the chunked form's bits depend on where
-a chunk starts). The recurrent update of the rows one position deep is one batched computation whose
-arithmetic is per row (elementwise products and a sum over the key dimension), so a row's bits do not
-depend on the batch (tested).
+a chunk starts). Past the projections it runs sequence by sequence, one token at a time, on
+tensors of one token's shape whatever else the step holds, so a sequence's bits do not depend on the
+batch (tested: seeded sampling alone, with its prompt cached and in a crowd).
 """
 
 from __future__ import annotations
@@ -125,9 +125,10 @@ def _flat(per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Ten
 
 
 def _initial(layer: nn.Module, index: int, resume: Resume, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the inputs of the last `kernel - 1` tokens `[K-1, conv_dim]`, the recurrent state `[Hv, dk, dv]`)."""
     if resume.state is not None:
         return resume.state.tensors[2 * index], resume.state.tensors[2 * index + 1]
-    conv = torch.zeros(layer.conv_dim, layer.conv_kernel_size - 1, device=device, dtype=layer.conv1d.weight.dtype)
+    conv = torch.zeros(layer.conv_kernel_size - 1, layer.conv_dim, device=device, dtype=layer.conv1d.weight.dtype)
     recurrent = torch.zeros(layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device, dtype=torch.float32)
     return conv, recurrent
 
@@ -139,74 +140,56 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def gated_delta_forward(layer: nn.Module, index: int, hidden_states: torch.Tensor, cache=None, attention_mask=None,
                         **kwargs) -> torch.Tensor:
     """transformers' Gated DeltaNet forward (its recurrent form) for every segment of the step, each from
-    its own state; `hidden_states` is the step's row `[1, T, hidden]` (rows in no segment: padding)."""
+    its own state; `hidden_states` is the step's row `[1, T, hidden]` (rows in no segment: padding).
+
+    The projections run over the whole row (the runner's row padding keeps their rows their own); the
+    rest runs token by token on tensors of one token's shape, so no elementwise function (exp, sigmoid,
+    softplus, silu: a vector kernel and its scalar tail round differently) sees a token at a place in a
+    tensor that depends on the other tokens of the step."""
     step: RecurrentStep = kwargs["ponder_attention"].recurrent
     x = hidden_states[0]
     num_rows = x.shape[0]
     mixed = layer.in_proj_qkv(x)  # [T, conv_dim]
     z = layer.in_proj_z(x).reshape(num_rows, -1, layer.head_v_dim)
-    beta = layer.in_proj_b(x).sigmoid().float()
-    g = (-layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias)).float()
-    weight = layer.conv1d.weight.squeeze(1)  # [conv_dim, K]
+    b, a = layer.in_proj_b(x), layer.in_proj_a(x)
+    taps = layer.conv1d.weight.squeeze(1).transpose(0, 1)  # [K, conv_dim]
+    bias = layer.conv1d.bias
+    decay_rate = -layer.A_log.float().exp()
     width = layer.conv_kernel_size
+    repeat = layer.num_v_heads // layer.num_k_heads
     core = torch.zeros(num_rows, layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=x.device)
-    starts, lengths, qs, ks, vs, states = [], [], [], [], [], []
     for number, segment in enumerate(step.segments):
-        conv_state, recurrent = _initial(layer, index, segment.resume, x.device)
-        rows = mixed[segment.row:segment.row + segment.length].transpose(0, 1).to(weight.dtype)  # [C, n]
-        window = torch.cat([conv_state, rows], dim=1)  # [C, K-1+n]: the inputs of tokens begin-K+1 .. end-1
-        conv = window[:, :segment.length] * weight[:, :1]
-        for tap in range(1, width):
-            conv = conv + window[:, tap:tap + segment.length] * weight[:, tap:tap + 1]
-        if layer.conv1d.bias is not None:
-            conv = conv + layer.conv1d.bias[:, None]
-        conv = F.silu(conv).to(x.dtype).transpose(0, 1)  # [n, C]
-        step.finals[number].append((window[:, segment.length:].clone(), None))
-        step.boundaries[number].append({p: (window[:, p - segment.begin:p - segment.begin + width - 1].clone(), None)
-                                        for p in step.boundary_positions(segment)})
-        q, k, v = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-        q = q.reshape(segment.length, -1, layer.head_k_dim)
-        k = k.reshape(segment.length, -1, layer.head_k_dim)
-        v = v.reshape(segment.length, -1, layer.head_v_dim)
-        if layer.num_k_heads != layer.num_v_heads:  # each key head serves consecutive value heads
-            q = q.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
-            k = k.repeat_interleave(layer.num_v_heads // layer.num_k_heads, dim=1)
-        q, k = _l2norm(q.float()), _l2norm(k.float())
-        qs.append(q / (q.shape[-1] ** 0.5))
-        ks.append(k)
-        vs.append(v.float())
-        starts.append(segment.row)
-        lengths.append(segment.length)
-        states.append(recurrent)
-    _recurrent(step, starts, lengths, qs, ks, vs, g, beta, states, core)
+        conv_state, state = _initial(layer, index, segment.resume, x.device)
+        rows = mixed[segment.row:segment.row + segment.length].to(taps.dtype)
+        window = torch.cat([conv_state, rows])  # [K-1+n, C]: the inputs of tokens begin-K+1 .. end-1
+        snapshots = {p: window[p - segment.begin:p - segment.begin + width - 1].clone()
+                     for p in step.boundary_positions(segment)}
+        for t in range(segment.length):
+            row = segment.row + t
+            conv = window[t] * taps[0]
+            for tap in range(1, width):
+                conv = conv + window[t + tap] * taps[tap]
+            if bias is not None:
+                conv = conv + bias
+            conv = F.silu(conv).to(x.dtype)
+            q, k, v = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim])
+            q = q.reshape(-1, layer.head_k_dim).float()
+            k = k.reshape(-1, layer.head_k_dim).float()
+            if repeat != 1:  # each key head serves consecutive value heads
+                q, k = q.repeat_interleave(repeat, dim=0), k.repeat_interleave(repeat, dim=0)
+            q, k = _l2norm(q) / (layer.head_k_dim ** 0.5), _l2norm(k)
+            v = v.reshape(-1, layer.head_v_dim).float()
+            g = decay_rate * F.softplus(a[row].float() + layer.dt_bias)
+            beta = b[row].sigmoid().float()
+            state = state * g.exp()[:, None, None]
+            memory = (state * k.unsqueeze(-1)).sum(dim=-2)
+            delta = (v - memory) * beta.unsqueeze(-1)
+            state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+            core[row] = (state * q.unsqueeze(-1)).sum(dim=-2)
+            position = segment.begin + t + 1
+            if position in snapshots:
+                snapshots[position] = (snapshots[position], state)
+        step.finals[number].append((window[segment.length:].clone(), state))
+        step.boundaries[number].append(snapshots)
     out = layer.norm(core.to(x.dtype).reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(out.reshape(num_rows, -1))[None]
-
-
-def _recurrent(step: RecurrentStep, starts: list[int], lengths: list[int], qs, ks, vs, g: torch.Tensor,
-               beta: torch.Tensor, states: list[torch.Tensor], core: torch.Tensor) -> None:
-    """The gated delta rule token after token; the segments' rows at the same depth run as one batch."""
-    depth = max(lengths, default=0)
-    boundaries = [set(step.boundary_positions(s)) for s in step.segments]
-    for t in range(depth):
-        active = [i for i, n in enumerate(lengths) if n > t]
-        state = torch.stack([states[i] for i in active])  # [A, Hv, dk, dv]
-        rows = torch.tensor([starts[i] + t for i in active], device=core.device)
-        q = torch.stack([qs[i][t] for i in active])  # [A, Hv, dk]
-        k = torch.stack([ks[i][t] for i in active])
-        v = torch.stack([vs[i][t] for i in active])  # [A, Hv, dv]
-        decay = g.index_select(0, rows).exp()[..., None, None]  # [A, Hv, 1, 1]
-        state = state * decay
-        memory = (state * k.unsqueeze(-1)).sum(dim=-2)
-        delta = (v - memory) * beta.index_select(0, rows).unsqueeze(-1)
-        state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-        core.index_copy_(0, rows, (state * q.unsqueeze(-1)).sum(dim=-2))
-        for slot, i in enumerate(active):
-            states[i] = state[slot]
-            position = step.segments[i].begin + t + 1
-            if position in boundaries[i]:
-                conv, _ = step.boundaries[i][-1][position]
-                step.boundaries[i][-1][position] = (conv, state[slot])
-    for i, final in enumerate(states):
-        conv, _ = step.finals[i][-1]
-        step.finals[i][-1] = (conv, final)
