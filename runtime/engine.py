@@ -472,6 +472,8 @@ class Engine:
             store.pool.check_integrity([])
         if self.residency is not None:
             self.residency.check_integrity()
+        if self.kv.states is not None:
+            self.kv.states.check_integrity()
 
 
 

@@ -112,4 +112,7 @@ def check_granularity(host: StreamHost, config, model_key: bytes) -> HeadwiseRes
     from runtime.kv.headwise import HeadwiseResidency  # the model side: start-up's settings check needs none of it
 
     check_budget(host.cache.shape, config.num_blocks, config.max_model_len, config.kv_granularity)
+    if config.kv_granularity == "head" and host.runner.recurrent is not None:
+        raise SettingError("scheduler.kv_granularity = head: the model's linear-attention (Gated DeltaNet) layers "
+                           "keep a recurrent state per sequence, which head-wise streaming does not carry; use block")
     return HeadwiseResidency(host, config, model_key) if config.kv_granularity == "head" else None
