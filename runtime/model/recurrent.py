@@ -1,4 +1,4 @@
-"""Gated DeltaNet layers (Qwen3.5 dense and MoE) over ponder's recurrent states (storage.recurrent_state).
+"""Gated DeltaNet layers (Qwen3.5 dense and MoE, Qwen3-Next) over ponder's recurrent states (storage.recurrent_state).
 
 transformers' linear-attention layer keeps a convolution window and a recurrent matrix per sequence in
 its own cache object, which ponder's flattened step (every scheduled sequence's new tokens in one row)
@@ -28,7 +28,7 @@ from torch import nn
 from storage.recurrent_state import RecurrentStates, Resume, State, prefix_keys
 
 # transformers' classes whose forward is replaced, with the projections each reads its inputs with.
-LAYER_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+LAYER_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
 SNAPSHOT_BYTES = 256 << 20  # block-boundary states kept for resuming (prefix cache, forks cut early)
 
 
@@ -137,6 +137,17 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
+def _projections(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(the convolution's inputs `[T, conv_dim]`, the gate `z` `[T, Hv, dv]`, `b` and `a` `[T, Hv]`) as
+    each family's layer projects them: Qwen3.5's four projections, or Qwen3-Next's two, grouped by key head."""
+    if hasattr(layer, "in_proj_qkvz"):
+        query, key, value, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x[None]), layer.in_proj_ba(x[None]))
+        mixed = torch.cat([t.reshape(1, x.shape[0], -1) for t in (query, key, value)], dim=-1)
+        return mixed[0], z[0], b[0], a[0]
+    z = layer.in_proj_z(x).reshape(x.shape[0], -1, layer.head_v_dim)
+    return layer.in_proj_qkv(x), z, layer.in_proj_b(x), layer.in_proj_a(x)
+
+
 def gated_delta_forward(layer: nn.Module, index: int, hidden_states: torch.Tensor, cache=None, attention_mask=None,
                         **kwargs) -> torch.Tensor:
     """transformers' Gated DeltaNet forward (its recurrent form) for every segment of the step, each from
@@ -149,9 +160,7 @@ def gated_delta_forward(layer: nn.Module, index: int, hidden_states: torch.Tenso
     step: RecurrentStep = kwargs["ponder_attention"].recurrent
     x = hidden_states[0]
     num_rows = x.shape[0]
-    mixed = layer.in_proj_qkv(x)  # [T, conv_dim]
-    z = layer.in_proj_z(x).reshape(num_rows, -1, layer.head_v_dim)
-    b, a = layer.in_proj_b(x), layer.in_proj_a(x)
+    mixed, z, b, a = _projections(layer, x)
     taps = layer.conv1d.weight.squeeze(1).transpose(0, 1)  # [K, conv_dim]
     bias = layer.conv1d.bias
     decay_rate = -layer.A_log.float().exp()

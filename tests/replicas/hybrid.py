@@ -1,4 +1,5 @@
-"""Replicas of hybrid checkpoints, whose linear-attention layers keep a recurrent state: `write_qwen35`.
+"""Replicas of hybrid checkpoints, whose linear-attention layers keep a recurrent state: `write_qwen35`
+(Qwen3.5 dense and MoE) and `write_qwen3_next`.
 
 As tests/replicas/generators.py: seeded random tensors under the published names, saved with
 safetensors. The tensor names and shapes are listed from transformers' own module tree on the meta
@@ -97,5 +98,37 @@ def write_qwen35(directory: Path, moe: bool = False) -> Path:
         if key == "lm_head.weight":
             continue  # tied
         tensors[key.replace("model.", "model.language_model.", 1)] = _tensor(key, shape, g)
+    save_weights(directory, tensors, torch.float32, num_shards=1)
+    return directory
+
+
+def write_qwen3_next(directory: Path) -> Path:
+    """Qwen/Qwen3-Next-80B-A3B-Instruct, shrunk: `Qwen3NextForCausalLM`, Gated DeltaNet layers whose q, k, v, z
+    come from one projection grouped by key head (`in_proj_qkvz`, `in_proj_ba`), every fourth layer full
+    attention with a gated output, routed experts (published 512, 10 routed) with a shared expert, untied.
+    Sources: huggingface/transformers src/transformers/models/qwen3_next/configuration_qwen3_next.py and
+    modeling_qwen3_next.py."""
+    directory = Path(directory)
+    spec = qwen_tokenizer(tk.QWEN3_SPECIALS, qwen_template(None, thinking=True))
+    tk.write_tokenizer(spec, directory)
+    endoftext, im_end = special_ids(directory, "<|endoftext|>", "<|im_end|>")
+    vocab = padded(len(tk.token_ids(directory)))
+    config = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": HIDDEN,
+              "intermediate_size": 128, "num_hidden_layers": QWEN35_LAYERS, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 262144, "vocab_size": vocab, "tie_word_embeddings": False,
+              "attention_bias": False, "attention_dropout": 0.0, "full_attention_interval": 4,
+              "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+              "linear_num_key_heads": 2, "linear_num_value_heads": 4, "decoder_sparse_step": 1,
+              "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": [],
+              "partial_rotary_factor": 0.25, "rope_theta": 10000000, "eos_token_id": im_end,
+              "bos_token_id": endoftext, "torch_dtype": "bfloat16"}
+    write_json(directory, "config.json", config)
+    write_json(directory, "generation_config.json", {"bos_token_id": endoftext, "pad_token_id": endoftext,
+                                                     "eos_token_id": [im_end, endoftext], "do_sample": True,
+                                                     "temperature": 0.7, "top_k": 20, "top_p": 0.8})
+    g = generator("qwen3_next")
+    tensors = {key: _tensor(key, shape, g) for key, shape in sorted(_meta_shapes(config).items())}
     save_weights(directory, tensors, torch.float32, num_shards=1)
     return directory

@@ -13,7 +13,7 @@ from runtime.model.recurrent import _initial
 from runtime.wire.protocol import Delta, Finished, GenerateRequest
 from runtime.wire.params import SamplingParams, SearchParams
 from storage.recurrent_state import Resume, State
-from tests.replicas.hybrid import write_qwen35
+from tests.replicas.hybrid import write_qwen3_next, write_qwen35
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 from tests.runtime.model.test_replica_generators import prompt_ids
 from tests.runtime.search.reference import ReferenceSearch
@@ -24,9 +24,13 @@ LONG = [{"role": "user", "content": "Tom has 5 apples and buys 3 more. Janet has
                                     "a day. She eats three for breakfast. How many eggs are left?"}]
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
-def qwen35(request, tmp_path_factory):
-    directory = write_qwen35(tmp_path_factory.mktemp(f"qwen35_{request.param}"), moe=request.param == "moe")
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def hybrid(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3_next":
+        write_qwen3_next(directory)
+    else:
+        write_qwen35(directory, moe=request.param == "qwen3_5_moe")
     return directory, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
@@ -36,17 +40,17 @@ def dense(tmp_path_factory):
     return directory, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-def test_the_replica_loads_as_transformers_hybrid_model(qwen35):
-    _, reference = qwen35
+def test_the_replica_loads_as_transformers_hybrid_model(hybrid):
+    _, reference = hybrid
     kinds = reference.config.layer_types
     assert kinds.count("linear_attention") == 3 and kinds.count("full_attention") == 1
-    assert type(reference).__name__ in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+    assert type(reference).__name__ in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
-def test_greedy_decoding_matches_transformers_generate(qwen35, batch_invariant):
+def test_greedy_decoding_matches_transformers_generate(hybrid, batch_invariant):
     """Short and long prompts (the long one passes many KV blocks and state snapshots) side by side."""
-    directory, reference = qwen35
+    directory, reference = hybrid
     prompts = [prompt_ids(directory, SHORT), prompt_ids(directory, LONG)]
     assert len(prompts[1]) > 40
     engine = engine_for(directory, batch_invariant=batch_invariant)
@@ -55,10 +59,10 @@ def test_greedy_decoding_matches_transformers_generate(qwen35, batch_invariant):
         assert results[str(i)]["choices"][0] == hf_greedy(reference, prompt, 12)
 
 
-def test_a_lost_state_is_recomputed_from_token_0(qwen35):
+def test_a_lost_state_is_recomputed_from_token_0(dense):
     """With no state ever found, each step recomputes its sequence's linear layers from token 0 against
     the KV it has: slower, the same tokens."""
-    directory, reference = qwen35
+    directory, reference = dense
     prompt = prompt_ids(directory, LONG)
     engine = engine_for(directory)
     states = engine.runner.recurrent.states
@@ -66,10 +70,10 @@ def test_a_lost_state_is_recomputed_from_token_0(qwen35):
     assert run(engine, [request("r", prompt, max_tokens=8)])["r"]["choices"][0] == hf_greedy(reference, prompt, 8)
 
 
-def test_a_step_started_from_an_empty_state_decodes_other_tokens(qwen35):
+def test_a_step_started_from_an_empty_state_decodes_other_tokens(dense):
     """What the tests above guard against: the linear layers run from an empty state at every step (as
     they did with transformers' cache left out) decode other tokens than transformers."""
-    directory, reference = qwen35
+    directory, reference = dense
     prompt = prompt_ids(directory, LONG)
     engine = engine_for(directory)
     layers = engine.runner.recurrent.layers
@@ -78,8 +82,8 @@ def test_a_step_started_from_an_empty_state_decodes_other_tokens(qwen35):
     assert run(engine, [request("r", prompt, max_tokens=8)])["r"]["choices"][0] != hf_greedy(reference, prompt, 8)
 
 
-def test_logprobs_equal_transformers_forward_over_prompt_and_path(qwen35):
-    directory, reference = qwen35
+def test_logprobs_equal_transformers_forward_over_prompt_and_path(hybrid):
+    directory, reference = hybrid
     prompt = prompt_ids(directory, LONG)
     engine = engine_for(directory)
     engine.add_request(request("r", prompt, max_tokens=10, temperature=1.0, seed=3, logprobs=True))
@@ -95,8 +99,8 @@ def test_logprobs_equal_transformers_forward_over_prompt_and_path(qwen35):
     assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4), (logprobs, expected.tolist())
 
 
-def test_a_prompt_served_twice_resumes_from_the_prefix_cache(qwen35):
-    directory, reference = qwen35
+def test_a_prompt_served_twice_resumes_from_the_prefix_cache(dense):
+    directory, reference = dense
     prompt = prompt_ids(directory, LONG)
     engine = engine_for(directory)
     states = engine.runner.recurrent.states
@@ -110,8 +114,8 @@ def test_a_prompt_served_twice_resumes_from_the_prefix_cache(qwen35):
     states.check_integrity()
 
 
-def test_a_cached_prefix_without_its_snapshot_is_recomputed_not_guessed(qwen35):
-    directory, reference = qwen35
+def test_a_cached_prefix_without_its_snapshot_is_recomputed_not_guessed(dense):
+    directory, reference = dense
     prompt = prompt_ids(directory, LONG)
     engine = engine_for(directory)
     states = engine.runner.recurrent.states
