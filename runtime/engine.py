@@ -54,6 +54,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
+    recurrent_snapshot_bytes: int = 256 << 20  # linear-attention states kept at block boundaries
     policy: str = "lbs"  # how a search step's paths share the pool (runtime.kv.beam_groups)
     kv_granularity: str = "block"  # head: a lone request over the pool streams head-wise (runtime.kv.headwise)
     speculative_extension: bool | str = True  # auto: the rows the step-cost model says pay (scheduler.step_cost)
@@ -130,7 +131,7 @@ class Engine:
         config = self.config
         self.cache = KVCache(shape, num_blocks, dtype, self.device, scratch=True)
         self.pool = BlockPool(num_blocks, config.block_size)
-        states = recurrent_states(self.model, config.block_size)
+        states = recurrent_states(self.model, config.block_size, config.recurrent_snapshot_bytes)
         self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache,
                             states=states)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

@@ -67,6 +67,9 @@ class CacheSettings(_Section):
     disk_gib: float = Field(16.0, gt=0)
     num_blocks: int | None = Field(None, ge=1)
     enable_prefix_cache: bool = True
+    # Models with linear-attention layers (Qwen3.5, Qwen3-Next): recurrent states kept at block boundaries,
+    # so a cached prompt or a fork resumes there instead of recomputing (docs/serving.md).
+    recurrent_snapshot_gib: float = Field(0.25, ge=0)
     # static: the generator gets compute_memory_gib and each reward model verifier_memory_gib.
     # roofline: their sum is one budget, split between generator and verifier by a roofline latency model.
     kv_split: Literal["static", "roofline"] = "static"
@@ -179,7 +182,8 @@ class Settings(BaseSettings):
             verifier_kv_memory_bytes=int(self.cache.verifier_memory_gib * (1 << 30)),
             host_kv_memory_bytes=int(self.cache.host_memory_gib * (1 << 30)), disk_kv_dir=self.cache.disk_dir,
             disk_kv_bytes=int(self.cache.disk_gib * (1 << 30)),
-            enable_prefix_cache=self.cache.enable_prefix_cache, max_num_seqs=self.scheduler.max_num_seqs,
+            enable_prefix_cache=self.cache.enable_prefix_cache,
+            recurrent_snapshot_bytes=int(self.cache.recurrent_snapshot_gib * (1 << 30)), max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             scheduler_policy=self.scheduler.policy, kv_granularity=self.scheduler.kv_granularity,
             speculative_extension=self.scheduler.speculative_extension,

@@ -29,7 +29,7 @@ from storage.recurrent_state import RecurrentStates, Resume, State, prefix_keys
 
 # transformers' classes whose forward is replaced, with the projections each reads its inputs with.
 LAYER_CLASSES = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
-SNAPSHOT_BYTES = 256 << 20  # block-boundary states kept for resuming (prefix cache, forks cut early)
+SNAPSHOT_BYTES = 256 << 20  # a reward model's block-boundary states kept for resuming (its own store)
 
 
 def recurrent_layers(model: nn.Module) -> list[nn.Module]:
@@ -115,9 +115,10 @@ class RecurrentLayers:
                 self.states.snapshot(State(position, keys[position // step.block_size - 1], _flat(per_layer)))
 
 
-def recurrent_states(model: nn.Module, block_size: int) -> RecurrentStates | None:
-    """The states a model's recurrent layers need beside its paged KV, or None when it has none."""
-    return RecurrentStates(block_size, SNAPSHOT_BYTES) if recurrent_layers(model) else None
+def recurrent_states(model: nn.Module, block_size: int, snapshot_bytes: int = SNAPSHOT_BYTES) -> RecurrentStates | None:
+    """The states a model's recurrent layers need beside its paged KV (with at most `snapshot_bytes` of
+    block-boundary snapshots, `cache.recurrent_snapshot_gib`), or None when it has none."""
+    return RecurrentStates(block_size, snapshot_bytes) if recurrent_layers(model) else None
 
 
 def _flat(per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:

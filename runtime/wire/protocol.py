@@ -347,6 +347,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     kv_memory_bytes: int = 2 << 30
     num_blocks: int | None = None  # overrides kv_memory_bytes
     enable_prefix_cache: bool = True
+    recurrent_snapshot_bytes: int = 256 << 20  # linear-attention states kept at block boundaries
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     stats_interval_s: float = 1.0
