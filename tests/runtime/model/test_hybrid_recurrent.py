@@ -213,3 +213,14 @@ def test_search_is_the_same_cached_in_a_crowd_and_with_speculation(dense, strate
     for other in others:
         crowded.add_request(other)
     assert outcome(run_search(crowded, req), "s") == alone
+
+
+def test_a_search_under_memory_pressure_recomputes_states_and_keeps_the_result(dense):
+    """Parked paths give up their blocks and states; resumed, each recomputes from a snapshot (or token
+    0) against the KV it gets back: the same answers as with room to spare."""
+    directory, _ = dense
+    req = search("s", "beam", include_events=False, n=8, beam_width=4)
+    roomy = engine_for(directory, num_blocks=1024)
+    tight = engine_for(directory, num_blocks=16)
+    assert outcome(run_search(tight, req), "s") == outcome(run_search(roomy, req), "s")
+    assert tight.stats["preemptions"] > 0 and roomy.stats["preemptions"] == 0
