@@ -16,6 +16,10 @@ bfloat16 weights as nn.Linear holds them, each output's sum in one fixed order, 
 `int4_layers` runs a whole int4 decoder stack (`runtime/kernels/csrc/int4_layers.cpp`) through those two
 kernels in one call, operator for operator as runtime.model.decoder's int4 loop, so with the same bits.
 
+`gated_delta` runs one sequence's tokens through a Gated DeltaNet layer past its projections
+(`runtime/kernels/csrc/gated_delta.cpp`): the causal convolution, the normalisations and the recurrent
+state, token after token, in a fixed order whatever else the step holds.
+
 torch's extension builder compiles them once into ponder's start-up cache (runtime.startup_cache,
 `~/.cache/ponder/kernels/`), keyed by the sources' contents, the flags, the torch version and the CPU's
 vector unit, in about 15 s (minutes on a loaded machine); a later process loads the built library
@@ -40,7 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
-_FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "float_linear.cpp")
+_FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "float_linear.cpp", "gated_delta.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"
@@ -154,6 +158,14 @@ def layers_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's int4 decoder kernel cannot run here: {reason}")
     return torch.ops.ponder.int4_layers.default
+
+
+def gated_delta_kernel():
+    """The `torch.ops.ponder.gated_delta` op; raises KernelUnavailable where it cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's Gated DeltaNet kernel cannot run here: {reason}")
+    return torch.ops.ponder.gated_delta.default
 
 
 def q4_unavailable() -> str | None:

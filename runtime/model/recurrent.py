@@ -88,8 +88,9 @@ class RecurrentLayers:
     def __init__(self, layers: list[nn.Module], states: RecurrentStates) -> None:
         self.layers = layers
         self.states = states
+        kernel = _kernel_for(layers[0])
         for index, layer in enumerate(layers):
-            layer.forward = partial(gated_delta_forward, layer, index)
+            layer.forward = partial(gated_delta_forward, layer, index, kernel)
 
     @classmethod
     def build(cls, model: nn.Module, states: RecurrentStates | None) -> "RecurrentLayers | None":
@@ -121,6 +122,20 @@ def recurrent_states(model: nn.Module, block_size: int, snapshot_bytes: int = SN
     return RecurrentStates(block_size, snapshot_bytes) if recurrent_layers(model) else None
 
 
+def _kernel_for(layer: nn.Module):
+    """ponder's CPU kernel (runtime/kernels/csrc/gated_delta.cpp) for a float32 layer on a CPU, else None
+    (the token loop below, in torch)."""
+    from runtime.kernels.cpu_kernels import KernelUnavailable, gated_delta_kernel
+
+    weight = layer.conv1d.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    try:
+        return gated_delta_kernel()
+    except KernelUnavailable:
+        return None
+
+
 def _flat(per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     return tuple(t for pair in per_layer for t in pair)
 
@@ -149,7 +164,7 @@ def _projections(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return layer.in_proj_qkv(x), z, layer.in_proj_b(x), layer.in_proj_a(x)
 
 
-def gated_delta_forward(layer: nn.Module, index: int, hidden_states: torch.Tensor, cache=None, attention_mask=None,
+def gated_delta_forward(layer: nn.Module, index: int, kernel, hidden_states: torch.Tensor, cache=None, attention_mask=None,
                         **kwargs) -> torch.Tensor:
     """transformers' Gated DeltaNet forward (its recurrent form) for every segment of the step, each from
     its own state; `hidden_states` is the step's row `[1, T, hidden]` (rows in no segment: padding).
@@ -168,12 +183,25 @@ def gated_delta_forward(layer: nn.Module, index: int, hidden_states: torch.Tenso
     width = layer.conv_kernel_size
     repeat = layer.num_v_heads // layer.num_k_heads
     core = torch.zeros(num_rows, layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=x.device)
+    if kernel is not None:
+        taps, decay_rate = taps.contiguous(), layer.A_log.detach().float().contiguous()
     for number, segment in enumerate(step.segments):
         conv_state, state = _initial(layer, index, segment.resume, x.device)
         rows = mixed[segment.row:segment.row + segment.length].to(taps.dtype)
         window = torch.cat([conv_state, rows])  # [K-1+n, C]: the inputs of tokens begin-K+1 .. end-1
-        snapshots = {p: window[p - segment.begin:p - segment.begin + width - 1].clone()
-                     for p in step.boundary_positions(segment)}
+        positions = step.boundary_positions(segment)
+        snapshots = {p: window[p - segment.begin:p - segment.begin + width - 1].clone() for p in positions}
+        if kernel is not None:
+            seg = slice(segment.row, segment.row + segment.length)
+            state, *taken = kernel(window, taps, bias if bias is not None else taps.new_empty(0),
+                                   a[seg].float().contiguous(), b[seg].float().contiguous(),
+                                   layer.dt_bias.detach().float().contiguous(), decay_rate, state.contiguous(),
+                                   layer.num_k_heads, layer.head_k_dim, layer.head_v_dim,
+                                   [p - segment.begin for p in positions], core[seg])
+            snapshots = {p: (snapshots[p], s) for p, s in zip(positions, taken)}
+            step.finals[number].append((window[segment.length:].clone(), state))
+            step.boundaries[number].append(snapshots)
+            continue
         for t in range(segment.length):
             row = segment.row + t
             conv = window[t] * taps[0]
