@@ -12,6 +12,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from server.errors import APIError
 from server.schemas import Body, ChatCompletionRequest, SearchRequest
@@ -68,9 +69,24 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | R
                   Field(discriminator="type")]
 
 
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
 class Message(_Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, value: Any) -> Any:
+        """A block of another type (image, document, ...) named by its position, not as a failed union."""
+        if isinstance(value, list):
+            for at, block in enumerate(value):
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind not in _BLOCK_TYPES:
+                    raise PydanticCustomError("block_type", "block {at} has type {kind}: this server takes "
+                                              + ", ".join(_BLOCK_TYPES) + " blocks", {"at": at, "kind": repr(kind)})
+        return value
 
 
 class Tool(Body):
