@@ -25,6 +25,8 @@ from server.generation import Generation
 from server.chat_bridge import ChatBridge
 from server.http_edge import EdgeMetrics, quiet_probe_access_log
 from server.messages_api.routes import install as install_messages_api
+from server.responses_api.routes import install as install_responses_api
+from server.responses_api.store import response_store
 from server.metrics import Metrics
 from server.non_openai_schemas import DetokenizeBody, RewardsBody, TokenizeBody
 from server.responses import PromptAsks
@@ -219,8 +221,10 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
 
     bridge = ChatBridge(
         run=lambda body, request, label: generate(body, request, "chat", [{"messages": body.wire_messages()}], label),
-        count_tokens=count_chat_tokens, dependencies=[Depends(require_key)], keepalive_s=settings.server.sse_keepalive_s)
+        count_tokens=count_chat_tokens, model=check_model, dependencies=[Depends(require_key)],
+        keepalive_s=settings.server.sse_keepalive_s)
     install_messages_api(app, bridge)
+    install_responses_api(app, bridge, response_store(settings.responses))
 
     @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(body: TokenizeBody):

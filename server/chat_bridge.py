@@ -21,5 +21,14 @@ class ChatBridge:
     run: Callable[[ChatCompletionRequest, Request, str], Awaitable[Response]]
     # The prompt tokens the chat request would report (its messages and tools through the chat template).
     count_tokens: Callable[[ChatCompletionRequest], Awaitable[int]]
+    model: Callable[[str | None], str]  # the served model's name: a 404 for another's, a 503 while loading
     dependencies: list[Any]  # the API key check
     keepalive_s: float  # a comment on every stream at least this often
+
+
+def search_of(summary: dict | None, path: dict | None) -> dict | None:
+    """ponder's `search` on an answer of one choice: the chat answer's summary of the search, with the
+    chosen path's score, step scores and answer beside it."""
+    if summary is None and path is None:
+        return None
+    return {**(summary or {}), **(path or {})}

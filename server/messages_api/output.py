@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from server.chat_bridge import search_of
+
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 
 
@@ -39,14 +41,6 @@ def anthropic_usage(usage: dict | None) -> dict:
 
 def message_id(chat_id: str) -> str:
     return "msg_" + chat_id.removeprefix("chatcmpl-")
-
-
-def search_of(summary: dict | None, path: dict | None) -> dict | None:
-    """ponder's `search`: the chat answer's summary of the search, with the chosen path's score,
-    step scores and answer beside it."""
-    if summary is None and path is None:
-        return None
-    return {**(summary or {}), **(path or {})}
 
 
 def message_body(chat: dict, stops: list[str]) -> dict:
