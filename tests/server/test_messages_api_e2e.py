@@ -1,6 +1,7 @@
 """Anthropic's Messages API end to end: `ponder serve` on the embedded model (SmolLM2-135M) with an API
-key, driven by the `anthropic` SDK (create, stream, count_tokens, a tool round trip) and raw HTTP, each
-answer held to what the chat route answers for the same conversation."""
+key, driven by the `anthropic` SDK (create, stream, count_tokens, a tool round trip), langchain-anthropic's
+`ChatAnthropic.bind_tools` and raw HTTP, each answer held to what the chat route answers for the same
+conversation."""
 
 from __future__ import annotations
 
@@ -191,3 +192,23 @@ def test_metrics_count_the_route_like_the_chat_route(server, client):
     assert metric(server, "ponder_requests_total", headers, endpoint="messages", status="200") == before + 2
     assert metric(server, "ponder_http_requests_total", headers, route="/v1/messages", method="POST",
                   status="200") == edge + 2
+
+
+def test_langchain_anthropic_binds_a_tool_and_reads_its_result(server):
+    chat_models = pytest.importorskip("langchain_anthropic")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    def get_weather(city: str) -> str:
+        """The weather now in a city."""
+        return f"18 degrees and sunny in {city}"
+
+    model = chat_models.ChatAnthropic(model=MODEL, base_url=server, api_key=KEY, max_tokens=80, temperature=0,
+                                      max_retries=0)
+    asked = [HumanMessage(ASK[0]["content"])]
+    called = model.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke(asked)
+    [call] = called.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    answer = model.invoke(asked + [called, ToolMessage(get_weather(**call["args"]), tool_call_id=call["id"])])
+    assert answer.text and not answer.tool_calls
+    streamed = "".join(chunk.text for chunk in model.stream(asked))
+    assert streamed == model.invoke(asked).text
