@@ -2,7 +2,8 @@
 a 400 naming it), and their translation into the chat request the chat route runs.
 
 Content blocks: text, tool_use and thinking in an assistant's turn, text and tool_result in a user's.
-A previous turn's thinking is not rendered (chat templates drop earlier reasoning). What ponder cannot
+A previous turn's thinking goes to the chat path as the message's `reasoning_content`, rendered as a
+chat request's is (most chat templates drop earlier reasoning). What ponder cannot
 obey (images, documents, server tools, a final assistant message to continue) is a 400 naming it.
 """
 
@@ -298,4 +299,7 @@ def _chat_messages(message: Message, index: int) -> list[dict[str, Any]]:
     chat: dict[str, Any] = {"role": "assistant", "content": texts or None}
     if calls:
         chat["tool_calls"] = calls
+    thinking = "".join(b.thinking for b in message.content if isinstance(b, ThinkingBlock))
+    if thinking:
+        chat["reasoning_content"] = thinking
     return [chat]

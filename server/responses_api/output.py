@@ -2,8 +2,9 @@
 the Responses events the `openai` SDK parses (`response.created`, `response.output_item.added`,
 `response.output_text.delta`, `response.function_call_arguments.delta`, `response.completed`, ...).
 
-Output items come in the order the model wrote them: a message (its text as one output_text part),
-then each function call once the chat path has parsed it whole. A chat answer cut at the token limit is
+Output items come in the order the model wrote them: a reasoning model's thinking (the chat answer's
+`reasoning_content`) as a reasoning item, a message (its text as one output_text part), then each
+function call once the chat path has parsed it whole. A chat answer cut at the token limit is
 `incomplete` (reason max_output_tokens).
 """
 
@@ -38,6 +39,11 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
             "content": [] if text is None else [text_part(text)]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(item_id: str, call: dict, status: str, arguments: str | None = None) -> dict:
     function = call["function"]
     return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": function["name"],
@@ -56,6 +62,8 @@ def response_body(envelope: dict, chat: dict) -> dict:
     message = choice["message"]
     calls = message.get("tool_calls") or []
     output: list[dict] = []
+    if message.get("reasoning_content"):
+        output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
     text = message.get("content") or ""
     if text or not calls:
         output.append(message_item(new_id("msg"), text, "completed"))
@@ -80,6 +88,7 @@ class ResponseStream:
         self.sequence = 0
         self.output: list[dict] = []  # finished items
         self.message: dict | None = None  # the message item being written
+        self.reasoning: dict | None = None  # the reasoning item being written
         self.usage: dict | None = None
         self.finish_reason: str | None = None
         self.summary: dict | None = None
@@ -127,14 +136,21 @@ class ResponseStream:
             self.path = choice["search"]
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
+        if delta.get("reasoning_content"):
+            out += self._open_reasoning()
+            self.reasoning["content"][0]["text"] += delta["reasoning_content"]  # type: ignore[index]
+            out.append(self._event("response.reasoning_text.delta", {
+                "item_id": self.reasoning["id"], "output_index": len(self.output), "content_index": 0,  # type: ignore[index]
+                "delta": delta["reasoning_content"]}))
         if delta.get("content"):
+            out += self._close_reasoning()
             out += self._open_message()
             self.message["content"][0]["text"] += delta["content"]  # type: ignore[index]
             out.append(self._event("response.output_text.delta", {
                 "item_id": self.message["id"], "output_index": len(self.output), "content_index": 0,  # type: ignore[index]
                 "delta": delta["content"], "logprobs": []}))
         for call in delta.get("tool_calls") or ():
-            out += self._close_message()
+            out += self._close_reasoning() + self._close_message()
             item_id, index = new_id("fc"), len(self.output)
             out.append(self._event("response.output_item.added",
                                    {"output_index": index, "item": call_item(item_id, call, "in_progress", "")}))
@@ -147,6 +163,23 @@ class ResponseStream:
             self.output.append(item)
             out.append(self._event("response.output_item.done", {"output_index": index, "item": item}))
         return out
+
+    def _open_reasoning(self) -> list[bytes]:
+        if self.reasoning is not None:
+            return []
+        self.reasoning = reasoning_item(new_id("rs"), "", "in_progress")
+        return [self._event("response.output_item.added", {"output_index": len(self.output), "item": self.reasoning})]
+
+    def _close_reasoning(self) -> list[bytes]:
+        if self.reasoning is None:
+            return []
+        item, self.reasoning = self.reasoning, None
+        item["status"] = "completed"
+        index = len(self.output)
+        self.output.append(item)
+        return [self._event("response.reasoning_text.done", {"item_id": item["id"], "output_index": index,
+                                                              "content_index": 0, "text": item["content"][0]["text"]}),
+                self._event("response.output_item.done", {"output_index": index, "item": item})]
 
     def _open_message(self) -> list[bytes]:
         if self.message is not None:
@@ -173,8 +206,9 @@ class ResponseStream:
                 self._event("response.output_item.done", {"output_index": index, "item": item})]
 
     def _end(self) -> list[bytes]:
-        out: list[bytes] = []
-        if not self.output and self.message is None:  # an empty answer is still one (empty) message
+        out: list[bytes] = self._close_reasoning()
+        if not any(item["type"] != "reasoning" for item in self.output) and self.message is None:
+            # an answer with no text and no call is still one (empty) message
             out += self._open_message()
         out += self._close_message()
         status, incomplete = status_of(self.finish_reason)

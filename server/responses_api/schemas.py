@@ -2,7 +2,8 @@
 chat route runs.
 
 Input items: messages (input_text / output_text / refusal parts), function_call, function_call_output,
-and reasoning items (not rendered: chat templates drop earlier reasoning). Built-in tools (web search,
+and reasoning items (the next assistant message's `reasoning_content`, rendered as a chat request's is:
+most chat templates drop earlier reasoning). Built-in tools (web search,
 file search, computer use, code interpreter, ...), `background`, stored prompts and conversations are
 400s naming them; so is any field this module does not know.
 """
@@ -259,6 +260,7 @@ def chat_messages(items: list[dict[str, Any]], param: str) -> list[dict[str, Any
     """Responses items as chat messages: consecutive function calls join the assistant message before
     them as its tool_calls; a call's output is a tool message."""
     out: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant message after it
     for index, item in enumerate(items):
         where = f"{param}.{index}"
         if not isinstance(item, dict):
@@ -269,6 +271,8 @@ def chat_messages(items: list[dict[str, Any]], param: str) -> list[dict[str, Any
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, "role must be user, assistant, system or developer", f"{where}.role")
             out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -280,11 +284,18 @@ def chat_messages(items: list[dict[str, Any]], param: str) -> list[dict[str, Any
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if reasoning:
+                out[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
-            continue
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                      for p in parts):
+                raise APIError(400, "a reasoning item's content and summary are lists of parts with text",
+                               f"{where}.content")
+            reasoning += "".join(p["text"] for p in parts)
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported: give messages, function_call, "
                                 "function_call_output or reasoning items", f"{where}.type")

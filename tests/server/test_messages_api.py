@@ -48,6 +48,13 @@ def test_a_tool_round_trip_becomes_the_chat_messages_of_one():
     assert not chat.stream and "top_p" not in chat.model_fields_set  # unset: the model's default applies
 
 
+def test_an_earlier_turn_s_thinking_goes_to_the_chat_path_as_reasoning_content():
+    assistant = request(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "hmm", "signature": "s"}, {"type": "text", "text": "A."}]},
+        {"role": "user", "content": "q2"}]).chat_fields()["messages"][1]
+    assert assistant == {"role": "assistant", "content": [{"type": "text", "text": "A."}], "reasoning_content": "hmm"}
+
+
 @pytest.mark.parametrize("choice, expected", [({"type": "auto"}, "auto"), ({"type": "any"}, "required")])
 def test_tool_choice_auto_and_any(choice, expected):
     assert request(tools=[WEATHER], tool_choice=choice).to_chat().tool_calling().choice == expected

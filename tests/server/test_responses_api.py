@@ -138,3 +138,33 @@ def test_an_error_in_the_stream_fails_the_response_and_nothing_is_final():
     event = json.loads(out[0].decode().split("\n")[1].removeprefix("data: "))
     assert event["type"] == "response.failed" and event["response"]["error"] == {"code": "server_error",
                                                                                   "message": "boom"}
+
+
+def test_reasoning_items_go_with_the_assistant_message_after_them():
+    from server.responses_api.schemas import chat_messages
+
+    assert chat_messages([{"role": "user", "content": "q"},
+                          {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "think"}]},
+                          {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}], "input")[1] == {
+        "role": "assistant", "content": None, "reasoning_content": "think",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def test_a_reasoning_model_s_thinking_is_a_reasoning_item_before_the_message():
+    stream = ResponseStream({"id": "resp_1"})
+    raws = [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Let me "}),
+            chunk({"reasoning_content": "see."}), chunk({"content": "Blue."}, "stop"), b"data: [DONE]\n\n"]
+    out = stream.start() + [e for raw in raws for e in stream.feed(raw)]
+    events = [json.loads(e.decode().split("\n")[1].removeprefix("data: ")) for e in out]
+    assert [e["type"] for e in events][2:] == [
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    reasoning, message = stream.final["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Let me see."}] and reasoning["summary"] == []
+    assert message["content"][0]["text"] == "Blue." and events[7]["output_index"] == 1
+    whole = response_body({"id": "resp_1"}, {**CHAT, "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "Blue.", "reasoning_content": "Let me see."}}]})
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == reasoning["content"]
