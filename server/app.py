@@ -69,7 +69,7 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = APIError(413, _TooLarge(self.max_bytes).detail).response()
+        response = APIError(413, _TooLarge(self.max_bytes).detail).response_for(scope["path"])
         await response(scope, receive, send)
 
 

@@ -111,6 +111,11 @@ def test_a_body_over_the_limit_is_413_announced_or_streamed(server):
     # No Content-Length: the limit is enforced while the body is read.
     assert_openai_error(httpx.post(server + CHAT, content=chunks(), headers={"content-type": "application/json"},
                                    timeout=30), 413)
+    for content in (big, chunks()):  # Anthropic's route answers in Anthropic's shape
+        r = httpx.post(server + "/v1/messages", content=content, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 413 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "request_too_large", r.json()
 
 
 def test_wrong_method_and_route(server):
