@@ -30,13 +30,18 @@ def responses_usage(usage: dict | None) -> dict:
             "total_tokens": prompt + completion}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict:
+def message_item(item_id: str, text: str | None, status: str, logprobs: list | None = None) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [] if text is None else [text_part(text)]}
+            "content": [] if text is None else [text_part(text, logprobs)]}
+
+
+def logprobs_of(choice: dict) -> list:
+    """The chat choice's (or chunk's) token logprobs: OpenAI's entries, the same in both APIs."""
+    return (choice.get("logprobs") or {}).get("content") or []
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> dict:
@@ -66,7 +71,7 @@ def response_body(envelope: dict, chat: dict) -> dict:
         output.append(reasoning_item(new_id("rs"), message["reasoning_content"], "completed"))
     text = message.get("content") or ""
     if text or not calls:
-        output.append(message_item(new_id("msg"), text, "completed"))
+        output.append(message_item(new_id("msg"), text, "completed", logprobs_of(choice)))
     output.extend(call_item(new_id("fc"), call, "completed") for call in calls)
     status, incomplete = status_of(choice["finish_reason"])
     body = {**envelope, "status": status, "incomplete_details": incomplete, "output": output,
@@ -145,10 +150,12 @@ class ResponseStream:
         if delta.get("content"):
             out += self._close_reasoning()
             out += self._open_message()
+            logprobs = logprobs_of(choice)
             self.message["content"][0]["text"] += delta["content"]  # type: ignore[index]
+            self.message["content"][0]["logprobs"] += logprobs  # type: ignore[index]
             out.append(self._event("response.output_text.delta", {
                 "item_id": self.message["id"], "output_index": len(self.output), "content_index": 0,  # type: ignore[index]
-                "delta": delta["content"], "logprobs": []}))
+                "delta": delta["content"], "logprobs": logprobs}))
         for call in delta.get("tool_calls") or ():
             out += self._close_reasoning() + self._close_message()
             item_id, index = new_id("fc"), len(self.output)
@@ -200,7 +207,8 @@ class ResponseStream:
         item["status"] = "completed"
         self.output.append(item)
         return [self._event("response.output_text.done", {"item_id": item["id"], "output_index": index,
-                                                           "content_index": 0, "text": part["text"], "logprobs": []}),
+                                                           "content_index": 0, "text": part["text"],
+                                                           "logprobs": part["logprobs"]}),
                 self._event("response.content_part.done", {"item_id": item["id"], "output_index": index,
                                                             "content_index": 0, "part": part}),
                 self._event("response.output_item.done", {"output_index": index, "item": item})]

@@ -54,7 +54,8 @@ def envelope(body: ResponsesRequest, response_id: str, model: str, is_stored: bo
             "store": is_stored, "temperature": body.temperature, "text": {"format": fmt},
             "tool_choice": tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "top_p": body.top_p,
-            "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {}}
+            "top_logprobs": body.top_logprobs, "truncation": "disabled", "usage": None, "user": body.user,
+            "metadata": body.metadata or {}}
 
 
 def install(app: FastAPI, bridge: ChatBridge, store: ResponseStore | None) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, ValidationError
 
 from server.errors import APIError
-from server.schemas import Body, ChatCompletionRequest, SearchRequest
+from server.schemas import MAX_LOGPROBS, Body, ChatCompletionRequest, SearchRequest
 from server.structured import _openai_name
 
 
@@ -66,6 +66,8 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # no obfuscation padding is sent either way
 
 
+LOGPROBS = "message.output_text.logprobs"  # the one `include` served: each output token's logprobs
+
 # Fields of OpenAI's request that ponder cannot obey: a 400 naming the field when set.
 REFUSED = {
     "background": "background responses are not supported: the request answers when it is done",
@@ -77,7 +79,6 @@ REFUSED = {
     "image": "image generation is not supported",
     "moderation": "moderation is not supported",
     "max_tool_calls": "max_tool_calls is not supported",
-    "top_logprobs": "logprobs are not supported on /v1/responses (use /v1/chat/completions)",
 }
 
 
@@ -97,7 +98,8 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" only
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # with the logprobs included
     reasoning: Reasoning | None = None
     truncation: Literal["disabled", "auto"] | None = None
     # Accepted and ignored: caching, routing and attribution (ponder caches every prefix it can, has one tier)
@@ -121,7 +123,6 @@ class ResponsesRequest(_Strict):
     image: Any = None
     moderation: Any = None
     max_tool_calls: Any = None
-    top_logprobs: Any = None
 
     def check(self) -> None:
         """APIError naming the first field set that this server cannot obey."""
@@ -129,8 +130,9 @@ class ResponsesRequest(_Strict):
             value = getattr(self, name)
             if value is not None and value is not False:
                 raise APIError(400, why, name)
-        if self.include:
-            raise APIError(400, f"include {self.include[0]!r} is not supported", "include")
+        for index, what in enumerate(self.include or ()):
+            if what != LOGPROBS:
+                raise APIError(400, f"include {what!r} is not supported: only {LOGPROBS!r} is", f"include.{index}")
         if self.reasoning is not None and (self.reasoning.effort not in (None, "none") or self.reasoning.summary):
             raise APIError(400, "reasoning effort and summaries are not supported: ask for more thought with the "
                                 "`search` extension", "reasoning")
@@ -158,6 +160,9 @@ class ResponsesRequest(_Strict):
                 fields[name] = getattr(self, name)
         if self.max_output_tokens is not None:
             fields["max_tokens"] = self.max_output_tokens
+        if LOGPROBS in (self.include or ()):
+            fields["logprobs"] = True
+            fields["top_logprobs"] = self.top_logprobs or 0
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":
             fmt = self.text.format
             if fmt.type == "json_object":

@@ -60,13 +60,31 @@ def test_a_tool_call_without_a_message_before_it_is_an_assistant_message_of_its_
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"background": True}, "background"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include.1"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
 ])
 def test_what_cannot_be_obeyed_is_a_400_naming_it(fields, param):
     with pytest.raises(APIError) as caught:
         request(**fields).to_chat(HI)
     assert (caught.value.status, caught.value.param) == (400, param)
+
+
+def test_included_logprobs_ask_the_chat_path_for_them():
+    chat = request(include=["message.output_text.logprobs"], top_logprobs=3).to_chat(HI)
+    assert (chat.logprobs, chat.top_logprobs) == (True, 3)
+    assert not request(top_logprobs=3).to_chat(HI).logprobs  # as OpenAI: only when included
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    body = response_body({"id": "resp_1"}, {**CHAT, "choices": [{"index": 0, "finish_reason": "stop", "logprobs": {
+        "content": [entry]}, "message": {"role": "assistant", "content": "a"}}]})
+    assert body["output"][0]["content"][0]["logprobs"] == [entry]
+    stream = ResponseStream({"id": "resp_1"})
+    events = [e for raw in [sse({"id": "c", "model": "m", "choices": [{"index": 0, "delta": {"content": "a"},
+                                                                       "logprobs": {"content": [entry]},
+                                                                       "finish_reason": "stop"}]}),
+                            b"data: [DONE]\n\n"] for e in stream.feed(raw)]
+    delta = json.loads(events[2].decode().split("\n")[1].removeprefix("data: "))
+    assert delta["type"] == "response.output_text.delta" and delta["logprobs"] == [entry]
+    assert stream.final["output"][0]["content"][0]["logprobs"] == [entry]
 
 
 def test_background_false_and_an_empty_include_are_accepted():

@@ -164,7 +164,7 @@ def test_retrieve_input_items_and_delete(server, client):
      "tools.0.type"),
     ({"background": True}, "background"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"include": ["file_search_call.results"]}, "include"),
+    ({"include": ["file_search_call.results"]}, "include.0"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0.type"),
@@ -182,6 +182,20 @@ def test_what_cannot_be_obeyed_is_a_400_naming_it(server, fields, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_included_logprobs_are_the_chat_route_s(server, client):
+    kwargs = dict(model=MODEL, input="Name a color.", max_output_tokens=6, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])
+    whole = client.responses.create(**kwargs)
+    expected = chat(server, messages=[{"role": "user", "content": "Name a color."}], max_tokens=6, temperature=0,
+                    logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    part = whole.output[0].content[0]
+    assert [entry.model_dump() for entry in part.logprobs] == expected and len(expected) == 6
+    assert "".join(entry.token for entry in part.logprobs) == part.text and whole.top_logprobs == 2
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert [entry.model_dump() for entry in streamed] == expected
 
 
 @pytest.mark.parametrize("stream", [False, True])
