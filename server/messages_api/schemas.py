@@ -245,6 +245,9 @@ class MessagesRequest(CountTokensRequest):
             raise APIError(400, "effort is not supported: ask for more thought with the `search` extension",
                            "output_config.effort")
         if self.output_config is not None and self.output_config.format is not None:
+            if fields.get("tools") and fields.get("tool_choice") != "none":
+                raise APIError(400, "tools that may be called cannot be combined with a format (set tool_choice "
+                                    "to none, or leave the format out)", "output_config.format")
             fields["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": self.output_config.format.schema_}}
         for name in ("temperature", "top_p", "top_k", "seed"):

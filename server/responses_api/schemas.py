@@ -164,6 +164,9 @@ class ResponsesRequest(_Strict):
             fields["logprobs"] = True
             fields["top_logprobs"] = self.top_logprobs or 0
         if self.text is not None and self.text.format is not None and self.text.format.type != "text":
+            if fields.get("tools") and fields.get("tool_choice") != "none":
+                raise APIError(400, "tools that may be called cannot be combined with a json format (set "
+                                    "tool_choice to none, or leave the format out)", "text.format")
             fmt = self.text.format
             if fmt.type == "json_object":
                 fields["response_format"] = {"type": "json_object"}

@@ -76,6 +76,7 @@ def test_a_stream_asks_the_chat_path_for_continuous_usage():
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
     ({"container": "c1"}, "container"),
+    ({"tools": [WEATHER], "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]}, "messages.1.role"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "n", "input": {}}]}]},
      "messages.0.content.0.type"),

@@ -62,6 +62,7 @@ def test_a_tool_call_without_a_message_before_it_is_an_assistant_message_of_its_
     ({"background": True}, "background"),
     ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include.1"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text.format"),
 ])
 def test_what_cannot_be_obeyed_is_a_400_naming_it(fields, param):
     with pytest.raises(APIError) as caught:
