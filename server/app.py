@@ -22,7 +22,11 @@ from server import errors
 from server.config import Settings
 from server.errors import APIError
 from server.generation import Generation
+from server.chat_bridge import ChatBridge
 from server.http_edge import EdgeMetrics, quiet_probe_access_log
+from server.messages_api.routes import install as install_messages_api
+from server.responses_api.routes import install as install_responses_api
+from server.responses_api.store import response_store
 from server.metrics import Metrics
 from server.non_openai_schemas import DetokenizeBody, RewardsBody, TokenizeBody
 from server.responses import PromptAsks
@@ -65,7 +69,7 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = APIError(413, _TooLarge(self.max_bytes).detail).response()
+        response = APIError(413, _TooLarge(self.max_bytes).detail).response_for(scope["path"])
         await response(scope, receive, send)
 
 
@@ -121,9 +125,11 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        if not header and "x-api-key" in request.headers:  # Anthropic's header, accepted on every route
+            scheme, token = "bearer", request.headers["x-api-key"]
         # compare_digest runs in time independent of where the strings differ.
         if not hmac.compare_digest(token.strip().encode(), api_key) or scheme.lower() != "bearer":
-            raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+            raise APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
                            code="invalid_api_key")
 
     def served_model() -> str:
@@ -162,8 +168,9 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
                                             "block_types": list(info.block_types) if info else None,
                                             "sampling_defaults": dict(info.sampling_defaults) if info else None}]}
 
-    async def generate(body, request: Request, endpoint: str, prompts: list[dict]):
-        """Check the body against the served model and the caps, then run one runtime request per prompt."""
+    async def generate(body, request: Request, endpoint: str, prompts: list[dict], label: str | None = None):
+        """Check the body against the served model and the caps, then run one runtime request per prompt;
+        `label`: the endpoint named in metrics, when another API runs the chat path."""
         model = check_model(body.model)
         _check_limits(settings, body, client.info.max_model_len if client.info else None)
         _check_verifier(body, client.info.verifiers if client.info else ())
@@ -185,7 +192,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
                           legacy=getattr(body, "uses_functions", False)) if tools is not None else None
         return await Generation(client, metrics, request, model, endpoint, wires, body.n, body.stream,
                                 bool(options and options.include_usage), include_events,
-                                settings.server.sse_keepalive_s, trees, asks, calls).run()
+                                settings.server.sse_keepalive_s, trees, asks, calls, label).run()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -204,6 +211,20 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         if isinstance(answer, RequestError):
             raise APIError(answer.status, answer.message, answer.param, answer.code, answer.type)
         return answer
+
+    async def count_chat_tokens(body: ChatCompletionRequest) -> int:
+        check_model(body.model)
+        _, tools = _output_shape(body)  # rendered as the chat request renders them (none with tool_choice none)
+        answer = await ask_runtime(TokenizeRequest(request_id=uuid.uuid4().hex, messages=body.wire_messages(),
+                                                   add_special_tokens=False, tools=tools))
+        return len(answer.token_ids)
+
+    bridge = ChatBridge(
+        run=lambda body, request, label: generate(body, request, "chat", [{"messages": body.wire_messages()}], label),
+        count_tokens=count_chat_tokens, model=check_model, dependencies=[Depends(require_key)],
+        keepalive_s=settings.server.sse_keepalive_s)
+    install_messages_api(app, bridge)
+    install_responses_api(app, bridge, response_store(settings.responses))
 
     @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(body: TokenizeBody):

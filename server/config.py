@@ -124,6 +124,17 @@ class UISettings(_Section):
     max_trees: int = Field(32, ge=0)  # searches kept, running and recent; 0: no page, no tree events
 
 
+class ResponsesSettings(_Section):
+    """Responses kept for `previous_response_id` and `GET /v1/responses/{id}` (OpenAI's Responses API)."""
+
+    store: bool = True  # false: nothing is written; every response answers with store false
+    # The SQLite file; None: responses.sqlite3 in ponder's data directory, $XDG_DATA_HOME/ponder
+    # (~/.local/share/ponder).
+    path: str | None = None
+    max_stored: int = Field(10_000, ge=1)  # past it the oldest are deleted
+    max_age_days: float = Field(30.0, gt=0)  # older ones are deleted
+
+
 class VerifierSettings(_Section):
     """A reward model loaded at start-up and usable as `search.verifier = "<name>"`."""
 
@@ -144,6 +155,7 @@ class Settings(BaseSettings):
     limits: LimitSettings = LimitSettings()
     search: SearchSettings = SearchSettings()
     ui: UISettings = UISettings()
+    responses: ResponsesSettings = ResponsesSettings()
     verifiers: dict[str, VerifierSettings] = {}
 
     @classmethod

@@ -30,6 +30,28 @@ class APIError(Exception):
         headers = self.headers or ({"WWW-Authenticate": "Bearer"} if self.status == 401 else None)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`; the field it names leads
+        the message, as Anthropic's own messages name it."""
+        message = self.message
+        if self.param and not message.startswith(self.param + ":"):
+            message = f"{self.param}: {message}"
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response_for(self, path: str) -> JSONResponse:
+        """The error in the shape of the API `path` belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+        if not path.startswith(ANTHROPIC_PATH):
+            return self.response()
+        return JSONResponse(self.anthropic_body(), status_code=self.status, headers=self.headers)
+
+
+# Anthropic's Messages API (server.messages_api) answers its errors in Anthropic's shape and types.
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+
 
 # Parts of a pydantic error location that name a member of a union, not a field: `literal['a','b']`,
 # `function-after[...]`, a model's class name, a type's name.
@@ -54,18 +76,20 @@ def _describe(error: dict) -> tuple[str, str | None]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return exc.response_for(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         message, param = _describe(errors[0]) if errors else ("invalid request", None)
-        return APIError(400, message, param).response()
+        return APIError(400, message, param).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+            return APIError(404, f"no route {request.method} {request.url.path}",
+                            code="not_found").response_for(request.url.path)
         if exc.status_code == 405:
-            return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response()
-        return APIError(exc.status_code, str(exc.detail)).response()
+            return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response_for(
+                request.url.path)
+        return APIError(exc.status_code, str(exc.detail)).response_for(request.url.path)

@@ -45,13 +45,15 @@ class Generation:
     def __init__(self, client: RuntimeClient, metrics: Metrics, http: Request, model: str, endpoint: str,
                  requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
                  include_search_events: bool, keepalive_s: float, trees: SearchTrees | None = None,
-                 asks: PromptAsks = PromptAsks(), tool_calls: ToolCalls | None = None) -> None:
+                 asks: PromptAsks = PromptAsks(), tool_calls: ToolCalls | None = None,
+                 label: str | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.http = http
         self.model = model
         self.endpoint = endpoint
         self.is_chat = endpoint == "chat"
+        self.label = label or endpoint  # the endpoint named in metrics and the log: the API the client spoke
         self.requests = requests
         self.n = n
         self.stream = stream
@@ -76,7 +78,7 @@ class Generation:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def run(self):
-        self.metrics.request_started(self.endpoint)
+        self.metrics.request_started(self.label)
         try:
             await self._submit_all()
         except APIError as err:
@@ -134,9 +136,9 @@ class Generation:
             for request in self.requests:
                 self.trees.end(request.request_id, state)
         latency = time.monotonic() - self.started
-        self.metrics.request_finished(self.endpoint, status, latency)
+        self.metrics.request_finished(self.label, status, latency)
         log.info("request %s endpoint=%s status=%s prompt_tokens=%s completion_tokens=%s latency=%.3fs "
-                 "finish=%s strategy=%s", self.response_id, self.endpoint, status,
+                 "finish=%s strategy=%s", self.response_id, self.label, status,
                  sum(f.prompt_tokens for f in self.finished), sum(f.completion_tokens for f in self.finished),
                  latency, ",".join(self.finish_reasons) or "-",
                  self.requests[0].search.strategy if self.requests and self.requests[0].search else "-")

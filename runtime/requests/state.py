@@ -170,8 +170,8 @@ def tokenize(request: TokenizeRequest, tokenizer, max_model_len: int) -> Tokeniz
                 raise InvalidRequest("this model has no chat template", "messages")
             _, renders_tools = tool_format_of(tokenizer.chat_template)
             try:
-                text = tokenizer.apply_chat_template(template_inputs(list(request.messages), None, renders_tools)[0],
-                                                     tokenize=False,
+                messages, tools = template_inputs(list(request.messages), request.tools, renders_tools)
+                text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                      add_generation_prompt=request.add_generation_prompt)
             except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
                 raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None

@@ -41,6 +41,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw
     messages: tuple[dict[str, Any], ...] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: ToolCalling | None = None  # rendered into the prompt as a chat request's tools are (count_tokens)
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from tests.server.live import live_server
@@ -26,8 +27,9 @@ SEARCH = {"strategy": "beam", "n": 2, "beam_width": 2, "max_steps": 2, "max_step
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    with live_server("--model", str(tiny_llama), "--device", "cpu", "--max-model-len", "32", env=ENV) as (base, _):
+def server(tiny_llama, tmp_path_factory):
+    env = {**ENV, "PONDER_RESPONSES__PATH": str(tmp_path_factory.mktemp("responses") / "responses.sqlite3")}
+    with live_server("--model", str(tiny_llama), "--device", "cpu", "--max-model-len", "32", env=env) as (base, _):
         yield base
 
 
@@ -109,6 +111,11 @@ def test_a_body_over_the_limit_is_413_announced_or_streamed(server):
     # No Content-Length: the limit is enforced while the body is read.
     assert_openai_error(httpx.post(server + CHAT, content=chunks(), headers={"content-type": "application/json"},
                                    timeout=30), 413)
+    for content in (big, chunks()):  # Anthropic's route answers in Anthropic's shape
+        r = httpx.post(server + "/v1/messages", content=content, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 413 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "request_too_large", r.json()
 
 
 def test_wrong_method_and_route(server):
@@ -224,6 +231,39 @@ def test_extreme_but_valid_sampling_values_are_answered(server, extra):
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+# -- the agent APIs: malformed items and blocks ---------------------------------------------------
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.sampled_from(["", "x", "user", "assistant"]))
+_KEYS = ["type", "role", "content", "call_id", "name", "arguments", "output", "id", "text", "input", "tool_use_id"]
+_TYPES = ["message", "function_call", "function_call_output", "reasoning", "item_reference", "input_text",
+          "output_text", "input_image", "text", "tool_use", "tool_result", "thinking", "image", "document"]
+_PART = st.dictionaries(st.sampled_from(_KEYS), st.one_of(_SCALARS, st.sampled_from(_TYPES)), max_size=4)
+_ITEM = st.dictionaries(st.sampled_from(_KEYS), st.one_of(_SCALARS, st.sampled_from(_TYPES), st.lists(_PART, max_size=2)),
+                        max_size=5)
+
+
+@given(items=st.lists(st.one_of(_ITEM, _SCALARS), min_size=1, max_size=3))
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_malformed_input_items_are_400s_naming_the_input(server, items):
+    r = post(server, {"input": items, "max_output_tokens": 2}, path="/v1/responses")
+    assert r.status_code in (200, 400), r.text[:500]
+    if r.status_code == 400:
+        assert r.json()["error"]["param"].startswith("input"), r.json()
+
+
+@given(blocks=st.lists(st.one_of(_ITEM, _SCALARS), min_size=1, max_size=3))
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_malformed_content_blocks_are_400s_naming_the_message(server, blocks):
+    model = httpx.get(server + "/v1/models").json()["data"][0]["id"]  # Anthropic's requests name the model
+    r = post(server, {"model": model, "messages": [{"role": "user", "content": blocks}], "max_tokens": 2},
+             path="/v1/messages")
+    assert r.status_code in (200, 400), r.text[:500]
+    if r.status_code == 400:
+        assert r.json()["error"]["message"].startswith("messages.0"), r.json()
+
+
 def test_the_server_still_answers_after_all_that(server):
     r = post(server, {"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True, "search": None})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -232,7 +272,10 @@ def test_the_server_still_answers_after_all_that(server):
 # -- fuzzing ------------------------------------------------------------------------------------
 
 OPERATIONS = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/rewards")]
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/rewards"),
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
+              ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),
+              ("GET", "/v1/responses/{response_id}/input_items")]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +299,10 @@ def test_fuzzed_requests_never_get_a_5xx(api_schema, method, path, mode):
     def check(case):
         response = case.call(timeout=30)
         assert response.status_code < 500, f"{case.method} {case.path} {case.body!r} -> {response.text[:500]}"
-        if response.status_code >= 400:
+        if response.status_code >= 400 and path.startswith("/v1/messages"):  # Anthropic's error shape
+            body = response.json()
+            assert list(body) == ["type", "error"] and set(body["error"]) == {"type", "message"}, body
+        elif response.status_code >= 400:
             body = response.json()
             assert list(body) == ["error"] and set(body["error"]) == {"message", "type", "param", "code"}, body
 

@@ -1,0 +1,34 @@
+"""What the agent APIs (Anthropic's Messages, OpenAI's Responses) need of the app: the chat route's own
+path, so that grammar, tool calls, sampling, search and metrics are written once."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from server.schemas import ChatCompletionRequest
+
+
+@dataclass(frozen=True)
+class ChatBridge:
+    # Runs a chat request as /v1/chat/completions does, counted in metrics under the label given: a
+    # JSONResponse with the chat completion, or (stream) an EventSourceResponse whose body_iterator
+    # yields the chat chunks as SSE bytes.
+    run: Callable[[ChatCompletionRequest, Request, str], Awaitable[Response]]
+    # The prompt tokens the chat request would report (its messages and tools through the chat template).
+    count_tokens: Callable[[ChatCompletionRequest], Awaitable[int]]
+    model: Callable[[str | None], str]  # the served model's name: a 404 for another's, a 503 while loading
+    dependencies: list[Any]  # the API key check
+    keepalive_s: float  # a comment on every stream at least this often
+
+
+def search_of(summary: dict | None, path: dict | None) -> dict | None:
+    """ponder's `search` on an answer of one choice: the chat answer's summary of the search, with the
+    chosen path's score, step scores and answer beside it."""
+    if summary is None and path is None:
+        return None
+    return {**(summary or {}), **(path or {})}
