@@ -24,6 +24,7 @@ from runtime.wire.protocol import (
     Accepted, FromRuntime, GenerateRequest, RequestError, Reward, Rewarded, RewardRequest, RuntimeStats,
 )
 from runtime.model.row_padding import padding_for
+from runtime.wire.reasoning import opens_thinking, reasoning_format_of
 from runtime.requests.state import InvalidRequest, RequestState, answer_form_of, question_of
 from runtime.model.sampler import sample
 from runtime.search.aggregate import aggregate, normalize_step, split_steps
@@ -41,6 +42,9 @@ from storage.kv_cache import KVCache, KVShape, kv_shape_of
 from storage.piece_transfers import PieceLost
 from storage.tiers import TierChain
 
+
+# Where a template opens a thinking block, it is the generation prompt's last few tokens.
+PROMPT_TAIL_TOKENS = 16
 
 log = logging.getLogger("ponder.runtime")
 
@@ -113,6 +117,7 @@ class Engine:
         self.scorers, self.verifier_stores = build_scorers(self, model, tokenizer, config, reward_models or {},
                                                            self.padding)
         self.gate = GrammarGate(tokenizer, self.vocab_size, self.eos_ids, self._admit)
+        self.reasoning_format = reasoning_format_of(getattr(tokenizer, "chat_template", None))
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
@@ -160,7 +165,9 @@ class Engine:
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
         self.stats["tokens_prompt"] += len(ids)
-        return [Accepted(request_id=request.request_id, prompt_tokens=len(ids))]
+        return [Accepted(request_id=request.request_id, prompt_tokens=len(ids),
+                         opens_thinking=request.messages is not None and opens_thinking(
+                             self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format))]
 
     def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None) -> None:
         search = request.search

@@ -22,6 +22,7 @@ from server.responses import (
     ChoiceText, ChunkWriter, PromptAsks, chat_logprobs, completion_logprobs, prompt_logprobs_field, search_field,
     summary_field, usage,
 )
+from server.reasoning_output import Thinking
 from server.tool_output import ToolCalls
 from server.trees import CANCELLED, FAILED, FINISHED, SearchTrees
 
@@ -45,7 +46,8 @@ class Generation:
     def __init__(self, client: RuntimeClient, metrics: Metrics, http: Request, model: str, endpoint: str,
                  requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
                  include_search_events: bool, keepalive_s: float, trees: SearchTrees | None = None,
-                 asks: PromptAsks = PromptAsks(), tool_calls: ToolCalls | None = None) -> None:
+                 asks: PromptAsks = PromptAsks(), tool_calls: ToolCalls | None = None,
+                 thinking: Thinking | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.http = http
@@ -60,7 +62,8 @@ class Generation:
         self.keepalive_s = keepalive_s
         self.trees = trees  # where the page at /ui watches each search's tree
         self.asks = asks  # echoed and prompt logprobs, continuous usage
-        self.tool_calls = tool_calls  # the request offered tools: the text is parsed for calls
+        self.tool_calls = tool_calls  # the request offered tools: the answer is parsed for calls
+        self.thinking = thinking  # the model thinks in its text: thinking and answer are told apart
         self.prompt_tokens = 0  # of every admitted prompt (Accepted), for continuous usage
         self.is_search = any(r.search is not None for r in requests)
         prefix = "chatcmpl-" if self.is_chat else "cmpl-"
@@ -107,16 +110,20 @@ class Generation:
         except RuntimeUnavailable as exc:
             self._abort_all()
             raise APIError(503, str(exc), code="runtime_unavailable") from None
+        opens = []
         for handle in self.handles:
             first = await self._next(handle)
             if isinstance(first, Accepted):
                 self.prompt_tokens += first.prompt_tokens
+                opens.append(first.opens_thinking)
             if isinstance(first, RequestError):
                 self._abort_all()
                 if self.trees is not None:  # a rejected request was never a search worth showing
                     for request in self.requests:
                         self.trees.forget(request.request_id)
                 raise APIError(first.status, first.message, first.param, first.code, first.type)
+        if self.thinking is not None:
+            self.thinking.start(opens, self.n)
 
     @staticmethod
     async def _next(handle: RequestHandle):
@@ -202,8 +209,7 @@ class Generation:
         asks = self.asks
         for index, c in enumerate(choices):
             if self.is_chat:
-                message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) \
-                    if self.tool_calls is None else self.tool_calls.message(c.text, c.finish_reason)
+                message, reason = self._message(index, c)
                 item = {"index": index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
                         "finish_reason": reason}
@@ -227,6 +233,17 @@ class Generation:
             body["search"] = summary_field(summaries[0])
         return body
 
+    def _message(self, index: int, choice: ChoiceText) -> tuple[dict, str | None]:
+        """A chat choice's message: its thinking apart, and the tool calls of its answer."""
+        thought, answer = self.thinking.split(index, choice.text) if self.thinking is not None else (None, choice.text)
+        message, reason = ({"role": "assistant", "content": answer}, choice.finish_reason) \
+            if self.tool_calls is None else self.tool_calls.message(answer, choice.finish_reason)
+        if self.thinking is not None:
+            if thought is not None and not message["content"]:
+                message["content"] = None  # all thinking: cut short before the answer
+            message.update(self.thinking.fields(thought))
+        return message, reason
+
     # -- streaming ------------------------------------------------------------------------------
     async def _stream(self) -> AsyncIterator[bytes]:
         writer = ChunkWriter(self.response_id, self.created, self.model, self.is_chat, self.include_usage, self.asks)
@@ -245,7 +262,8 @@ class Generation:
                     if isinstance(message, Delta):
                         returned += len(message.token_ids)
                         writer.completion_tokens = returned
-                        yield writer.delta_chunk(message, text_offsets.get(message.index, 0), self.tool_calls)
+                        yield writer.delta_chunk(message, text_offsets.get(message.index, 0), self.tool_calls,
+                                                 self.thinking)
                         text_offsets[message.index] = text_offsets.get(message.index, 0) + len(message.text) + \
                             len(message.prompt_text or "")
                     elif isinstance(message, SearchEvent) and self.include_search_events:

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI endpoints, validated strictly enough that no mistake reaches the runtime.
 
-Unknown top-level fields are ignored (clients send vendor extras); known ones are type-checked.
+Known fields are type-checked; fields no schema declares are held (`extra="allow"`) for server.extras,
+which refuses them or logs them, never ignores them in silence.
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.wire.params import Constraint, SamplingParams, SearchParams, ToolCalling
+from runtime.wire.protocol import check_template_kwargs
 from server.structured import (
     FunctionDefinition, NamedFunction, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolChoice,
     constraint_of, tool_calling_of,
@@ -40,12 +42,16 @@ def _check_wire_value(value: Any) -> None:
     elif isinstance(value, list):
         for item in value:
             _check_wire_value(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_wire_value(key)
+            _check_wire_value(item)
 
 
 class Body(_Wire):
-    """A request body, or a part of one: checked for the wire, unknown fields ignored."""
+    """A request body, or a part of one: checked for the wire; undeclared fields kept for server.extras."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class TextPart(Body):
@@ -72,6 +78,13 @@ class ChatMessage(Body):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
     function_call: CalledFunction | None = None  # deprecated: an assistant's one call
+    # An earlier answer sent back as the server gave it: its thinking (vLLM's two names for it) goes to
+    # the chat template as `reasoning_content`; OpenAI's response-only fields are accepted and unused.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -93,6 +106,9 @@ class ChatMessage(Body):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and role == "tool":
             out["name"] = self.name
+        thinking = self.reasoning_content or self.reasoning
+        if thinking and role == "assistant":
+            out["reasoning_content"] = thinking
         return out
 
 
@@ -269,8 +285,18 @@ REFUSED_CHAT_FIELDS = {
 }
 
 
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(lambda value: check_template_kwargs(value) or value)]
+
+
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's, SGLang's and llama-server's: variables for the chat template (`enable_thinking`), over the
+    # server's defaults (model.chat_template_kwargs).
+    chat_template_kwargs: TemplateKwargs | None = None
+    # A thinking model's thinking (docs/reasoning.md): vLLM's include_reasoning false leaves it out of the
+    # answer; llama-server's reasoning_format none leaves it in `content`, unparsed.
+    include_reasoning: bool = True
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -334,6 +360,15 @@ class CompletionRequest(_Generation):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the text starts with the prompt; with logprobs, the logprobs cover the prompt too
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)  # OpenAI's: obeyed where it equals n (each choice is returned)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported: ask for the best of several with the "
+                             "`search` extension (strategy best_of_n)")
+        return value
 
     @field_validator("prompt")
     @classmethod
