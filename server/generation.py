@@ -22,7 +22,7 @@ from server.responses import (
     ChoiceText, ChunkWriter, PromptAsks, chat_logprobs, completion_logprobs, prompt_logprobs_field, search_field,
     summary_field, usage,
 )
-from server.reasoning_output import Thinking
+from server.reasoning_output import Thinking, chat_message
 from server.tool_output import ToolCalls
 from server.trees import CANCELLED, FAILED, FINISHED, SearchTrees
 
@@ -209,7 +209,7 @@ class Generation:
         asks = self.asks
         for index, c in enumerate(choices):
             if self.is_chat:
-                message, reason = self._message(index, c)
+                message, reason = chat_message(index, c.text, c.finish_reason, self.thinking, self.tool_calls)
                 item = {"index": index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
                         "finish_reason": reason}
@@ -232,17 +232,6 @@ class Generation:
         if summaries:
             body["search"] = summary_field(summaries[0])
         return body
-
-    def _message(self, index: int, choice: ChoiceText) -> tuple[dict, str | None]:
-        """A chat choice's message: its thinking apart, and the tool calls of its answer."""
-        thought, answer = self.thinking.split(index, choice.text) if self.thinking is not None else (None, choice.text)
-        message, reason = ({"role": "assistant", "content": answer}, choice.finish_reason) \
-            if self.tool_calls is None else self.tool_calls.message(answer, choice.finish_reason)
-        if self.thinking is not None:
-            if thought is not None and not message["content"]:
-                message["content"] = None  # all thinking: cut short before the answer
-            message.update(self.thinking.fields(thought))
-        return message, reason
 
     # -- streaming ------------------------------------------------------------------------------
     async def _stream(self) -> AsyncIterator[bytes]:

@@ -8,6 +8,7 @@ setting); tool calls are then parsed from the answer only (server.tool_output).
 from __future__ import annotations
 
 from runtime.wire.reasoning import ReasoningStream, split_reasoning
+from server.tool_output import ToolCalls
 
 
 class Thinking:
@@ -44,3 +45,16 @@ class Thinking:
         if not self.include:
             return {}
         return {"reasoning_content": thinking, "reasoning": thinking}
+
+
+def chat_message(index: int, text: str, reason: str | None, thinking: Thinking | None,
+                 tool_calls: ToolCalls | None) -> tuple[dict, str | None]:
+    """A chat choice's whole message and finish reason: its thinking apart, the tool calls of its answer."""
+    thought, answer = thinking.split(index, text) if thinking is not None else (None, text)
+    message, reason = ({"role": "assistant", "content": answer}, reason) if tool_calls is None \
+        else tool_calls.message(answer, reason)
+    if thinking is not None:
+        if thought is not None and not message["content"]:
+            message["content"] = None  # all thinking: cut short before any answer
+        message.update(thinking.fields(thought))
+    return message, reason

@@ -1,0 +1,111 @@
+"""A thinking model served end to end: a Qwen3 replica with Qwen3.5's published template (which opens
+`<think>` in every generation prompt unless `enable_thinking` is false). The thinking comes back in
+`reasoning_content` and `reasoning`, plain and streamed, read by the OpenAI SDK; `content` holds the answer
+alone; `chat_template_kwargs` and the server's default for it reach the template."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.server.live import live_server
+from tests.server.reasoning_model import write_thinking_model
+
+ASK = [{"role": "user", "content": "2+2?"}]
+CLOSE_ID = "441"  # `</think>` in the replica's vocabulary
+# The replica's seeded weights rarely close the block: a bias on the closing tag, sampled with this seed,
+# closes it once, mid-way (the tests assert both halves are there, so a change of weights shows).
+THINKS = {"max_tokens": 24, "temperature": 2.0, "seed": 1, "presence_penalty": 2.0, "logit_bias": {CLOSE_ID: 14}}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_thinking_model(tmp_path_factory.mktemp("qwen3-5-replica"))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with live_server("--model", str(model), "--device", "cpu", env={"PONDER_CACHE__NUM_BLOCKS": "256"}) as (base, _):
+        yield base
+
+
+def chat(base: str, **fields) -> dict:
+    response = httpx.post(base + "/v1/chat/completions", json={"messages": ASK, **fields}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]
+
+
+def prompt_text(base: str, **fields) -> str:
+    ids = httpx.post(base + "/tokenize", json={"messages": ASK, **fields}, timeout=60).json()["tokens"]
+    return httpx.post(base + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+
+
+def test_enable_thinking_false_ends_the_prompt_in_the_empty_block(server):
+    assert prompt_text(server).endswith("<|im_start|>assistant\n<think>\n")
+    assert prompt_text(server, chat_template_kwargs={"enable_thinking": False}).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_the_thinking_is_split_from_the_answer(server):
+    raw = chat(server, reasoning_format="none", **THINKS)  # llama-server's: no parsing
+    assert set(raw) == {"role", "content"} and raw["content"].count("</think>") == 1
+    message = chat(server, **THINKS)
+    assert message["reasoning_content"] and message["content"]
+    assert message["reasoning"] == message["reasoning_content"]
+    before, _, after = raw["content"].partition("</think>")
+    assert (message["reasoning_content"], message["content"]) == (before, after.lstrip())
+    assert "</think>" not in message["content"]
+
+
+def test_a_prompt_with_thinking_off_gets_no_reasoning(server):
+    message = chat(server, max_tokens=12, temperature=0, chat_template_kwargs={"enable_thinking": False})
+    raw = chat(server, max_tokens=12, temperature=0, chat_template_kwargs={"enable_thinking": False},
+               reasoning_format="none")
+    assert message["reasoning_content"] is None and message["content"] == raw["content"]
+
+
+def test_thinking_cut_short_is_all_reasoning_and_include_reasoning_false_leaves_it_out(server):
+    cut = chat(server, max_tokens=6, temperature=0)
+    assert cut["content"] is None and cut["reasoning_content"]
+    assert chat(server, include_reasoning=False, **THINKS) == {
+        "role": "assistant", "content": chat(server, **THINKS)["content"]}
+
+
+def test_the_openai_sdk_reads_reasoning_content_plain_and_streamed(server):
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+    extra = {"presence_penalty": 2.0, "logit_bias": {CLOSE_ID: 14}}
+    plain = client.chat.completions.create(model=name, messages=ASK, max_tokens=24, temperature=2.0,
+                                           seed=1, extra_body=extra)
+    message = plain.choices[0].message
+    assert message.reasoning_content and message.content and message.reasoning == message.reasoning_content
+    kinds, thought, answer = [], "", ""
+    for chunk in client.chat.completions.create(model=name, messages=ASK, max_tokens=24,
+                                                temperature=2.0, seed=1, stream=True, extra_body=extra):
+        for choice in chunk.choices:
+            delta = choice.delta
+            if getattr(delta, "reasoning_content", None):
+                assert delta.reasoning == delta.reasoning_content
+                kinds.append("thinking")
+                thought += delta.reasoning_content
+            if delta.content:
+                kinds.append("answer")
+                answer += delta.content
+    assert (thought, answer) == (message.reasoning_content, message.content)
+    assert kinds == sorted(kinds, key=lambda kind: kind == "answer") and "thinking" in kinds
+
+
+def test_the_servers_default_template_kwargs_and_parser_setting(model):
+    env = {"PONDER_CACHE__NUM_BLOCKS": "128", "PONDER_MODEL__CHAT_TEMPLATE_KWARGS": json.dumps(
+        {"enable_thinking": False}), "PONDER_MODEL__REASONING_PARSER": "none"}
+    with live_server("--model", str(model), "--device", "cpu", env=env) as (base, _):
+        assert prompt_text(base).endswith("<think>\n\n</think>\n\n")
+        assert prompt_text(base, chat_template_kwargs={"enable_thinking": True}).endswith("assistant\n<think>\n")
+        message = chat(base, chat_template_kwargs={"enable_thinking": True}, **THINKS)
+        assert set(message) == {"role", "content"} and "</think>" in message["content"]
+        bad = httpx.post(base + "/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": {
+            "tokenize": True}}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
