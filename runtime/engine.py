@@ -20,6 +20,7 @@ from runtime.model.quantize import Quantized
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
+from runtime.requests.thinking import ThinkingMarkers
 from runtime.wire.protocol import (
     Accepted, FromRuntime, GenerateRequest, RequestError, Reward, Rewarded, RewardRequest, RuntimeStats,
 )
@@ -118,6 +119,8 @@ class Engine:
                                                            self.padding)
         self.gate = GrammarGate(tokenizer, self.vocab_size, self.eos_ids, self._admit)
         self.reasoning_format = reasoning_format_of(getattr(tokenizer, "chat_template", None))
+        self.thinking_markers = ThinkingMarkers.of(tokenizer, self.reasoning_format, self.gate.grammars.num_words
+                                                   or (self.vocab_size + 31) // 32)
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
@@ -157,17 +160,32 @@ class Engine:
         try:
             ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
                                     self.config, self.kv, self.streamed, verifiers=self.scorers)
+            is_open = request.messages is not None and opens_thinking(
+                self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format)
+            thinking = self._thinking_of(request, is_open)
             if request.search is not None:
                 self._add_search(request, ids, max_tokens, grammar)
             else:
                 self.plain.add(request, ids, max_tokens, grammar,
-                               streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks)
+                               streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks,
+                               thinking=thinking)
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
         self.stats["tokens_prompt"] += len(ids)
-        return [Accepted(request_id=request.request_id, prompt_tokens=len(ids),
-                         opens_thinking=request.messages is not None and opens_thinking(
-                             self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format))]
+        return [Accepted(request_id=request.request_id, prompt_tokens=len(ids), opens_thinking=is_open)]
+
+    def _thinking_of(self, request: GenerateRequest, is_open: bool):
+        """(the thinking tags, whether the prompt opened the block) for a plain chat request on a thinking
+        model, else None; a budget the model cannot be held to is a 400."""
+        budget = request.sampling.thinking_token_budget
+        if budget is not None and (self.thinking_markers is None or request.messages is None
+                                   or request.search is not None):
+            why = "a search" if request.search is not None else "this model's output (it does not think in " \
+                "its text, in one-token tags)" if request.messages is not None else "a completion"
+            raise InvalidRequest(f"a thinking budget cannot be applied to {why}", "thinking_token_budget")
+        if self.thinking_markers is None or request.messages is None or request.search is not None:
+            return None
+        return self.thinking_markers, is_open
 
     def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None) -> None:
         search = request.search

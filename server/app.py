@@ -169,6 +169,11 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         fmt = settings.model.reasoning_parser
         if fmt == "auto":
             fmt = client.info.reasoning_format if client.info else "none"
+        if isinstance(body, ChatCompletionRequest) and body.thinking_budget[1] is not None and (
+                client.info is None or client.info.reasoning_format == "none"):
+            field = body.thinking_budget[0]
+            raise APIError(400, f"{field}: this model does not think in its text (its chat template names no "
+                                "thinking format), so there is no thinking to budget", field)
         if not isinstance(body, ChatCompletionRequest) or fmt == "none" or body.reasoning_format == "none":
             return None
         return Thinking(fmt, include=body.include_reasoning)

@@ -77,7 +77,6 @@ VENDOR_EXTRAS: dict[str, Extra] = {
     "chat_template": Extra((), _no("a chat template in the request", "the model's own template renders it")),
     "documents": Extra(([],), _no("documents")),
     "echo": Extra((False,), _no("echo on chat completions", "use /v1/completions with echo")),
-    "thinking_token_budget": Extra((), _no("thinking_token_budget")),
     # vLLM: structured outputs, older spellings
     "guided_decoding_backend": Extra((), _no("choosing the structured-output backend", _STRUCTURED)),
     "guided_whitespace_pattern": Extra((), _no("guided_whitespace_pattern", _STRUCTURED)),

@@ -65,8 +65,12 @@ def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def usage(finished: list[Finished]) -> dict:
     prompt = sum(f.prompt_tokens for f in finished)
     completion = sum(f.completion_tokens for f in finished)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finished)}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finished)}}
+    counted = [f.reasoning_tokens for f in finished if f.reasoning_tokens is not None]
+    if counted:  # a thinking model's chat answer: of its completion tokens, the thinking ones
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(counted)}
+    return out
 
 
 @dataclass

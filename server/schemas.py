@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.wire.params import Constraint, SamplingParams, SearchParams, ToolCalling
@@ -278,14 +279,16 @@ REFUSED_CHAT_FIELDS = {
     "audio": "audio output is not supported (this server generates text)",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning_effort is not supported: ask for more thought with the `search` extension "
-                        "(its n, beam_width and max_steps are the budget)",
     "verbosity": "verbosity is not supported",
     "moderation": "moderation is not supported",
 }
 
 
 TemplateKwargs = Annotated[dict[str, Any], AfterValidator(lambda value: check_template_kwargs(value) or value)]
+
+
+# reasoning_effort as a thinking budget (docs/reasoning.md): none and minimal close the block at once.
+THINKING_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None}
 
 
 class ChatCompletionRequest(_Generation):
@@ -297,6 +300,23 @@ class ChatCompletionRequest(_Generation):
     # answer; llama-server's reasoning_format none leaves it in `content`, unparsed.
     include_reasoning: bool = True
     reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
+    # The most thinking tokens before the closing text is forced: vLLM's field, or OpenAI's effort by name
+    # (THINKING_BUDGETS); one or the other. A model that does not think in its text refuses both.
+    thinking_token_budget: int | None = Field(None, ge=0)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.thinking_token_budget is not None and self.reasoning_effort is not None:
+            raise ValueError("give thinking_token_budget or reasoning_effort, not both")
+        return self
+
+    @property
+    def thinking_budget(self) -> tuple[str, int | None]:
+        """(the field that set it, the most thinking tokens or None)."""
+        if self.reasoning_effort is not None:
+            return "reasoning_effort", THINKING_BUDGETS[self.reasoning_effort]
+        return "thinking_token_budget", self.thinking_token_budget
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -309,7 +329,6 @@ class ChatCompletionRequest(_Generation):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     moderation: Any = None
 
@@ -347,8 +366,9 @@ class ChatCompletionRequest(_Generation):
     def to_sampling(self, defaults: Mapping[str, float] = {}) -> SamplingParams:
         """The runtime's sampling parameters; `defaults`: the model's sampling defaults (`sampled`)."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs,
-                             defaults=defaults)
+        params = self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs,
+                               defaults=defaults)
+        return msgspec.structs.replace(params, thinking_token_budget=self.thinking_budget[1])
 
     def wire_messages(self) -> tuple[dict[str, Any], ...]:
         return tuple(m.wire() for m in self.messages)

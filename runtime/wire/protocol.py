@@ -268,6 +268,8 @@ class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=T
     cached_tokens: int
     completion_tokens: int
     search: SearchSummary | None = None
+    # Of the completion tokens, the thinking ones (a chat request on a thinking model); None: not counted.
+    reasoning_tokens: int | None = None
 
 
 class Tokenized(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

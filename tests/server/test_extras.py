@@ -84,7 +84,7 @@ def test_a_documented_extra_at_the_value_ponder_obeys_is_accepted(field, value):
     ("truncate_prompt_tokens", 100, "truncating"), ("chat_template", "{{ x }}", "chat template"),
     ("echo", True, "/v1/completions with echo"), ("repeat_penalty", 1.3, "repetition_penalty"),
     ("mirostat", 2, "mirostat"), ("n_predict", 12, "max_tokens"), ("min_tokens", True, "min_tokens"),
-    ("thinking_token_budget", 16, "thinking_token_budget"), ("add_special_tokens", True, "add_special_tokens"),
+    ("add_special_tokens", True, "add_special_tokens"),
     ("grammar", "root ::= \"a\"", "structured_outputs.grammar")])
 def test_a_documented_extra_at_another_value_is_a_400_naming_it(field, value, says):
     param, message, _ = refusal(chat(**{field: value}))

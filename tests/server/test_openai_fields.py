@@ -213,3 +213,11 @@ def test_each_documented_extra_is_obeyed_at_its_value_and_refused_by_name_at_ano
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field and response.json()["error"]["message"] == \
         f"{field}: {VENDOR_EXTRAS[field].why}"
+
+
+def test_a_thinking_budget_on_a_model_that_does_not_think_is_a_400_naming_the_field(server):
+    for field, value in (("thinking_token_budget", 16), ("reasoning_effort", "low")):
+        response = chat(server, **{field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+        assert "does not think in its text" in response.json()["error"]["message"]
+    assert content(chat(server, reasoning_effort=None))  # null: not sent

@@ -109,3 +109,56 @@ def test_the_servers_default_template_kwargs_and_parser_setting(model):
         bad = httpx.post(base + "/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": {
             "tokenize": True}}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def completion(base: str, **fields) -> dict:
+    response = httpx.post(base + "/v1/chat/completions", json={"messages": ASK, **fields}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("budget", [0, 1, 5])
+def test_a_budget_of_k_gives_exactly_k_thinking_tokens_then_the_closing_text_and_the_answer(server, budget):
+    # Unbudgeted, this model thinks past max_tokens (all 20 tokens are thinking).
+    assert completion(server, max_tokens=20, temperature=0)["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": 20}
+    body = completion(server, max_tokens=20, temperature=0, thinking_token_budget=budget, logprobs=True)
+    tokens = [t["token"] for t in body["choices"][0]["logprobs"]["content"]]
+    closing = tokens[budget:]
+    assert closing[:4] == ["\n", "</think>", "\n", "\n"] and "</think>" not in tokens[:budget]
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": budget}
+    assert body["usage"]["completion_tokens"] == 20  # max_tokens still bounds the whole
+    message = body["choices"][0]["message"]
+    raw = chat(server, max_tokens=20, temperature=0, thinking_token_budget=budget, reasoning_format="none")
+    thought, tag, answer = raw["content"].partition("</think>")
+    assert (message["reasoning_content"], message["content"]) == (thought, answer.lstrip()) and tag
+    assert message["content"] and thought.endswith("\n")
+
+
+def test_reasoning_effort_is_a_documented_budget(server):
+    minimal = completion(server, max_tokens=8, temperature=0, reasoning_effort="minimal")
+    assert minimal["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert minimal["choices"][0]["message"]["reasoning_content"] == "\n"
+    low = completion(server, max_tokens=8, temperature=0, reasoning_effort="low")  # 1024: not reached here
+    assert low["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}
+    both = httpx.post(server + "/v1/chat/completions", json={"messages": ASK, "reasoning_effort": "low",
+                                                             "thinking_token_budget": 3}, timeout=60)
+    assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+
+
+def test_a_json_schema_constrains_the_answer_after_free_thinking(server):
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    body = completion(server, max_tokens=40, temperature=0, thinking_token_budget=4,
+                      response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    message = body["choices"][0]["message"]
+    assert json.loads(message["content"]) in ({"a": "x"}, {"a": "y"})
+    assert message["reasoning_content"] and "{" not in message["reasoning_content"]  # not held to the grammar
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
+
+
+def test_a_budget_is_refused_by_name_where_it_cannot_hold(server):
+    search = httpx.post(server + "/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 8, "thinking_token_budget": 3,
+        "search": {"strategy": "best_of_n", "n": 2, "verifier": "confidence"}}, timeout=60)
+    assert search.status_code == 400 and search.json()["error"]["param"] == "thinking_token_budget"

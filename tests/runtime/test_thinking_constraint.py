@@ -1,0 +1,95 @@
+"""A thinking model's phases per sequence (runtime.requests.thinking): thinking tokens counted, the closing
+text forced once the budget is spent, and the request's grammar asked only for the answer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.grammar.matcher import refused_tokens, step_masks
+from runtime.requests.thinking import ANSWER, BEFORE, CLOSING, THINKING, ThinkingConstraint, ThinkingMarkers
+
+OPEN, CLOSE, NL = 40, 41, 7
+MARKERS = ThinkingMarkers(OPEN, CLOSE, (NL, CLOSE, NL), num_words=2)  # a 64-token vocabulary
+
+
+class OnlyToken:
+    """A grammar that allows one token and counts what it consumed."""
+
+    is_masking = True
+    is_complete = False
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.consumed: list[int] = []
+
+    def consume(self, token_id: int) -> None:
+        self.consumed.append(token_id)
+
+    def fill(self, bits: np.ndarray) -> None:
+        bits[:] = 0
+        bits[self.token // 32] = 1 << (self.token % 32)
+
+
+def allowed(constraint) -> list[int]:
+    bits = np.zeros((1, constraint.num_words), dtype=np.int32)
+    constraint.fill(bits[0])
+    return np.flatnonzero(~refused_tokens(bits, 64, "cpu").numpy()[0]).tolist()
+
+
+def test_a_budget_of_k_forces_the_closing_text_after_exactly_k_thinking_tokens():
+    c = ThinkingConstraint(MARKERS, None, budget=3, starts_open=True)
+    for token in (1, 2, 3):
+        assert c.phase == THINKING and not c.is_masking
+        c.consume(token)
+    forced = []
+    while c.phase == CLOSING:
+        assert c.is_masking
+        [token] = allowed(c)
+        forced.append(token)
+        c.consume(token)
+    assert forced == [NL, CLOSE, NL] and c.phase == ANSWER and c.num_thinking == 3
+    assert not c.is_masking and c.is_complete  # no grammar: the answer is free
+
+
+def test_a_zero_budget_closes_at_once_and_a_model_that_closes_itself_is_not_forced():
+    assert ThinkingConstraint(MARKERS, None, budget=0, starts_open=True).phase == CLOSING
+    c = ThinkingConstraint(MARKERS, None, budget=10, starts_open=True)
+    for token in (1, 2, CLOSE, 5):
+        c.consume(token)
+    assert (c.phase, c.num_thinking) == (ANSWER, 2)
+
+
+def test_the_model_may_open_the_block_itself_or_answer_at_once():
+    opened = ThinkingConstraint(MARKERS, None, budget=1, starts_open=False)
+    assert opened.phase == BEFORE and not opened.is_masking
+    opened.consume(OPEN)
+    opened.consume(9)
+    assert (opened.phase, opened.num_thinking, allowed(opened)) == (CLOSING, 1, [NL])
+    answered = ThinkingConstraint(MARKERS, None, budget=1, starts_open=False)
+    answered.consume(9)
+    assert (answered.phase, answered.num_thinking) == (ANSWER, 0)
+
+
+def test_the_grammar_constrains_the_answer_only():
+    grammar = OnlyToken(12)
+    c = ThinkingConstraint(MARKERS, grammar, budget=2, starts_open=True)
+    for token in (1, 2, NL, CLOSE, NL):  # thinking, then the forced closing text
+        c.consume(token)
+    assert grammar.consumed == [] and c.phase == ANSWER and c.is_masking and allowed(c) == [12]
+    c.consume(12)
+    assert grammar.consumed == [12]
+    # Not opened by the prompt, a grammar holds the answer from the first token (no thinking).
+    assert ThinkingConstraint(MARKERS, OnlyToken(12), budget=None, starts_open=False).phase == ANSWER
+
+
+class State:
+    def __init__(self, constraint) -> None:
+        self.constraint = constraint
+
+
+def test_a_step_masks_only_the_rows_that_ask():
+    free = ThinkingConstraint(MARKERS, None, budget=None, starts_open=True)
+    forced = ThinkingConstraint(MARKERS, None, budget=0, starts_open=True)
+    rows, refused = step_masks([State(None), State(free), State(forced)], 64, "cpu")
+    assert rows == [2] and np.flatnonzero(~refused.numpy()[0]).tolist() == [NL]
+    assert step_masks([State(free)], 64, "cpu") is None
