@@ -163,8 +163,14 @@ class Engine:
             is_open = request.messages is not None and opens_thinking(
                 self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format)
             thinking = self._thinking_of(request, is_open)
+            if request.search is not None and grammar is not None and is_open:
+                raise InvalidRequest("a search's grammar would hold the thinking too: on a thinking model, search "
+                                     "with response_format or tools needs thinking off (chat_template_kwargs: "
+                                     "{\"enable_thinking\": false})", "search")
             if request.search is not None:
-                self._add_search(request, ids, max_tokens, grammar)
+                self._add_search(request, ids, max_tokens, grammar,
+                                 (self.reasoning_format, is_open) if request.messages is not None
+                                 and self.reasoning_format != "none" else None)
             else:
                 self.plain.add(request, ids, max_tokens, grammar,
                                streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks,
@@ -187,12 +193,13 @@ class Engine:
             return None
         return self.thinking_markers, is_open
 
-    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None) -> None:
+    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None,
+                    thinking: tuple[str, bool] | None = None) -> None:
         search = request.search
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
                                           question_of(request), max_tokens, self.scorers[search.verifier], grammar,
-                                          answer_form_of(request, self.gate.tool_format))
+                                          answer_form_of(request, self.gate.tool_format), thinking)
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1

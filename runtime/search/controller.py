@@ -42,10 +42,13 @@ from scheduler.sequence import Sequence
 class SearchController(SearchOutput):
     def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
                  prompt_ids: list[int], question: str, max_tokens: int, verifier, grammar: Grammar | None = None,
-                 answer_form: str | None = None) -> None:
+                 answer_form: str | None = None, thinking: tuple[str, bool] | None = None) -> None:
         """`grammar`: what every path's output must match (its constraint forks with the path);
-        `answer_form`: how its answers compare (`runtime.search.answers.structured_answer`), None: as math."""
+        `answer_form`: how its answers compare (`runtime.search.answers.structured_answer`), None: as math;
+        `thinking`: a thinking model's format and whether the prompt opened the block: its votes read the
+        answer after the thinking (runtime.wire.reasoning)."""
         self.host = host
+        self.thinking = thinking
         self.grammar = grammar
         self.answer_form = answer_form
         self.request_id = request_id

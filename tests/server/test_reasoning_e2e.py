@@ -162,3 +162,32 @@ def test_a_budget_is_refused_by_name_where_it_cannot_hold(server):
         "messages": ASK, "max_tokens": 8, "thinking_token_budget": 3,
         "search": {"strategy": "best_of_n", "n": 2, "verifier": "confidence"}}, timeout=60)
     assert search.status_code == 400 and search.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_a_searchs_votes_read_the_answers_after_the_thinking(server):
+    """Paths that think differently and answer alike vote together; a path that mentions the answer
+    only in its thinking has no answer."""
+    body = completion(server, max_tokens=24, temperature=2.0, seed=2, presence_penalty=2.0, frequency_penalty=2.0,
+                      logit_bias={CLOSE_ID: 17}, n=8,
+                      search={"strategy": "best_of_n", "n": 8, "verifier": "confidence", "select": "majority",
+                              "answer_pattern": "(user)", "max_step_tokens": 24, "greedy_anchor": False})
+    choices = body["choices"]
+    for choice in choices:
+        content = choice["message"]["content"] or ""
+        assert choice["search"]["answer"] == ("user" if "user" in content else None), choice
+    voters = [c["message"]["reasoning_content"] for c in choices if c["search"]["answer"] == "user"]
+    assert choices[0]["search"]["answer"] == "user" and len(set(voters)) == len(voters) >= 2
+    assert any("user" in (c["message"]["reasoning_content"] or "") and c["search"]["answer"] is None
+               for c in choices)
+
+
+def test_a_search_with_a_grammar_on_an_open_thinking_block_is_refused(server):
+    response = httpx.post(server + "/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"},
+        "search": {"strategy": "best_of_n", "n": 2, "verifier": "confidence"}}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "search"
+    off = httpx.post(server + "/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"},
+        "chat_template_kwargs": {"enable_thinking": False},
+        "search": {"strategy": "best_of_n", "n": 2, "verifier": "confidence"}}, timeout=60)
+    assert off.status_code == 200, off.text
