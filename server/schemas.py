@@ -293,6 +293,20 @@ THINKING_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high"
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[FunctionDefinition] | None = None  # deprecated spelling of tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # ... and of tool_choice
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    moderation: Any = None
     # vLLM's, SGLang's and llama-server's: variables for the chat template (`enable_thinking`), over the
     # server's defaults (model.chat_template_kwargs).
     chat_template_kwargs: TemplateKwargs | None = None
@@ -317,20 +331,6 @@ class ChatCompletionRequest(_Generation):
         if self.reasoning_effort is not None:
             return "reasoning_effort", THINKING_BUDGETS[self.reasoning_effort]
         return "thinking_token_budget", self.thinking_token_budget
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
-    functions: list[FunctionDefinition] | None = None  # deprecated spelling of tools
-    function_call: Literal["none", "auto"] | NamedFunction | None = None  # ... and of tool_choice
-    modalities: list[Literal["text", "audio"]] | None = None
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    verbosity: Any = None
-    moderation: Any = None
 
     def refused_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set that this server cannot obey."""
