@@ -20,7 +20,7 @@ from runtime.model.quantize import Quantized
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
-from runtime.requests.thinking import ThinkingMarkers
+from runtime.grammar.thinking import ThinkingMarkers, ThinkingStart
 from runtime.wire.protocol import (
     Accepted, FromRuntime, GenerateRequest, RequestError, Reward, Rewarded, RewardRequest, RuntimeStats,
 )
@@ -163,14 +163,12 @@ class Engine:
             is_open = request.messages is not None and opens_thinking(
                 self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format)
             thinking = self._thinking_of(request, is_open)
-            if request.search is not None and grammar is not None and is_open:
-                raise InvalidRequest("a search's grammar would hold the thinking too: on a thinking model, search "
-                                     "with response_format or tools needs thinking off (chat_template_kwargs: "
-                                     "{\"enable_thinking\": false})", "search")
+            if request.search is not None and grammar is not None and is_open and self.thinking_markers is None:
+                raise InvalidRequest("a search's grammar would hold the thinking too: this model's thinking tags "
+                                     "are not one token each; send chat_template_kwargs: {\"enable_thinking\": "
+                                     "false}", "search")
             if request.search is not None:
-                self._add_search(request, ids, max_tokens, grammar,
-                                 (self.reasoning_format, is_open) if request.messages is not None
-                                 and self.reasoning_format != "none" else None)
+                self._add_search(request, ids, max_tokens, grammar, thinking)
             else:
                 self.plain.add(request, ids, max_tokens, grammar,
                                streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks,
@@ -180,21 +178,20 @@ class Engine:
         self.stats["tokens_prompt"] += len(ids)
         return [Accepted(request_id=request.request_id, prompt_tokens=len(ids), opens_thinking=is_open)]
 
-    def _thinking_of(self, request: GenerateRequest, is_open: bool):
-        """(the thinking tags, whether the prompt opened the block) for a plain chat request on a thinking
-        model, else None; a budget the model cannot be held to is a 400."""
+    def _thinking_of(self, request: GenerateRequest, is_open: bool) -> ThinkingStart | None:
+        """How a chat request's outputs begin on a thinking model, else None; a budget the model cannot be
+        held to is a 400."""
         budget = request.sampling.thinking_token_budget
-        if budget is not None and (self.thinking_markers is None or request.messages is None
-                                   or request.search is not None):
-            why = "a search" if request.search is not None else "this model's output (it does not think in " \
-                "its text, in one-token tags)" if request.messages is not None else "a completion"
+        if budget is not None and (self.thinking_markers is None or request.messages is None):
+            why = "this model's output (it does not think in its text, in one-token tags)" \
+                if request.messages is not None else "a completion"
             raise InvalidRequest(f"a thinking budget cannot be applied to {why}", "thinking_token_budget")
-        if self.thinking_markers is None or request.messages is None or request.search is not None:
+        if request.messages is None or self.reasoning_format == "none":
             return None
-        return self.thinking_markers, is_open
+        return ThinkingStart(self.reasoning_format, is_open, self.thinking_markers)
 
     def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None,
-                    thinking: tuple[str, bool] | None = None) -> None:
+                    thinking: ThinkingStart | None = None) -> None:
         search = request.search
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,

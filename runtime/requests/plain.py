@@ -11,7 +11,7 @@ from __future__ import annotations
 from runtime.grammar.matcher import Grammar
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.requests.host import RequestsHost
-from runtime.requests.thinking import ThinkingConstraint, ThinkingMarkers
+from runtime.grammar.thinking import ThinkingConstraint, ThinkingStart
 from runtime.wire.protocol import Delta, Finished, FromRuntime, GenerateRequest
 from runtime.requests.state import ChoiceState, InvalidRequest, RequestState, token_logprob
 from runtime.model.sampler import SamplingState, derive_seed, score_tokens
@@ -34,10 +34,10 @@ class PlainRequests:
         self.tokens_cached = 0  # prompt tokens the prefix cache served, over every request
 
     def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None = None,
-            streamed: bool = False, thinking: tuple[ThinkingMarkers, bool] | None = None) -> RequestState:
+            streamed: bool = False, thinking: ThinkingStart | None = None) -> RequestState:
         """`grammar`: what every choice's output (its answer, on a thinking model) must match; `streamed`: its
-        KV outgrows the compute pool and streams head-wise (runtime.kv.headwise); `thinking`: the model's
-        thinking tags and whether the prompt opened the block, for a chat request on a model that thinks."""
+        KV outgrows the compute pool and streams head-wise (runtime.kv.headwise); `thinking`: how the output
+        begins, for a chat request on a model that thinks."""
         params = request.sampling
         if streamed and (params.prompt_logprobs is not None or max_tokens == 0):
             raise InvalidRequest("prompt logprobs and max_tokens 0 are not served for a request whose KV "
@@ -51,8 +51,7 @@ class PlainRequests:
             sampling = SamplingState(params, derive_seed(params.seed, index), self.device)
             sampling.constraint = grammar.start() if grammar is not None else None
             if thinking is not None:
-                sampling.constraint = ThinkingConstraint(thinking[0], sampling.constraint,
-                                                         params.thinking_token_budget, thinking[1])
+                sampling.constraint = thinking.constraint(sampling.constraint, params.thinking_token_budget)
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
             state.choices.append(ChoiceState(state, index, sampling, detok, self))
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])

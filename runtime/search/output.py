@@ -82,7 +82,7 @@ class SearchOutput:
         """What a path's vote reads: on a thinking model, its answer after the thinking."""
         if self.thinking is None:
             return path.text
-        return split_reasoning(path.text, *self.thinking)[1]
+        return split_reasoning(path.text, self.thinking.fmt, self.thinking.starts_open)[1]
 
     def _anchor_summary(self, answer: SearchPath) -> dict:
         """The greedy anchor's part of the summary (runtime.search.anchor); none when no anchor ran."""

@@ -1,4 +1,4 @@
-"""A thinking model's phases per sequence (runtime.requests.thinking): thinking tokens counted, the closing
+"""A thinking model's phases per sequence (runtime.grammar.thinking): thinking tokens counted, the closing
 text forced once the budget is spent, and the request's grammar asked only for the answer."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.grammar.matcher import refused_tokens, step_masks
-from runtime.requests.thinking import ANSWER, BEFORE, CLOSING, THINKING, ThinkingConstraint, ThinkingMarkers
+from runtime.grammar.thinking import ANSWER, BEFORE, CLOSING, THINKING, ThinkingConstraint, ThinkingMarkers
 
 OPEN, CLOSE, NL = 40, 41, 7
 MARKERS = ThinkingMarkers(OPEN, CLOSE, (NL, CLOSE, NL), num_words=2)  # a 64-token vocabulary
@@ -93,3 +93,29 @@ def test_a_step_masks_only_the_rows_that_ask():
     rows, refused = step_masks([State(None), State(free), State(forced)], 64, "cpu")
     assert rows == [2] and np.flatnonzero(~refused.numpy()[0]).tolist() == [NL]
     assert step_masks([State(free)], 64, "cpu") is None
+
+
+class Countable(OnlyToken):
+    """A grammar that forks as TokenConstraint does: its tokens up to a count."""
+
+    def fork(self, num_tokens: int | None = None) -> "Countable":
+        copy = Countable(self.token)
+        copy.consumed = list(self.consumed if num_tokens is None else self.consumed[:num_tokens])
+        return copy
+
+
+def test_a_fork_keeps_the_phase_budget_and_grammar_of_its_tokens():
+    c = ThinkingConstraint(MARKERS, Countable(12), budget=2, starts_open=True)
+    for token in (1, 2, NL, CLOSE, NL, 12, 12):
+        c.consume(token)
+    mid_thought = c.fork(1)
+    assert (mid_thought.phase, mid_thought.num_thinking, mid_thought.inner.consumed) == (THINKING, 1, [])
+    mid_thought.consume(9)
+    assert (mid_thought.phase, allowed(mid_thought)) == (CLOSING, [NL])  # its own budget, as the parent's
+    closing = c.fork(3)
+    assert (closing.phase, allowed(closing)) == (CLOSING, [CLOSE])
+    answering = c.fork(6)
+    assert (answering.phase, answering.inner.consumed, answering.is_masking) == (ANSWER, [12], True)
+    whole = c.fork()
+    assert (whole.num_consumed, whole.num_thinking, whole.inner.consumed) == (7, 2, [12, 12])
+    assert c.inner.consumed == [12, 12]  # the parent is untouched
