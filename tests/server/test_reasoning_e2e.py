@@ -98,10 +98,13 @@ def test_the_openai_sdk_reads_reasoning_content_plain_and_streamed(server):
     assert kinds == sorted(kinds, key=lambda kind: kind == "answer") and "thinking" in kinds
 
 
-def test_the_servers_default_template_kwargs_and_parser_setting(model):
+def test_the_servers_default_template_kwargs_parser_and_unknown_fields_settings(model, tmp_path):
     env = {"PONDER_CACHE__NUM_BLOCKS": "128", "PONDER_MODEL__CHAT_TEMPLATE_KWARGS": json.dumps(
-        {"enable_thinking": False}), "PONDER_MODEL__REASONING_PARSER": "none"}
-    with live_server("--model", str(model), "--device", "cpu", env=env) as (base, _):
+        {"enable_thinking": False}), "PONDER_MODEL__REASONING_PARSER": "none", "PONDER_SERVER__UNKNOWN_FIELDS": "warn"}
+    log = tmp_path / "server.log"
+    with live_server("--model", str(model), "--device", "cpu", env=env, log_path=log) as (base, _):
+        assert chat(base, max_tokens=2, frobnicate=1, messages=[{**ASK[0], "colour": "red"}])["content"] is not None
+        assert "ignored fields no schema declares: frobnicate, messages.0.colour" in log.read_text()
         assert prompt_text(base).endswith("<think>\n\n</think>\n\n")
         assert prompt_text(base, chat_template_kwargs={"enable_thinking": True}).endswith("assistant\n<think>\n")
         message = chat(base, chat_template_kwargs={"enable_thinking": True}, **THINKS)
