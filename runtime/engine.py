@@ -163,10 +163,10 @@ class Engine:
             is_open = request.messages is not None and opens_thinking(
                 self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format)
             thinking = self._thinking_of(request, is_open)
-            if request.search is not None and grammar is not None and is_open and self.thinking_markers is None:
-                raise InvalidRequest("a search's grammar would hold the thinking too: this model's thinking tags "
-                                     "are not one token each; send chat_template_kwargs: {\"enable_thinking\": "
-                                     "false}", "search")
+            if grammar is not None and is_open and self.thinking_markers is None:
+                raise InvalidRequest("the grammar would hold the thinking too: this model's thinking tags are not "
+                                     "one token each; send chat_template_kwargs: {\"enable_thinking\": false}",
+                                     "chat_template_kwargs")
             if request.search is not None:
                 self._add_search(request, ids, max_tokens, grammar, thinking)
             else:

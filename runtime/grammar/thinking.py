@@ -37,7 +37,7 @@ class ThinkingMarkers:
         if fmt not in CLOSING_TEXT:
             return None
         ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (OPEN, CLOSE)]
-        if any(len(tag_ids) != 1 for tag_ids in ids):
+        if any(len(tag_ids) != 1 or tokenizer.decode(tag_ids) != tag for tag, tag_ids in zip((OPEN, CLOSE), ids)):
             return None
         closing = tuple(tokenizer.encode(CLOSING_TEXT[fmt], add_special_tokens=False))
         return cls(ids[0][0], ids[1][0], closing, num_words)

@@ -119,3 +119,11 @@ def test_a_fork_keeps_the_phase_budget_and_grammar_of_its_tokens():
     whole = c.fork()
     assert (whole.num_consumed, whole.num_thinking, whole.inner.consumed) == (7, 2, [12, 12])
     assert c.inner.consumed == [12, 12]  # the parent is untouched
+
+
+def test_markers_need_each_tag_to_be_one_token_of_its_own(tmp_path):
+    from tests.conftest import build_tokenizer
+
+    word_level = build_tokenizer(tmp_path)  # no `<think>` in its vocabulary: it would encode as `<unk>`
+    assert ThinkingMarkers.of(word_level, "think", 2) is None
+    assert ThinkingMarkers.of(word_level, "none", 2) is None
