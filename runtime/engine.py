@@ -21,10 +21,12 @@ from runtime.model.recurrent import recurrent_states
 from runtime.requests.admission import admit, check_granularity
 from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
+from runtime.grammar.thinking import ThinkingMarkers, ThinkingStart
 from runtime.wire.protocol import (
     Accepted, FromRuntime, GenerateRequest, RequestError, Reward, Rewarded, RewardRequest, RuntimeStats,
 )
 from runtime.model.row_padding import padding_for
+from runtime.wire.reasoning import opens_thinking, reasoning_format_of
 from runtime.requests.state import InvalidRequest, RequestState, answer_form_of, question_of
 from runtime.model.sampler import sample
 from runtime.search.aggregate import aggregate, normalize_step, split_steps
@@ -42,6 +44,9 @@ from storage.kv_cache import KVCache, KVShape, kv_shape_of
 from storage.piece_transfers import PieceLost
 from storage.tiers import TierChain
 
+
+# Where a template opens a thinking block, it is the generation prompt's last few tokens.
+PROMPT_TAIL_TOKENS = 16
 
 log = logging.getLogger("ponder.runtime")
 
@@ -115,6 +120,9 @@ class Engine:
         self.scorers, self.verifier_stores = build_scorers(self, model, tokenizer, config, reward_models or {},
                                                            self.padding)
         self.gate = GrammarGate(tokenizer, self.vocab_size, self.eos_ids, self._admit)
+        self.reasoning_format = reasoning_format_of(getattr(tokenizer, "chat_template", None))
+        self.thinking_markers = ThinkingMarkers.of(tokenizer, self.reasoning_format, self.gate.grammars.num_words
+                                                   or (self.vocab_size + 31) // 32)
         self.outbox: list[FromRuntime] = []
         self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
@@ -156,22 +164,43 @@ class Engine:
         try:
             ids, max_tokens = admit(request, (self.requests, self.searches), self.tokenizer, self.vocab_size,
                                     self.config, self.kv, self.streamed, verifiers=self.scorers)
+            is_open = request.messages is not None and opens_thinking(
+                self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format)
+            thinking = self._thinking_of(request, is_open)
+            if grammar is not None and is_open and self.thinking_markers is None:
+                raise InvalidRequest("the grammar would hold the thinking too: this model's thinking tags are not "
+                                     "one token each; send chat_template_kwargs: {\"enable_thinking\": false}",
+                                     "chat_template_kwargs")
             if request.search is not None:
-                self._add_search(request, ids, max_tokens, grammar)
+                self._add_search(request, ids, max_tokens, grammar, thinking)
             else:
                 self.plain.add(request, ids, max_tokens, grammar,
-                               streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks)
+                               streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks,
+                               thinking=thinking)
         except InvalidRequest as err:
             return [err.to_message(request.request_id)]
         self.stats["tokens_prompt"] += len(ids)
-        return [Accepted(request_id=request.request_id, prompt_tokens=len(ids))]
+        return [Accepted(request_id=request.request_id, prompt_tokens=len(ids), opens_thinking=is_open)]
 
-    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None) -> None:
+    def _thinking_of(self, request: GenerateRequest, is_open: bool) -> ThinkingStart | None:
+        """How a chat request's outputs begin on a thinking model, else None; a budget the model cannot be
+        held to is a 400."""
+        budget = request.sampling.thinking_token_budget
+        if budget is not None and (self.thinking_markers is None or request.messages is None):
+            why = "this model's output (it does not think in its text, in one-token tags)" \
+                if request.messages is not None else "a completion"
+            raise InvalidRequest(f"a thinking budget cannot be applied to {why}", "thinking_token_budget")
+        if request.messages is None or self.reasoning_format == "none":
+            return None
+        return ThinkingStart(self.reasoning_format, is_open, self.thinking_markers)
+
+    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None,
+                    thinking: ThinkingStart | None = None) -> None:
         search = request.search
         try:
             controller = SearchController(self, request.request_id, request.sampling, search, ids,
                                           question_of(request), max_tokens, self.scorers[search.verifier], grammar,
-                                          answer_form_of(request, self.gate.tool_format))
+                                          answer_form_of(request, self.gate.tool_format), thinking)
         except ValueError as exc:  # a bad answer_pattern or strategy
             raise InvalidRequest(str(exc), "search") from None
         self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1

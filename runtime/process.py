@@ -70,7 +70,7 @@ def serve(channel: Channel) -> None:
                        dtype=str(engine.cache.dtype).removeprefix("torch."), device=str(engine.device),
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
                        verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode,
-                       tool_call_format=engine.gate.tool_format,
+                       tool_call_format=engine.gate.tool_format, reasoning_format=engine.reasoning_format,
                        block_types=engine.quantized.block_types, sampling_defaults=defaults))
     log.info("runtime ready: %s", source.name)
     from runtime.search.answers import warm_up

@@ -21,6 +21,7 @@ from runtime.wire.protocol import DetokenizeRequest, GenerateRequest, RequestErr
 from server import errors
 from server.config import Settings
 from server.errors import APIError
+from server.extras import check_fields
 from server.generation import Generation
 from server.chat_bridge import ChatBridge
 from server.http_edge import EdgeMetrics, quiet_probe_access_log
@@ -32,6 +33,7 @@ from server.non_openai_schemas import DetokenizeBody, RewardsBody, TokenizeBody
 from server.responses import PromptAsks
 from server.rewards import reward_request, rewards_body
 from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.reasoning_output import Thinking
 from server.tool_output import ToolCalls
 from server.trees import SearchTrees
 from server.ui import install as install_ui
@@ -168,9 +170,29 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
                                             "block_types": list(info.block_types) if info else None,
                                             "sampling_defaults": dict(info.sampling_defaults) if info else None}]}
 
+    def thinking_of(body) -> Thinking | None:
+        """How a chat answer's thinking is told from its answer, or None where it is not."""
+        fmt = settings.model.reasoning_parser
+        if fmt == "auto":
+            fmt = client.info.reasoning_format if client.info else "none"
+        if isinstance(body, ChatCompletionRequest) and body.thinking_budget[1] is not None and (
+                client.info is None or client.info.reasoning_format == "none"):
+            field = body.thinking_budget[0]
+            raise APIError(400, f"{field}: this model does not think in its text (its chat template names no "
+                                "thinking format), so there is no thinking to budget", field)
+        if not isinstance(body, ChatCompletionRequest) or fmt == "none" or body.reasoning_format == "none":
+            return None
+        return Thinking(fmt, include=body.include_reasoning)
+
+    def template_variables(asked: dict | None) -> dict:
+        """Thinking on unless said otherwise, as llama-server passes it (a template that tests `not
+        enable_thinking` would close the block otherwise), then the server's defaults, then the request's."""
+        return {"enable_thinking": True, **settings.model.chat_template_kwargs, **(asked or {})}
+
     async def generate(body, request: Request, endpoint: str, prompts: list[dict], label: str | None = None):
         """Check the body against the served model and the caps, then run one runtime request per prompt;
         `label`: the endpoint named in metrics, when another API runs the chat path."""
+        check_fields(body, endpoint, settings.server.unknown_fields)
         model = check_model(body.model)
         _check_limits(settings, body, client.info.max_model_len if client.info else None)
         _check_verifier(body, client.info.verifiers if client.info else ())
@@ -184,15 +206,18 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
             if body.search else None
         if search is not None and trees.is_enabled:
             search = msgspec.structs.replace(search, include_tree=True)  # for the page at /ui
+        template_kwargs = template_variables(body.chat_template_kwargs) if endpoint == "chat" else {}
         wires = [GenerateRequest(request_id=uuid.uuid4().hex, endpoint=endpoint, sampling=sampling, search=search,
-                                 constraint=constraint, tools=tools, **prompt) for prompt in prompts]
+                                 constraint=constraint, tools=tools, chat_template_kwargs=template_kwargs, **prompt)
+                 for prompt in prompts]
         asks = PromptAsks(echo_logprobs=getattr(body, "echo_logprobs", None), prompt_logprobs=body.prompt_logprobs,
                           continuous_usage=bool(options and options.continuous_usage_stats))
         calls = ToolCalls(client.info.tool_call_format if client.info else "hermes",
                           legacy=getattr(body, "uses_functions", False)) if tools is not None else None
         return await Generation(client, metrics, request, model, endpoint, wires, body.n, body.stream,
                                 bool(options and options.include_usage), include_events,
-                                settings.server.sse_keepalive_s, trees, asks, calls, label).run()
+                                settings.server.sse_keepalive_s, trees, asks, calls, label,
+                                thinking_of(body)).run()
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -229,15 +254,18 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(body: TokenizeBody):
         """vLLM's /tokenize: the prompt's token ids (messages through the chat template), as generation sees them."""
+        check_fields(body, "tokenize", settings.server.unknown_fields)
         check_model(body.model)
         add_special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
         answer = await ask_runtime(TokenizeRequest(
             request_id=uuid.uuid4().hex, prompt=body.prompt, messages=body.wire_messages(),
-            add_special_tokens=add_special, add_generation_prompt=body.add_generation_prompt))
+            add_special_tokens=add_special, add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=template_variables(body.chat_template_kwargs)))
         return {"tokens": list(answer.token_ids), "count": len(answer.token_ids), "max_model_len": answer.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(require_key)])
     async def detokenize(body: DetokenizeBody):
+        check_fields(body, "detokenize", settings.server.unknown_fields)
         check_model(body.model)
         answer = await ask_runtime(DetokenizeRequest(request_id=uuid.uuid4().hex, token_ids=tuple(body.tokens)))
         return {"prompt": answer.text}
@@ -245,6 +273,7 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     @app.post("/v1/rewards", dependencies=[Depends(require_key)])
     async def rewards(body: RewardsBody):
         """Score the client's own response(s) step by step with a verifier, as a search scores its paths."""
+        check_fields(body, "rewards", settings.server.unknown_fields)
         model = check_model(body.model)
         wire = reward_request(body, client.info.verifiers if client.info else (), settings.limits.max_n,
                               settings.search.max_steps)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from runtime.wire.protocol import RuntimeOptions
+from runtime.wire.protocol import RuntimeOptions, check_template_kwargs
 
 
 class _Section(BaseModel):
@@ -30,6 +30,9 @@ class ServerSettings(_Section):
     public_metrics: bool = False  # serve /metrics without the API key (for a Prometheus on a private network)
     sse_keepalive_s: float = Field(4.0, gt=0, le=60)  # a comment on every stream at least this often
     access_log_probes: bool = False  # log GET /health and GET /metrics in the access log too
+    # A request field no schema declares: error, a 400 naming it (OpenAI's behaviour); warn, one logged
+    # warning and the field ignored (for clients that send extras of their own).
+    unknown_fields: Literal["error", "warn"] = "error"
 
 
 class ModelSettings(_Section):
@@ -52,6 +55,18 @@ class ModelSettings(_Section):
     # repetition_penalty where they differ from transformers' defaults) apply where a request leaves them
     # unset, as vLLM's `--generation-config auto`; none: ponder's own defaults (vLLM's `vllm`).
     generation_config: Literal["auto", "none"] = "auto"
+    # Variables every chat request's template gets (vLLM's --default-chat-template-kwargs), e.g.
+    # {"enable_thinking": false}; a request's own chat_template_kwargs win key by key.
+    chat_template_kwargs: dict[str, Any] = {}
+    # How the model's thinking is told from its answer (runtime.wire.reasoning): auto, the format its chat
+    # template names; think, `<think>...</think>`; none, no parsing (thinking stays in `content`).
+    reasoning_parser: Literal["auto", "none", "think"] = "auto"
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_template_kwargs(value)
+        return value
 
 
 class CacheSettings(_Section):

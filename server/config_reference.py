@@ -121,6 +121,8 @@ def _type(annotation) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return " \\| ".join(f"`{_value(arg)}`" for arg in args)
+    if origin is dict:
+        return "table"
     if args and origin is not list:
         return " \\| ".join(_type(arg) for arg in args)
     if origin is list:

@@ -22,6 +22,7 @@ from server.responses import (
     ChoiceText, ChunkWriter, PromptAsks, chat_logprobs, completion_logprobs, prompt_logprobs_field, search_field,
     summary_field, usage,
 )
+from server.reasoning_output import Thinking, chat_message
 from server.tool_output import ToolCalls
 from server.trees import CANCELLED, FAILED, FINISHED, SearchTrees
 
@@ -46,7 +47,7 @@ class Generation:
                  requests: list[GenerateRequest], n: int, stream: bool, include_usage: bool,
                  include_search_events: bool, keepalive_s: float, trees: SearchTrees | None = None,
                  asks: PromptAsks = PromptAsks(), tool_calls: ToolCalls | None = None,
-                 label: str | None = None) -> None:
+                 label: str | None = None, thinking: Thinking | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.http = http
@@ -62,7 +63,8 @@ class Generation:
         self.keepalive_s = keepalive_s
         self.trees = trees  # where the page at /ui watches each search's tree
         self.asks = asks  # echoed and prompt logprobs, continuous usage
-        self.tool_calls = tool_calls  # the request offered tools: the text is parsed for calls
+        self.tool_calls = tool_calls  # the request offered tools: the answer is parsed for calls
+        self.thinking = thinking  # the model thinks in its text: thinking and answer are told apart
         self.prompt_tokens = 0  # of every admitted prompt (Accepted), for continuous usage
         self.is_search = any(r.search is not None for r in requests)
         prefix = "chatcmpl-" if self.is_chat else "cmpl-"
@@ -109,16 +111,20 @@ class Generation:
         except RuntimeUnavailable as exc:
             self._abort_all()
             raise APIError(503, str(exc), code="runtime_unavailable") from None
+        opens = []
         for handle in self.handles:
             first = await self._next(handle)
             if isinstance(first, Accepted):
                 self.prompt_tokens += first.prompt_tokens
+                opens.append(first.opens_thinking)
             if isinstance(first, RequestError):
                 self._abort_all()
                 if self.trees is not None:  # a rejected request was never a search worth showing
                     for request in self.requests:
                         self.trees.forget(request.request_id)
                 raise APIError(first.status, first.message, first.param, first.code, first.type)
+        if self.thinking is not None:
+            self.thinking.start(opens, self.n)
 
     @staticmethod
     async def _next(handle: RequestHandle):
@@ -204,8 +210,7 @@ class Generation:
         asks = self.asks
         for index, c in enumerate(choices):
             if self.is_chat:
-                message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason) \
-                    if self.tool_calls is None else self.tool_calls.message(c.text, c.finish_reason)
+                message, reason = chat_message(index, c.text, c.finish_reason, self.thinking, self.tool_calls)
                 item = {"index": index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs) if c.logprobs else None,
                         "finish_reason": reason}
@@ -247,7 +252,8 @@ class Generation:
                     if isinstance(message, Delta):
                         returned += len(message.token_ids)
                         writer.completion_tokens = returned
-                        yield writer.delta_chunk(message, text_offsets.get(message.index, 0), self.tool_calls)
+                        yield writer.delta_chunk(message, text_offsets.get(message.index, 0), self.tool_calls,
+                                                 self.thinking)
                         text_offsets[message.index] = text_offsets.get(message.index, 0) + len(message.text) + \
                             len(message.prompt_text or "")
                     elif isinstance(message, SearchEvent) and self.include_search_events:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from runtime.wire.params import SearchParams
-from server.schemas import Body, ChatMessage
+from server.schemas import Body, ChatMessage, TemplateKwargs
 
 
 class TokenizeBody(Body):
@@ -23,6 +23,7 @@ class TokenizeBody(Body):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (as vLLM)
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs | None = None  # as on chat completions, over the server's defaults
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):

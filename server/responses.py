@@ -65,8 +65,12 @@ def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def usage(finished: list[Finished]) -> dict:
     prompt = sum(f.prompt_tokens for f in finished)
     completion = sum(f.completion_tokens for f in finished)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finished)}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finished)}}
+    counted = [f.reasoning_tokens for f in finished if f.reasoning_tokens is not None]
+    if counted:  # a thinking model's chat answer: of its completion tokens, the thinking ones
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(counted)}
+    return out
 
 
 @dataclass
@@ -139,8 +143,9 @@ class ChunkWriter:
         return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}])
 
-    def delta_chunk(self, delta: Delta, text_offset: int = 0, tool_calls=None) -> bytes:
-        """`tool_calls`: a `server.tool_output.ToolCalls` when the request offered tools."""
+    def delta_chunk(self, delta: Delta, text_offset: int = 0, tool_calls=None, thinking=None) -> bytes:
+        """`tool_calls`: a `server.tool_output.ToolCalls` when the request offered tools; `thinking`: a
+        `server.reasoning_output.Thinking` when the model thinks in its text."""
         logprobs = None
         asks = self.asks
         echoed = delta.prompt_logprobs if asks.echo_logprobs is not None and delta.prompt_logprobs else ()
@@ -149,10 +154,15 @@ class ChunkWriter:
                         else completion_logprobs(list(delta.logprobs or ()), text_offset, echoed,
                                                  asks.echo_logprobs or 0))
         choice: dict = {"index": delta.index, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        text, thought = delta.text, ""
+        if self.is_chat and thinking is not None:
+            thought, text = thinking.delta(delta.index, delta.text, delta.finish_reason is not None)
         if self.is_chat and tool_calls is not None:
-            choice["delta"], choice["finish_reason"] = tool_calls.delta(delta.index, delta.text, delta.finish_reason)
+            choice["delta"], choice["finish_reason"] = tool_calls.delta(delta.index, text, delta.finish_reason)
         elif self.is_chat:
-            choice["delta"] = {"content": delta.text} if delta.text else {}
+            choice["delta"] = {"content": text} if text else {}
+        if thought:  # ahead of the content, as vLLM sends it
+            choice["delta"] = {**thinking.fields(thought), **choice["delta"]}
         else:
             choice["text"] = (delta.prompt_text or "") + delta.text
         if asks.prompt_logprobs is not None and delta.prompt_logprobs is not None:

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI endpoints, validated strictly enough that no mistake reaches the runtime.
 
-Unknown top-level fields are ignored (clients send vendor extras); known ones are type-checked.
+Known fields are type-checked; fields no schema declares are held (`extra="allow"`) for server.extras,
+which refuses them or logs them, never ignores them in silence.
 """
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import msgspec
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runtime.wire.params import Constraint, SamplingParams, SearchParams, ToolCalling
+from runtime.wire.protocol import check_template_kwargs
 from server.structured import (
     FunctionDefinition, NamedFunction, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolChoice,
     constraint_of, tool_calling_of,
@@ -40,12 +43,16 @@ def _check_wire_value(value: Any) -> None:
     elif isinstance(value, list):
         for item in value:
             _check_wire_value(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_wire_value(key)
+            _check_wire_value(item)
 
 
 class Body(_Wire):
-    """A request body, or a part of one: checked for the wire, unknown fields ignored."""
+    """A request body, or a part of one: checked for the wire; undeclared fields kept for server.extras."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class TextPart(Body):
@@ -72,6 +79,13 @@ class ChatMessage(Body):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
     function_call: CalledFunction | None = None  # deprecated: an assistant's one call
+    # An earlier answer sent back as the server gave it: its thinking (vLLM's two names for it) goes to
+    # the chat template as `reasoning_content`; OpenAI's response-only fields are accepted and unused.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -93,6 +107,9 @@ class ChatMessage(Body):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None and role == "tool":
             out["name"] = self.name
+        thinking = self.reasoning_content or self.reasoning
+        if thinking and role == "assistant":
+            out["reasoning_content"] = thinking
         return out
 
 
@@ -262,11 +279,16 @@ REFUSED_CHAT_FIELDS = {
     "audio": "audio output is not supported (this server generates text)",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning_effort is not supported: ask for more thought with the `search` extension "
-                        "(its n, beam_width and max_steps are the budget)",
     "verbosity": "verbosity is not supported",
     "moderation": "moderation is not supported",
 }
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(lambda value: check_template_kwargs(value) or value)]
+
+
+# reasoning_effort as a thinking budget (docs/reasoning.md): none and minimal close the block at once.
+THINKING_BUDGETS = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None}
 
 
 class ChatCompletionRequest(_Generation):
@@ -283,9 +305,32 @@ class ChatCompletionRequest(_Generation):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     moderation: Any = None
+    # vLLM's, SGLang's and llama-server's: variables for the chat template (`enable_thinking`), over the
+    # server's defaults (model.chat_template_kwargs).
+    chat_template_kwargs: TemplateKwargs | None = None
+    # A thinking model's thinking (docs/reasoning.md): vLLM's include_reasoning false leaves it out of the
+    # answer; llama-server's reasoning_format none leaves it in `content`, unparsed.
+    include_reasoning: bool = True
+    reasoning_format: Literal["auto", "deepseek", "none"] = "auto"
+    # The most thinking tokens before the closing text is forced: vLLM's field, or OpenAI's effort by name
+    # (THINKING_BUDGETS); one or the other. A model that does not think in its text refuses both.
+    thinking_token_budget: int | None = Field(None, ge=0)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        if self.thinking_token_budget is not None and self.reasoning_effort is not None:
+            raise ValueError("give thinking_token_budget or reasoning_effort, not both")
+        return self
+
+    @property
+    def thinking_budget(self) -> tuple[str, int | None]:
+        """(the field that set it, the most thinking tokens or None)."""
+        if self.reasoning_effort is not None:
+            return "reasoning_effort", THINKING_BUDGETS[self.reasoning_effort]
+        return "thinking_token_budget", self.thinking_token_budget
 
     def refused_field(self) -> tuple[str, str] | None:
         """(field, why) for the first field set that this server cannot obey."""
@@ -321,8 +366,9 @@ class ChatCompletionRequest(_Generation):
     def to_sampling(self, defaults: Mapping[str, float] = {}) -> SamplingParams:
         """The runtime's sampling parameters; `defaults`: the model's sampling defaults (`sampled`)."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs,
-                             defaults=defaults)
+        params = self.sampling(limit, self.logprobs, self.top_logprobs or 0, prompt_logprobs=self.prompt_logprobs,
+                               defaults=defaults)
+        return msgspec.structs.replace(params, thinking_token_budget=self.thinking_budget[1])
 
     def wire_messages(self) -> tuple[dict[str, Any], ...]:
         return tuple(m.wire() for m in self.messages)
@@ -334,6 +380,15 @@ class CompletionRequest(_Generation):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # the text starts with the prompt; with logprobs, the logprobs cover the prompt too
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)  # OpenAI's: obeyed where it equals n (each choice is returned)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value, info):
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported: ask for the best of several with the "
+                             "`search` extension (strategy best_of_n)")
+        return value
 
     @field_validator("prompt")
     @classmethod

@@ -39,6 +39,8 @@ class TokenConstraint:
         self.matcher.consume_token(token_id)
         self.num_consumed += 1
 
+    is_masking = True  # every token it allows is asked of it (a thinking phase may ask for none)
+
     @property
     def is_complete(self) -> bool:
         """The output so far is a whole match of the grammar."""
@@ -52,7 +54,7 @@ class TokenConstraint:
 def step_masks(states, vocab_size: int, device) -> tuple[list[int], torch.Tensor] | None:
     """The `refused` argument of `runtime.model.sampler.sample` for a step's sampling states: the rows
     with a constraint and the tokens their grammars refuse, or None when no row has one."""
-    rows = [i for i, state in enumerate(states) if state.constraint is not None]
+    rows = [i for i, state in enumerate(states) if state.constraint is not None and state.constraint.is_masking]
     if not rows:
         return None
     bits = np.zeros((len(rows), states[rows[0]].constraint.num_words), dtype=np.int32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from runtime.grammar.matcher import Grammar
 from runtime.model.detokenizer import IncrementalDetokenizer
 from runtime.requests.host import RequestsHost
+from runtime.grammar.thinking import ThinkingConstraint, ThinkingStart
 from runtime.wire.protocol import Delta, Finished, FromRuntime, GenerateRequest
 from runtime.requests.state import ChoiceState, InvalidRequest, RequestState, token_logprob
 from runtime.model.sampler import SamplingState, derive_seed, score_tokens
@@ -33,9 +34,10 @@ class PlainRequests:
         self.tokens_cached = 0  # prompt tokens the prefix cache served, over every request
 
     def add(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None = None,
-            streamed: bool = False) -> RequestState:
-        """`grammar`: what every choice's output must match; `streamed`: its KV outgrows the compute pool
-        and streams head-wise (runtime.kv.headwise)."""
+            streamed: bool = False, thinking: ThinkingStart | None = None) -> RequestState:
+        """`grammar`: what every choice's output (its answer, on a thinking model) must match; `streamed`: its
+        KV outgrows the compute pool and streams head-wise (runtime.kv.headwise); `thinking`: how the output
+        begins, for a chat request on a model that thinks."""
         params = request.sampling
         if streamed and (params.prompt_logprobs is not None or max_tokens == 0):
             raise InvalidRequest("prompt logprobs and max_tokens 0 are not served for a request whose KV "
@@ -48,6 +50,8 @@ class PlainRequests:
         for index in range(params.n):
             sampling = SamplingState(params, derive_seed(params.seed, index), self.device)
             sampling.constraint = grammar.start() if grammar is not None else None
+            if thinking is not None:
+                sampling.constraint = thinking.constraint(sampling.constraint, params.thinking_token_budget)
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
             state.choices.append(ChoiceState(state, index, sampling, detok, self))
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])
@@ -188,5 +192,13 @@ class PlainRequests:
                 messages.append(Finished(
                     request_id=request.request_id, prompt_tokens=len(request.prompt_ids),
                     cached_tokens=request.num_cached_tokens,
-                    completion_tokens=sum(c.num_output_tokens for c in request.choices)))
+                    completion_tokens=sum(c.num_output_tokens for c in request.choices),
+                    reasoning_tokens=_reasoning_tokens(request)))
         return messages
+
+
+def _reasoning_tokens(request: RequestState) -> int | None:
+    """The thinking tokens of every choice, where they are counted (a chat request on a thinking model)."""
+    counts = [c.sampling.constraint.num_thinking for c in request.choices
+              if isinstance(c.sampling.constraint, ThinkingConstraint)]
+    return sum(counts) if counts else None

@@ -120,7 +120,8 @@ def prompt_token_ids(request: GenerateRequest, tokenizer) -> list[int]:
         _, renders_tools = tool_format_of(tokenizer.chat_template)
         messages, tools = template_inputs(list(request.messages), request.tools, renders_tools)
         try:
-            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                 **request.chat_template_kwargs)
         except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
             raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -172,7 +173,8 @@ def tokenize(request: TokenizeRequest, tokenizer, max_model_len: int) -> Tokeniz
             try:
                 messages, tools = template_inputs(list(request.messages), request.tools, renders_tools)
                 text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                     add_generation_prompt=request.add_generation_prompt)
+                                                     add_generation_prompt=request.add_generation_prompt,
+                                                     **request.chat_template_kwargs)
             except Exception as exc:  # noqa: BLE001 - templates raise arbitrary errors on bad input
                 raise InvalidRequest(f"the chat template rejected these messages: {exc}", "messages") from None
         elif request.prompt is not None:

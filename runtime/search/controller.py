@@ -22,6 +22,7 @@ from collections import deque
 from types import SimpleNamespace
 
 from runtime.grammar.matcher import Grammar
+from runtime.grammar.thinking import ThinkingStart
 from runtime.wire.params import SamplingParams, SearchParams
 from runtime.model.sampler import SamplingState, derive_seed
 from runtime.search.ahead import Rollouts
@@ -42,10 +43,13 @@ from scheduler.sequence import Sequence
 class SearchController(SearchOutput):
     def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
                  prompt_ids: list[int], question: str, max_tokens: int, verifier, grammar: Grammar | None = None,
-                 answer_form: str | None = None) -> None:
+                 answer_form: str | None = None, thinking: ThinkingStart | None = None) -> None:
         """`grammar`: what every path's output must match (its constraint forks with the path);
-        `answer_form`: how its answers compare (`runtime.search.answers.structured_answer`), None: as math."""
+        `answer_form`: how its answers compare (`runtime.search.answers.structured_answer`), None: as math;
+        `thinking`: how a thinking model's paths begin: each path's phases (its budget, its grammar for
+        the answer only) fork with it, and its vote reads the answer after the thinking."""
         self.host = host
+        self.thinking = thinking
         self.grammar = grammar
         self.answer_form = answer_form
         self.request_id = request_id
@@ -138,6 +142,8 @@ class SearchController(SearchOutput):
                                      derive_seed(self.params.seed, *key), self.host.device, track_logprobs=True,
                                      confidence_k=self.strategy.confidence_k)
             sampling.constraint = self.grammar.start() if self.grammar is not None else None
+            if self.thinking is not None:
+                sampling.constraint = self.thinking.constraint(sampling.constraint, self.params.thinking_token_budget)
         start = len(seq.token_ids) if parent is None else parent.step_end
         path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=start,
                           step_end=start, chunk_start=start, seed_key=key)

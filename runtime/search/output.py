@@ -9,6 +9,7 @@ from runtime.wire.protocol import Delta, Finished, SearchEvent, SearchSummary, S
 from runtime.search.anchor import anchor_first
 from runtime.search.answers import Candidate, extract_answer, select, structured_answer
 from runtime.search.paths import SearchPath
+from runtime.wire.reasoning import split_reasoning
 
 
 class SearchOutput:
@@ -43,8 +44,9 @@ class SearchOutput:
         form = self.answer_form  # a grammar shaped the output: its answers compare as their canonical texts
         # The strategy's voters and their weights (DeepConf: the confidence filter and its weights).
         voters, weights = self.strategy.candidates(self.final)
-        candidates = [Candidate(structured_answer(p.text, form) if form else extract_answer(p.text, self.pattern),
-                                weight) for p, weight in zip(voters, weights)]
+        answers = [self._answer_text(p) for p in voters]
+        candidates = [Candidate(structured_answer(text, form) if form else extract_answer(text, self.pattern), weight)
+                      for text, weight in zip(answers, weights)]
         rule = self.strategy.selection or self.search.select
         order = select(candidates, rule, compare_as_text=self.pattern is not None or form is not None)
         if self.anchor in voters and rule == "best":
@@ -75,6 +77,12 @@ class SearchOutput:
                                  cut_step_verified=self.cut_step_verified if self.timed_out else None,
                                  **self._anchor_summary(chosen[0]), **self.stats)))
         self.plan.answered()
+
+    def _answer_text(self, path: SearchPath) -> str:
+        """What a path's vote reads: on a thinking model, its answer after the thinking."""
+        if self.thinking is None:
+            return path.text
+        return split_reasoning(path.text, self.thinking.fmt, self.thinking.starts_open)[1]
 
     def _anchor_summary(self, answer: SearchPath) -> dict:
         """The greedy anchor's part of the summary (runtime.search.anchor); none when no anchor ran."""

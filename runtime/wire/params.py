@@ -37,6 +37,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None
     # OpenAI's logit_bias: (token id, bias added to its logit before sampling), bias in [-100, 100].
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # A thinking model's most thinking tokens (runtime.grammar.thinking): then its closing text is forced.
+    thinking_token_budget: int | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -31,6 +31,23 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw
     search: SearchParams | None = None
     constraint: Constraint | None = None  # response_format, structured_outputs
     tools: ToolCalling | None = None
+    # Chat: variables for the template beside the messages (`enable_thinking`), the server's defaults
+    # under the request's own.
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+# transformers' apply_chat_template takes these itself: never a template variable from a client.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """ValueError naming a key the template cannot be given."""
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"{key!r} is an argument of the template renderer, not a template variable")
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
@@ -42,6 +59,7 @@ class TokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: ToolCalling | None = None  # rendered into the prompt as a chat request's tools are (count_tokens)
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):
@@ -97,6 +115,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     verifiers: tuple[str, ...] = ()
     quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
     tool_call_format: str = "hermes"  # how the model writes a tool call: hermes | llama3_json | mistral
+    reasoning_format: str = "none"  # how the model thinks in its text (runtime.wire.reasoning): none | think
     block_types: tuple[str, ...] = ()  # the GGUF block types its int layers keep, e.g. ("Q4_K", "Q6_K")
     # The model author's sampling defaults (runtime.model.generation_config), e.g. {"temperature": 0.7}: the
     # server applies each to a request that leaves that field unset. Empty: ponder's own (SamplingParams').
@@ -125,6 +144,9 @@ class Accepted(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=T
 
     request_id: str
     prompt_tokens: int
+    # The rendered prompt ends inside an open thinking block (runtime.wire.reasoning.opens_thinking):
+    # the output starts in thinking.
+    opens_thinking: bool = False
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -247,6 +269,8 @@ class Finished(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=T
     cached_tokens: int
     completion_tokens: int
     search: SearchSummary | None = None
+    # Of the completion tokens, the thinking ones (a chat request on a thinking model); None: not counted.
+    reasoning_tokens: int | None = None
 
 
 class Tokenized(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types.chat import completion_create_params
 
+from server.extras import VENDOR_EXTRAS
 from tests.server.live import live_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -160,3 +161,63 @@ def test_malformed_tools_and_formats_are_never_a_500(server, tools, choice, fmt)
         if response.status_code == 400:
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
         json.dumps(response.json())
+
+
+def test_every_completions_sdk_field_is_obeyed_or_refused():
+    from openai.types import completion_create_params as completion_params
+    from server.schemas import CompletionRequest
+
+    fields = set(completion_params.CompletionCreateParamsBase.__annotations__)
+    assert fields - set(CompletionRequest.model_fields) == set()
+
+
+def test_an_unknown_field_is_a_400_naming_it_from_plain_json_and_the_sdk(server):
+    from openai import BadRequestError, OpenAI
+
+    response = chat(server, frobnicate=True)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "unknown parameter: 'frobnicate' (no field of this name is "
+                                                   "obeyed)", "type": "invalid_request_error",
+                                        "param": "frobnicate", "code": "unknown_parameter"}
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                       extra_body={"messages": [{**ASK[0], "colour": "red"}]})
+    assert caught.value.body["param"] == "messages.0.colour"
+    completion = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                              "frobnicate": 1}, timeout=60)
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "frobnicate"
+
+
+def test_an_sdk_echoed_answer_goes_back_as_a_message(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    first = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0)
+    echoed = first.choices[0].message.model_dump()  # refusal, annotations, audio, function_call: null
+    again = client.chat.completions.create(model=MODEL, messages=[*ASK, echoed, {"role": "user", "content": "Why?"}],
+                                           max_tokens=4, temperature=0)
+    assert again.choices[0].message.content
+
+
+@pytest.mark.parametrize("field", sorted(VENDOR_EXTRAS))
+def test_each_documented_extra_is_obeyed_at_its_value_and_refused_by_name_at_another(server, field):
+    extra = VENDOR_EXTRAS[field]
+    for value in extra.obeyed:
+        assert chat(server, max_tokens=1, **{field: value}).status_code == 200, (field, value)
+    response = chat(server, max_tokens=1, **{field: {"not": "obeyed"}})
+    if extra.switch is not None:  # a knob of a sampler that is off changes nothing; switched on, it is refused
+        assert response.status_code == 200, response.text
+        response = chat(server, max_tokens=1, **{field: 1, extra.switch: {"not": "obeyed"}})
+        field = extra.switch
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field and response.json()["error"]["message"] == \
+        f"{field}: {VENDOR_EXTRAS[field].why}"
+
+
+def test_a_thinking_budget_on_a_model_that_does_not_think_is_a_400_naming_the_field(server):
+    for field, value in (("thinking_token_budget", 16), ("reasoning_effort", "low")):
+        response = chat(server, **{field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+        assert "does not think in its text" in response.json()["error"]["message"]
+    assert content(chat(server, reasoning_effort=None))  # null: not sent
