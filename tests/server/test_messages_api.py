@@ -36,7 +36,8 @@ def test_a_tool_round_trip_becomes_the_chat_messages_of_one():
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+         "reasoning_content": "call it"},  # an earlier turn's thinking goes back to the template
         {"role": "tool", "content": "18C", "tool_call_id": "toolu_1"},
         {"role": "user", "content": "And tomorrow?"})
     tools = chat.tool_calling()
