@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from runtime.model import attention
+from runtime.model import attention, families
 from runtime.model.decoder import LeanDecoder
 from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig
@@ -37,13 +37,17 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         log.info("the int4 kernel keeps to %s (model.cpu_isa = %s)", use_isa(options.cpu_isa), options.cpu_isa)
     log.info("loading tokenizer from %s", source.directory)
     started = time.perf_counter()
-    tokenizer = load_tokenizer(source, options.trust_remote_code)
+    try:
+        tokenizer = load_tokenizer(source, options.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers' message names neither the file nor the model
+        raise RuntimeError(f"the tokenizer of {source.path} cannot be read: {exc}") from exc
     log.info("tokenizer loaded in %.2f s", time.perf_counter() - started)
     log.info("loading model %s (%s on %s)", source.name, str(dtype).removeprefix("torch."), device)
     started = time.perf_counter()
     model, quantized = load_quantized_model(source, device, dtype, attention.register(), options.quantize,
                                             options.trust_remote_code)
     log.info("model loaded in %.2f s; %s", time.perf_counter() - started, quantized.describe())
+    families.check(model.config, source.path)  # the settings check did, unless the config could not be read then
     text_config = model.config.get_text_config()
     limit = getattr(text_config, "max_position_embeddings", None) or 2048
     max_model_len = min(options.max_model_len or limit, limit)

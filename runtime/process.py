@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         log.critical("the device failed and cannot recover (%s): exiting so the server restarts the runtime", exc)
         sys.exit(DEVICE_FAILURE_EXIT)
     finally:
+        # The server ends this process once its socket closes: a SIGTERM now has nothing left to stop.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sock.close()
 
 

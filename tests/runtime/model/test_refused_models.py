@@ -1,0 +1,119 @@
+"""A model ponder cannot run exactly is refused at start-up in one line naming what it lacks, and a model
+that fails to load ends `ponder serve` with a non-zero status (runtime.model.families, runtime.preflight,
+server.cli)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from runtime.model import families
+from runtime.preflight import MODEL_REFUSED, problem
+from runtime.wire.protocol import RuntimeOptions
+from tests.replicas.generators import write_generator
+
+ROOT = Path(__file__).resolve().parents[3]
+GATED_DELTANET = "Gated DeltaNet linear-attention layers keep a recurrent state ponder does not hold"
+
+
+def config_of(model_type: str, **fields):
+    return AutoConfig.for_model(model_type, **fields)
+
+
+@pytest.mark.parametrize("model_type, fields, lacking", [
+    ("qwen3_5_text", {"num_hidden_layers": 4}, [GATED_DELTANET]),
+    ("qwen3_5_moe_text", {"num_hidden_layers": 4}, [GATED_DELTANET]),
+    ("qwen3_next", {"num_hidden_layers": 4}, [GATED_DELTANET]),
+    ("lfm2", {"num_hidden_layers": 3, "full_attn_idxs": [2]},
+     ["short-convolution layers keep a convolution state ponder does not hold"]),
+    ("jamba", {"num_hidden_layers": 2}, ["Mamba layers keep a recurrent state ponder does not hold"]),
+    ("granitemoehybrid", {"num_hidden_layers": 2},
+     ["linear-attention layers keep a recurrent state ponder does not hold"]),
+    ("mamba", {}, ["Mamba layers keep a recurrent state ponder does not hold"]),
+])
+def test_a_family_keeping_state_outside_the_kv_is_named(model_type, fields, lacking):
+    assert families.lacks(config_of(model_type, **fields)) == lacking
+
+
+def test_a_multimodal_config_is_judged_by_its_text_model():
+    config = config_of("qwen3_5", text_config={"num_hidden_layers": 4})
+    assert families.family(config) == "qwen3_5"
+    assert families.refusal(config, "/m") == (f"/m: qwen3_5: {GATED_DELTANET}; ponder refuses it rather than "
+                                              "serve wrong tokens")
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("llama", {}), ("qwen3", {}), ("qwen3_moe", {}), ("mistral", {}), ("phi3", {}), ("smollm3", {}),
+    ("gemma2", {}), ("gemma3_text", {}), ("gpt_oss", {"num_hidden_layers": 2}),
+])
+def test_the_families_ponder_serves_lack_nothing(model_type, fields):
+    assert families.lacks(config_of(model_type, **fields)) == []
+    families.check(config_of(model_type, **fields), "/m")  # does not raise
+
+
+def test_bidirectional_attention_is_refused():
+    config = config_of("gemma3_text", use_bidirectional_attention=True)
+    assert families.lacks(config) == ["bidirectional attention, where ponder's paged attention is causal"]
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(tmp_path_factory):
+    """A Qwen3.5 checkpoint directory as far as start-up reads it: the config, and a safetensors file."""
+    directory = tmp_path_factory.mktemp("qwen3_5")
+    config = config_of("qwen3_5", text_config={"num_hidden_layers": 4, "hidden_size": 64})
+    config.save_pretrained(directory)
+    save_file({"model.language_model.norm.weight": torch.ones(64)}, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_the_settings_check_refuses_a_hybrid_model(qwen35_dir):
+    verdict = problem(RuntimeOptions(model=str(qwen35_dir), device="cpu"))
+    assert verdict.status == MODEL_REFUSED
+    assert verdict.problem == (f"{qwen35_dir}: qwen3_5: {GATED_DELTANET}; ponder refuses it rather than serve "
+                               "wrong tokens")
+
+
+def serve(model: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", "0",
+                           "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "CI": "true"})
+
+
+def test_serve_refuses_a_hybrid_model_in_one_line(qwen35_dir):
+    out = serve(qwen35_dir)
+    assert out.returncode == 2
+    assert out.stderr == (f"ponder: refusing the model {qwen35_dir}: qwen3_5: {GATED_DELTANET}; ponder refuses "
+                          "it rather than serve wrong tokens\n")
+
+
+def test_serve_exits_when_the_model_fails_to_load(tmp_path):
+    """The settings check passes (it reads no tokenizer), the load fails: the server stops and exits 1
+    with the runtime's message on its last line, instead of answering 503 forever."""
+    directory = write_generator("llama3", tmp_path / "llama3")
+    (directory / "tokenizer.json").write_text("{not json")
+    out = serve(directory)
+    assert out.returncode == 1
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("ponder: cannot load the model: "), out.stderr[-2000:]
+    assert last.startswith(f"ponder: cannot load the model: RuntimeError: the tokenizer of {directory} cannot be "
+                           "read: "), last
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_replica_configs_need_nothing_ponder_lacks(tmp_path):
+    """Every published generator layout the replicas copy is served, not refused."""
+    from tests.replicas.families import FAMILIES, write_family
+
+    for family in FAMILIES:
+        directory = write_family(family, tmp_path / family)
+        config = AutoConfig.from_pretrained(directory)
+        assert families.lacks(config) == [], family
+        assert json.loads((directory / "config.json").read_text())["model_type"] == config.model_type
