@@ -117,3 +117,20 @@ def test_the_replica_configs_need_nothing_ponder_lacks(tmp_path):
         config = AutoConfig.from_pretrained(directory)
         assert families.lacks(config) == [], family
         assert json.loads((directory / "config.json").read_text())["model_type"] == config.model_type
+
+
+@pytest.mark.parametrize("feature, match", [
+    ({"position_bias": torch.zeros(1)}, "does not implement 'position_bias' \\(Module\\)"),
+    ({"sinks": torch.zeros(4)}, "does not implement 'sinks'"),
+    ({"is_causal": False}, "is causal; Module is not"),
+])
+def test_an_attention_feature_ponder_lacks_stops_the_step_naming_it(feature, match):
+    """A family passing transformers' attention function something ponder's does not implement is
+    stopped, never attended without it."""
+    from runtime.model.attention import paged_attention
+
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q, kv = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8)
+    with pytest.raises(NotImplementedError, match=match):
+        paged_attention(module, q, kv, kv, None, ponder_attention=None, **feature)

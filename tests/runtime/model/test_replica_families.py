@@ -1,0 +1,66 @@
+"""The families ponder serves through transformers' forward, on replicas of their published checkpoints
+(tests/replicas/families.py): greedy decoding gives transformers' `generate` tokens (float32) on a short
+prompt and on one longer than any sliding window, and each family's own attention feature is under test
+(the tokens differ without it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.replicas.families import FAMILIES, SLIDING_WINDOW, write_family
+from tests.runtime.engine_helpers import engine_for, run
+from tests.runtime.engine_helpers import request as generate_request
+from tests.runtime.model.test_replica_generators import hf_greedy, prompt_ids
+
+MAX_TOKENS = 10
+SHORT = [{"role": "user", "content": "Hi"}]
+LONG = [{"role": "user", "content": "Tom has 5 apples and buys 3 more. Janet has 3 ducks and they lay 16 eggs. "
+                                    "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def replica(request, tmp_path_factory):
+    family = request.param
+    directory = write_family(family, tmp_path_factory.mktemp(family))
+    return family, directory, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def served(directory, prompts, **options):
+    results = run(engine_for(directory, **options),
+                  [generate_request(str(i), p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)])
+    return [results[str(i)]["choices"][0] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_greedy_decoding_matches_transformers_generate(replica, batch_invariant):
+    family, directory, reference = replica
+    short, long = prompt_ids(directory, SHORT), prompt_ids(directory, LONG)
+    assert len(long) > SLIDING_WINDOW + MAX_TOKENS
+    expected = [hf_greedy(reference, p, MAX_TOKENS) for p in (short, long)]
+    assert served(directory, [short, long], batch_invariant=batch_invariant) == expected, family
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_oss"])
+def test_the_sliding_window_is_under_test(family, tmp_path):
+    """Without the window, transformers gives other tokens on the long prompt: the test above holds
+    ponder to the window."""
+    directory = write_family(family, tmp_path / family)
+    long = prompt_ids(directory, LONG)
+    windowed = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    windowless = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, sliding_window=4096).eval()
+    assert hf_greedy(windowed, long, MAX_TOKENS) != hf_greedy(windowless, long, MAX_TOKENS)
+
+
+def test_gpt_oss_attention_sinks_are_under_test(tmp_path):
+    """gpt-oss's sinks (one logit per head in the softmax's denominator) change its tokens: transformers
+    without them (a sink of -inf weighs nothing) disagrees with the tokens ponder is held to above."""
+    directory = write_family("gpt_oss", tmp_path / "gpt_oss")
+    prompts = [prompt_ids(directory, SHORT), prompt_ids(directory, LONG)]
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    expected = [hf_greedy(model, p, MAX_TOKENS) for p in prompts]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+    assert all(hf_greedy(model, p, MAX_TOKENS) != e for p, e in zip(prompts, expected))
