@@ -103,6 +103,9 @@ def problem(options: RuntimeOptions) -> SettingsChecked:
         return SettingsChecked(problem=str(exc), status=CHECKPOINT_REFUSED)
     except families.UnsupportedModel as exc:
         return SettingsChecked(problem=str(exc), status=MODEL_REFUSED)
+    except Exception as exc:  # noqa: BLE001 - a check that fails says why, rather than end the process unheard
+        return SettingsChecked(problem=f"the settings check failed: {type(exc).__name__}: {' '.join(str(exc).split())}",
+                               status=1)
     return SettingsChecked()
 
 

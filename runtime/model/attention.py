@@ -143,12 +143,35 @@ def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: tor
         return meta.attention(layer, queries, keys, values, scaling)
     if sinks is not None and meta.decode_rows is not None:
         raise NotImplementedError("ponder's CPU decode attention kernel does not apply attention sinks")
+    head_dim = queries.shape[-1]
+    narrow = tuple(keys.shape[1:]) != (meta.cache.shape.num_kv_heads, meta.cache.shape.head_dim)
+    if narrow:
+        scaling = scaling if scaling is not None else head_dim ** -0.5
+        queries, keys, values = _widened(meta.cache.shape, queries, keys, values)
     if meta.layers is not None:
         meta.layers.before_layer(layer)
     out = _attend(meta, layer, queries, keys, values, scaling, softcap or None, window or None, sinks)
     if meta.layers is not None:
         meta.layers.after_layer(layer)
-    return out
+    return out[..., :head_dim] if narrow else out
+
+
+def _widened(shape, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """A layer narrower than the cache (Gemma 4's sliding layers beside its wider global ones, see
+    storage.kv_cache.attention_sizes), as the cache's width: each KV head repeated for the query heads
+    that read it, keys, values and queries padded with zeros to the cache's head size. The scores are
+    the layer's own (a zero adds nothing to a dot product) and so are the outputs' first `head_dim` values."""
+    num_kv_heads = keys.shape[1]
+    if shape.num_kv_heads % num_kv_heads or queries.shape[1] % shape.num_kv_heads:
+        raise NotImplementedError(f"a layer of {num_kv_heads} KV heads beside the cache's {shape.num_kv_heads} "
+                                  f"for {queries.shape[1]} query heads")
+    repeat = shape.num_kv_heads // num_kv_heads
+    if repeat > 1:  # query head i reads KV head i // (H / KVH): the same head after repeat_interleave
+        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+    pad = shape.head_dim - keys.shape[-1]
+    if pad:
+        queries, keys, values = (F.pad(x, (0, pad)) for x in (queries, keys, values))
+    return queries, keys, values
 
 
 def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling, softcap, window, sinks):
@@ -258,7 +281,8 @@ def _prefill_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: 
 def has_sinks(model) -> bool:
     """Whether the model's attention has sinks (gpt-oss: a learned logit per head, `module.sinks`), which
     only the torch path applies (ponder's CPU decode kernel does not)."""
-    return any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+    return model is not None and any(isinstance(getattr(module, "sinks", None), torch.Tensor)
+                                     for module in model.modules())
 
 
 def _no_mask(*args, **kwargs):

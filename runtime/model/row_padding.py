@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from runtime.model.attention import bucket_blocks, has_sinks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
+from storage.kv_cache import attention_sizes
 
 SMALL_ROWS = 48  # every row count up to this is probed
 BUCKET_ROWS = 64  # above it, steps are padded to multiples of this, each probed
@@ -221,7 +222,7 @@ def _text_config(model: torch.nn.Module):
 
 
 def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return attention_sizes(config)[1]
 
 
 def _probe_attention(model: torch.nn.Module, windows: list[tuple[int, int]], generator: torch.Generator) -> None:
@@ -230,8 +231,7 @@ def _probe_attention(model: torch.nn.Module, windows: list[tuple[int, int]], gen
     largest."""
     config = _text_config(model)
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = _head_dim(config)
+    kv_heads, head_dim = attention_sizes(config)
     parameter = next(model.parameters())
     for width, most in windows:
         q = torch.randn(most, kv_heads, heads // kv_heads, head_dim, generator=generator)

@@ -200,8 +200,72 @@ def write_gpt_oss(directory: Path) -> Path:
     return directory
 
 
+GEMMA4_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+GEMMA4_PER_LAYER = 8  # hidden_size_per_layer_input, published 256
+
+
+def write_gemma4_text(directory: Path) -> Path:
+    """google/gemma-4-E2B-it's text model (the defaults transformers' Gemma4TextConfig documents for it):
+    global layers with a head twice the sliding layers' (`global_head_dim` 512 beside `head_dim` 256;
+    here 32 and 16) and their own rope (proportional, a quarter of the head rotated), sliding layers
+    (published window 512; here `SLIDING_WINDOW`), the last layers reusing earlier layers' keys and
+    values (`num_kv_shared_layers`, published 20 of 35; here 2 of 4, which hold no k/v projections),
+    per-layer input embeddings (`embed_tokens_per_layer`), q/k norms and an unscaled v norm, a learned
+    `layer_scalar`, sandwich norms, final-logit soft-capping, tied embeddings.
+    Sources: transformers models/gemma4/configuration_gemma4.py (Gemma4TextConfig) and modeling_gemma4.py."""
+    vocab = _gemma_tokenizer(directory)
+    head_dim, global_head_dim, per_layer = g.HIDDEN // g.NUM_HEADS, 2 * g.HIDDEN // g.NUM_HEADS, GEMMA4_PER_LAYER
+    layers = len(GEMMA4_LAYER_TYPES)
+    config = {"architectures": ["Gemma4ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "attention_k_eq_v": False, "bos_token_id": 2, "enable_moe_block": False, "eos_token_id": [1, 106],
+              "final_logit_softcapping": 30.0, "global_head_dim": global_head_dim, "head_dim": head_dim,
+              "hidden_activation": "gelu_pytorch_tanh", "hidden_size": g.HIDDEN,
+              "hidden_size_per_layer_input": per_layer, "initializer_range": 0.02,
+              "intermediate_size": g.INTERMEDIATE, "layer_types": GEMMA4_LAYER_TYPES,
+              "max_position_embeddings": 131072, "model_type": "gemma4_text", "num_attention_heads": g.NUM_HEADS,
+              "num_hidden_layers": layers, "num_key_value_heads": g.NUM_KV_HEADS, "num_kv_shared_layers": 2,
+              "pad_token_id": 0, "rms_norm_eps": 1e-06,
+              "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                                     "rope_type": "proportional"},
+                                  "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+              "sliding_window": SLIDING_WINDOW, "tie_word_embeddings": True, "torch_dtype": "float32",
+              "transformers_version": "5.5.0", "use_cache": True, "use_double_wide_mlp": False,
+              "vocab_size": vocab, "vocab_size_per_layer_input": vocab}
+    g.write_json(directory, "config.json", config)
+    gen = g.generator("gemma4")
+
+    def norm(size: int, gain: float = 1.0) -> torch.Tensor:
+        return gain + 0.1 * torch.randn(size, generator=gen)  # Gemma 4's norms multiply by the weight itself
+
+    tensors = {"model.embed_tokens.weight": g.EMBED_STD * torch.randn(vocab, g.HIDDEN, generator=gen),
+               "model.embed_tokens_per_layer.weight": torch.randn(vocab, layers * per_layer, generator=gen),
+               "model.per_layer_model_projection.weight": _linear(gen, layers * per_layer, g.HIDDEN),
+               "model.per_layer_projection_norm.weight": norm(per_layer), "model.norm.weight": norm(g.HIDDEN, 8.0)}
+    for i, kind in enumerate(GEMMA4_LAYER_TYPES):
+        p, d = f"model.layers.{i}.", global_head_dim if kind == "full_attention" else head_dim
+        tensors[p + "layer_scalar"] = torch.tensor([0.5 + torch.rand(1, generator=gen).item()])
+        tensors[p + "self_attn.q_proj.weight"] = _linear(gen, g.NUM_HEADS * d, g.HIDDEN)
+        tensors[p + "self_attn.q_norm.weight"] = norm(d)
+        if i < layers - config["num_kv_shared_layers"]:
+            tensors[p + "self_attn.k_proj.weight"] = _linear(gen, g.NUM_KV_HEADS * d, g.HIDDEN)
+            tensors[p + "self_attn.v_proj.weight"] = _linear(gen, g.NUM_KV_HEADS * d, g.HIDDEN)
+            tensors[p + "self_attn.k_norm.weight"] = norm(d)
+        tensors[p + "self_attn.o_proj.weight"] = _linear(gen, g.HIDDEN, g.NUM_HEADS * d)
+        tensors[p + "mlp.gate_proj.weight"] = _linear(gen, g.INTERMEDIATE, g.HIDDEN)
+        tensors[p + "mlp.up_proj.weight"] = _linear(gen, g.INTERMEDIATE, g.HIDDEN)
+        tensors[p + "mlp.down_proj.weight"] = _linear(gen, g.HIDDEN, g.INTERMEDIATE)
+        for name in ("input_layernorm", "pre_feedforward_layernorm", "post_per_layer_input_norm"):
+            tensors[p + name + ".weight"] = norm(g.HIDDEN)
+        for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            tensors[p + name + ".weight"] = norm(g.HIDDEN, 4.0)
+        tensors[p + "per_layer_input_gate.weight"] = _linear(gen, per_layer, g.HIDDEN)
+        tensors[p + "per_layer_projection.weight"] = _linear(gen, g.HIDDEN, per_layer)
+    g.save_weights(directory, tensors, torch.float32, num_shards=1)
+    return directory
+
+
 WRITERS = {"qwen3_moe": write_qwen3_moe, "gemma3_text": write_gemma3_text, "phi3": write_phi3,
-           "smollm3": write_smollm3, "gpt_oss": write_gpt_oss}
+           "smollm3": write_smollm3, "gpt_oss": write_gpt_oss, "gemma4_text": write_gemma4_text}
 FAMILIES = tuple(WRITERS)
 
 

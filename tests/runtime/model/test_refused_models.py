@@ -81,6 +81,15 @@ def test_the_settings_check_refuses_a_hybrid_model(qwen35_dir):
                                "wrong tokens")
 
 
+def test_the_settings_check_reads_a_config_whose_sizes_differ_by_layer(tmp_path):
+    """Gemma 4's config answers no global head size (transformers raises on reading it): the check once
+    ended the runtime process before it could say anything."""
+    from tests.replicas.families import write_family
+
+    directory = write_family("gemma4_text", tmp_path / "gemma4")
+    assert problem(RuntimeOptions(model=str(directory), device="cpu")).problem is None
+
+
 def serve(model: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(model), "--port", "0",
                            "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, timeout=timeout,

@@ -42,7 +42,7 @@ def test_greedy_decoding_matches_transformers_generate(replica, batch_invariant)
     assert served(directory, [short, long], batch_invariant=batch_invariant) == expected, family
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_oss", "gemma4_text"])
 def test_the_sliding_window_is_under_test(family, tmp_path):
     """Without the window, transformers gives other tokens on the long prompt: the test above holds
     ponder to the window."""
@@ -64,3 +64,14 @@ def test_gpt_oss_attention_sinks_are_under_test(tmp_path):
         for layer in model.model.layers:
             layer.self_attn.sinks.fill_(float("-inf"))
     assert all(hf_greedy(model, p, MAX_TOKENS) != e for p, e in zip(prompts, expected))
+
+
+def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
+    """Gemma 4's global layers have a head twice the sliding layers' (and the last layers reuse earlier
+    layers' keys): the cache holds the wider head, and the narrower layers' keys are padded into it."""
+    from storage.kv_cache import kv_shape_of
+    from transformers import AutoConfig
+
+    directory = write_family("gemma4_text", tmp_path / "gemma4")
+    shape = kv_shape_of(AutoConfig.from_pretrained(directory), block_size=4)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (4, 2, 32)
