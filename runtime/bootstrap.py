@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from runtime.model import attention, families
+from runtime.model import attention, families, paths
 from runtime.model.decoder import LeanDecoder
 from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig
@@ -87,7 +87,14 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                      for name, verifier in verifiers.items()}
     engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter, tiers=tiers,
                     reward_models=reward_models)
+    log.info("paths: %s", paths.describe(engine_paths(engine)))
     return engine, source
+
+
+def engine_paths(engine: Engine) -> dict[str, str]:
+    """Which code computes each part of the engine's steps (runtime.model.paths)."""
+    runner = engine.runner
+    return paths.step_paths(engine.model, runner.decoder, runner.attention_kernel, engine.quantized.mode)
 
 
 def speculates(setting: bool | str, device) -> bool | str:

@@ -57,7 +57,7 @@ def serve(channel: Channel) -> None:
     if verdict.problem is not None:
         return
     try:
-        from runtime.bootstrap import build_engine
+        from runtime.bootstrap import build_engine, engine_paths
         from runtime.model.generation_config import sampling_defaults
 
         engine, source = build_engine(options)
@@ -71,7 +71,8 @@ def serve(channel: Channel) -> None:
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
                        verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode,
                        tool_call_format=engine.gate.tool_format,
-                       block_types=engine.quantized.block_types, sampling_defaults=defaults))
+                       block_types=engine.quantized.block_types, sampling_defaults=defaults,
+                       paths=engine_paths(engine)))
     log.info("runtime ready: %s", source.name)
     from runtime.search.answers import warm_up
 

@@ -166,7 +166,8 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
                                             "max_model_len": info.max_model_len if info else None,
                                             "quantize": info.quantize if info else None,
                                             "block_types": list(info.block_types) if info else None,
-                                            "sampling_defaults": dict(info.sampling_defaults) if info else None}]}
+                                            "sampling_defaults": dict(info.sampling_defaults) if info else None,
+                                            "paths": dict(info.paths) if info else None}]}
 
     async def generate(body, request: Request, endpoint: str, prompts: list[dict]):
         """Check the body against the served model and the caps, then run one runtime request per prompt."""

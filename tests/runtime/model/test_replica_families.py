@@ -75,3 +75,21 @@ def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
     directory = write_family("gemma4_text", tmp_path / "gemma4")
     shape = kv_shape_of(AutoConfig.from_pretrained(directory), block_size=4)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (4, 2, 32)
+
+
+@pytest.mark.parametrize("family, paths", [
+    # transformers' forward (no lean decoder for these), its projections in ponder's float kernel
+    ("qwen3_moe", {"family": "qwen3_moe", "layers": "transformers", "linear": "float_kernel",
+                   "attention": "cpu_kernel"}),
+    # sinks: ponder's CPU decode kernel has none, so attention stays in torch
+    ("gpt_oss", {"family": "gpt_oss", "layers": "transformers", "linear": "float_kernel", "attention": "torch"}),
+])
+def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog):
+    from runtime.bootstrap import engine_paths
+    from runtime.model.paths import describe
+
+    with caplog.at_level("INFO", logger="ponder.runtime"):
+        engine = engine_for(write_family(family, tmp_path / family))
+    assert engine_paths(engine) == paths
+    assert f"paths: {describe(paths)}" in caplog.messages
+    assert describe(paths).startswith(f"family {family}: layers transformers, linear float_kernel, attention ")
