@@ -138,8 +138,10 @@ def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: tor
     position p attends to positions p - window + 1 .. p only (transformers' sliding window); `sinks` `[H]`:
     one more logit per head in the softmax's denominator, whose weight goes to no value (gpt-oss)."""
     if meta.attention is not None:
-        if sinks is not None:
-            raise NotImplementedError("the head-wise KV residency does not apply attention sinks")
+        lacking = [name for name, used in (("attention sinks", sinks is not None), ("soft-capping", bool(softcap)),
+                                           ("a sliding window", bool(window))) if used]
+        if lacking:
+            raise NotImplementedError(f"the head-wise KV residency does not apply {' or '.join(lacking)}")
         return meta.attention(layer, queries, keys, values, scaling)
     if sinks is not None and meta.decode_rows is not None:
         raise NotImplementedError("ponder's CPU decode attention kernel does not apply attention sinks")

@@ -143,3 +143,16 @@ def test_an_attention_feature_ponder_lacks_stops_the_step_naming_it(feature, mat
     q, kv = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8)
     with pytest.raises(NotImplementedError, match=match):
         paged_attention(module, q, kv, kv, None, ponder_attention=None, **feature)
+
+
+def test_the_head_wise_residency_refuses_attention_it_does_not_compute():
+    """The head-wise KV residency (one long request streamed a KV-head group at a time) computes plain
+    causal attention: a layer with a window, soft-capping or sinks stops, naming them, never attends without."""
+    from runtime.model.attention import AttentionMetadata, attend
+
+    meta = AttentionMetadata(None, torch.empty(0), [], [], attention=lambda *args: pytest.fail("attended"))
+    q, kv = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8)
+    with pytest.raises(NotImplementedError, match="does not apply attention sinks or a sliding window"):
+        attend(meta, 0, q, kv, kv, None, window=24, sinks=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="does not apply soft-capping"):
+        attend(meta, 0, q, kv, kv, None, softcap=50.0)
