@@ -93,3 +93,16 @@ def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog
     assert engine_paths(engine) == paths
     assert f"paths: {describe(paths)}" in caplog.messages
     assert describe(paths).startswith(f"family {family}: layers transformers, linear float_kernel, attention ")
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_a_prompt_read_from_the_prefix_cache_gives_the_same_tokens(replica, batch_invariant):
+    """Served twice, the long prompt's blocks come from the prefix cache the second time (its attention
+    then reads them from the cache: windows, sinks and narrow heads included), with the same tokens."""
+    family, directory, reference = replica
+    long = prompt_ids(directory, LONG)
+    engine = engine_for(directory, batch_invariant=batch_invariant)
+    first = run(engine, [generate_request("a", long, max_tokens=MAX_TOKENS)])["a"]
+    second = run(engine, [generate_request("b", long, max_tokens=MAX_TOKENS)])["b"]
+    assert second["finished"].cached_tokens >= len(long) - 4, family  # whole blocks of 4 tokens
+    assert first["choices"][0] == second["choices"][0] == hf_greedy(reference, long, MAX_TOKENS), family
