@@ -148,6 +148,7 @@ def _load_verifier(name: str, spec: dict[str, str], device, dtype):
     log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
     verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
                              trust_remote_code=spec.get("trust_remote_code") == "true")
+    families.check(verifier.model.config, spec["path"])  # it attends through the same paged attention
     verifier.model.set_attn_implementation(attention.ATTENTION_NAME)
     return verifier
 

@@ -156,3 +156,19 @@ def test_the_head_wise_residency_refuses_attention_it_does_not_compute():
         attend(meta, 0, q, kv, kv, None, window=24, sinks=torch.zeros(4))
     with pytest.raises(NotImplementedError, match="does not apply soft-capping"):
         attend(meta, 0, q, kv, kv, None, softcap=50.0)
+
+
+def test_a_reward_model_ponder_cannot_run_exactly_is_refused_too(tiny_llama, tmp_path):
+    """A verifier attends through the same paged attention: a hybrid one is refused as a generator is."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import VOCAB, build_tokenizer
+    from tests.runtime.engine_helpers import engine_for
+
+    config = config_of("qwen3_5_text", vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    verifier = tmp_path / "prm"
+    AutoModelForCausalLM.from_config(config).save_pretrained(verifier)
+    build_tokenizer(verifier)
+    with pytest.raises(families.UnsupportedModel, match=f"^{verifier}: qwen3_5: {GATED_DELTANET};"):
+        engine_for(tiny_llama, verifiers={"prm": {"kind": "math-shepherd", "path": str(verifier)}})
