@@ -35,7 +35,6 @@ _FAMILY_STATE = {
     "recurrent_gemma": "RG-LRU recurrent layers keep a state ponder does not hold",
     "rwkv": "RWKV layers keep a recurrent state ponder does not hold",
     "xlstm": "xLSTM layers keep a recurrent state ponder does not hold",
-    "gemma3n": "AltUp layers, which ponder does not run",
 }
 
 
