@@ -106,3 +106,25 @@ def test_a_prompt_read_from_the_prefix_cache_gives_the_same_tokens(replica, batc
     second = run(engine, [generate_request("b", long, max_tokens=MAX_TOKENS)])["b"]
     assert second["finished"].cached_tokens >= len(long) - 4, family  # whole blocks of 4 tokens
     assert first["choices"][0] == second["choices"][0] == hf_greedy(reference, long, MAX_TOKENS), family
+
+
+def test_gemma3n_text_is_served_not_refused(tmp_path):
+    """Gemma 3n's AltUp, laurel and per-layer inputs are stateless, and its last layers reuse earlier
+    layers' keys: all its state across tokens is keys and values, so it is served (a tiny random
+    gemma3n_text made by transformers, past its window of 6)."""
+    from transformers import AutoConfig
+
+    from tests.conftest import VOCAB, build_tokenizer
+
+    config = AutoConfig.for_model(
+        "gemma3n_text", vocab_size=len(VOCAB), vocab_size_per_layer_input=len(VOCAB), hidden_size=64,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_size_per_layer_input=8, sliding_window=6, num_kv_shared_layers=2, laurel_rank=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
+    torch.manual_seed(0)
+    directory = tmp_path / "gemma3n"
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    build_tokenizer(directory)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = list(range(3, 20))
+    assert served(directory, [prompt]) == [hf_greedy(reference, prompt, MAX_TOKENS)]
