@@ -47,7 +47,7 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
     model, quantized = load_quantized_model(source, device, dtype, attention.register(), options.quantize,
                                             options.trust_remote_code)
     log.info("model loaded in %.2f s; %s", time.perf_counter() - started, quantized.describe())
-    families.check(model.config, source.path)  # the settings check did, unless the config could not be read then
+    families.check_loaded(model, source.path)  # the settings check read the config; this reads the modules too
     text_config = model.config.get_text_config()
     limit = getattr(text_config, "max_position_embeddings", None) or 2048
     max_model_len = min(options.max_model_len or limit, limit)
@@ -148,7 +148,7 @@ def _load_verifier(name: str, spec: dict[str, str], device, dtype):
     log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
     verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
                              trust_remote_code=spec.get("trust_remote_code") == "true")
-    families.check(verifier.model.config, spec["path"])  # it attends through the same paged attention
+    families.check_loaded(verifier.model, spec["path"])  # it attends through the same paged attention
     verifier.model.set_attn_implementation(attention.ATTENTION_NAME)
     return verifier
 

@@ -77,6 +77,23 @@ def refusal(config, path: str) -> str | None:
     return f"{path}: {family(config)}: {'; '.join(missing)}; ponder refuses it rather than serve wrong tokens"
 
 
+def stateful_modules(model) -> list[str]:
+    """The classes of the loaded decoder's modules that carry state across tokens outside its attention:
+    those holding a `torch.nn.Conv1d` (a causal convolution keeps its last inputs; every Mamba, Gated
+    DeltaNet and short-convolution layer has one), which catches a family the config tables above do
+    not name (remote code included). Empty for a family ponder holds the recurrent state of."""
+    import torch
+
+    if family(model.config) in RECURRENT_SERVED:
+        return []
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    owners = []
+    for module in decoder.modules():
+        if any(isinstance(child, torch.nn.Conv1d) for child in module.children()):
+            owners.append(type(module).__name__)
+    return list(dict.fromkeys(owners))
+
+
 class UnsupportedModel(RuntimeError):
     """A model ponder cannot run exactly (`refusal`); the message is one line naming what it lacks."""
 
@@ -86,3 +103,13 @@ def check(config, path: str) -> None:
     line = refusal(config, path)
     if line is not None:
         raise UnsupportedModel(line)
+
+
+def check_loaded(model, path: str) -> None:
+    """`check` on the loaded model: its config, then its modules (`stateful_modules`)."""
+    check(model.config, path)
+    owners = stateful_modules(model)
+    if owners:
+        raise UnsupportedModel(f"{path}: {family(model.config)}: its {', '.join(owners)} layers keep a convolution "
+                               "state across tokens that ponder does not hold; ponder refuses it rather than serve "
+                               "wrong tokens")

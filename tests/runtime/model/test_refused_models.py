@@ -172,3 +172,33 @@ def test_a_reward_model_ponder_cannot_run_exactly_is_refused_too(tiny_llama, tmp
     build_tokenizer(verifier)
     with pytest.raises(families.UnsupportedModel, match=f"^{verifier}: qwen3_5: {GATED_DELTANET};"):
         engine_for(tiny_llama, verifiers={"prm": {"kind": "math-shepherd", "path": str(verifier)}})
+
+
+def meta_model(model_type: str, **fields):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config_of(model_type, hidden_size=64, intermediate_size=64, **fields))
+
+
+@pytest.mark.parametrize("model_type, fields, owners", [
+    ("qwen3_5_text", {"num_hidden_layers": 4}, ["Qwen3_5GatedDeltaNet"]),
+    ("lfm2", {"num_hidden_layers": 3, "full_attn_idxs": [2]}, ["Lfm2ShortConv"]),
+    ("jamba", {"num_hidden_layers": 2}, ["JambaMambaMixer"]),
+    ("llama", {"num_hidden_layers": 2}, []),
+    ("gpt_oss", {"num_hidden_layers": 2}, []),
+])
+def test_the_loaded_modules_holding_a_causal_convolution_are_named(model_type, fields, owners):
+    assert families.stateful_modules(meta_model(model_type, **fields)) == owners
+
+
+def test_a_stateful_layer_the_config_does_not_announce_is_refused_once_loaded():
+    """A family outside the tables (here a Qwen3.5 whose config claims full attention everywhere, as a
+    remote-code hybrid might) is caught by its modules."""
+    model = meta_model("qwen3_5_text", num_hidden_layers=4)
+    model.config.layer_types = ["full_attention"] * 4
+    assert families.lacks(model.config) == []
+    with pytest.raises(families.UnsupportedModel, match=r"^/m: qwen3_5: its Qwen3_5GatedDeltaNet layers keep a "
+                                                        r"convolution state across tokens that ponder does not hold;"):
+        families.check_loaded(model, "/m")
+    families.check_loaded(meta_model("llama", num_hidden_layers=2), "/m")  # does not raise
