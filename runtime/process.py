@@ -62,6 +62,7 @@ def serve(channel: Channel) -> None:
 
         engine, source = build_engine(options)
         defaults = sampling_defaults(source, options.generation_config)
+        paths = engine_paths(engine)
     except Exception as exc:  # noqa: BLE001 - reported to the server, which shows it to the user
         log.error("model load failed: %s", exc)
         channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
@@ -72,7 +73,7 @@ def serve(channel: Channel) -> None:
                        verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode,
                        tool_call_format=engine.gate.tool_format,
                        block_types=engine.quantized.block_types, sampling_defaults=defaults,
-                       paths=engine_paths(engine)))
+                       paths=paths))
     log.info("runtime ready: %s", source.name)
     from runtime.search.answers import warm_up
 
