@@ -99,7 +99,7 @@ def serve(args: argparse.Namespace) -> int:
     if failures:
         print(f"ponder: cannot load the model: {' '.join(failures[0].split())}", file=sys.stderr)
         return 1
-    return 0
+    return 0 if server.started else 3  # 3: uvicorn's own status where it could not start (a port in use)
 
 
 def _one_line(exc: Exception) -> str:

@@ -117,6 +117,20 @@ def test_serve_exits_when_the_model_fails_to_load(tmp_path):
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+def test_serve_still_exits_3_where_its_port_is_taken(tiny_llama):
+    """uvicorn's own start-up failure status (as `uvicorn.run` gives it) is kept."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_llama), "--port",
+                              str(taken.getsockname()[1]), "--device", "cpu"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=300)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "cannot load the model" not in out.stderr
+
+
 def test_the_replica_configs_need_nothing_ponder_lacks(tmp_path):
     """Every published generator layout the replicas copy is served, not refused."""
     from tests.replicas.families import FAMILIES, write_family
