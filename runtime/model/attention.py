@@ -143,8 +143,6 @@ def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: tor
         if lacking:
             raise NotImplementedError(f"the head-wise KV residency does not apply {' or '.join(lacking)}")
         return meta.attention(layer, queries, keys, values, scaling)
-    if sinks is not None and meta.decode_rows is not None:
-        raise NotImplementedError("ponder's CPU decode attention kernel does not apply attention sinks")
     head_dim = queries.shape[-1]
     narrow = tuple(keys.shape[1:]) != (meta.cache.shape.num_kv_heads, meta.cache.shape.head_dim)
     if narrow:
@@ -192,16 +190,17 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
             out[-meta.num_padding:] = 0
     if meta.decode_rows is not None:
         d = meta.decode_rows
+        kernel_sinks = None if sinks is None else sinks.detach().float().contiguous()
         if queries.dtype != torch.float32:  # a bfloat16 model: the kernel widens them, and rounds its output back
             attended = out.new_zeros(out.shape, dtype=torch.float32)
             d.kernel(queries.float(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
-                     int(window or 0))
+                     int(window or 0), kernel_sinks)
             out.copy_(attended)
         else:
             if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view
                 queries = queries.contiguous()
             d.kernel(queries, d.rows, cache.kv, d.tables, d.ctx, layer, scale, out, float(softcap or 0),
-                     int(window or 0))
+                     int(window or 0), kernel_sinks)
     for group in meta.decode_groups:
         g = group.rows.shape[0]
         # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].
@@ -278,13 +277,6 @@ def _prefill_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: 
         hidden = hidden | (key_pos <= query_pos - window)
     weights = _softmax(scores.masked_fill_(hidden, float("-inf")), None if sinks is None else sinks.view(heads, 1, 1))
     return torch.matmul(weights.to(v.dtype), v)
-
-
-def has_sinks(model) -> bool:
-    """Whether the model's attention has sinks (gpt-oss: a learned logit per head, `module.sinks`), which
-    only the torch path applies (ponder's CPU decode kernel does not)."""
-    return model is not None and any(isinstance(getattr(module, "sinks", None), torch.Tensor)
-                                     for module in model.modules())
 
 
 def _no_mask(*args, **kwargs):

@@ -22,9 +22,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.model.attention import (
-    AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks, has_sinks,
-)
+from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
@@ -35,12 +33,10 @@ from storage.kv_cache import KVCache
 GATHER_TOKENS = 1 << 16  # keys one attention group may gather (queries x window)
 
 
-def _attention_kernel(cache: KVCache, model):
-    """ponder's decode attention kernel where it can read this cache (float32 or bfloat16, on the CPU)
-    and the model's attention is what it computes (no sinks: the torch path applies them), else None."""
+def _attention_kernel(cache: KVCache):
+    """ponder's decode attention kernel where it can read this cache (float32 or bfloat16, on the CPU),
+    else None."""
     if cache.device.type != "cpu" or cache.dtype not in KERNEL_CACHE_DTYPES or cache.shape.head_dim % 8:
-        return None
-    if has_sinks(model):
         return None
     try:
         return attention_kernel()
@@ -91,7 +87,7 @@ class ModelRunner:
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)
         self.decoder = LeanDecoder.build(model)
-        self.attention_kernel = _attention_kernel(cache, model)
+        self.attention_kernel = _attention_kernel(cache)
 
     def use_residency(self, residency: StepResidency | None) -> None:
         """Run every step from the next one on through `residency`'s hooks."""

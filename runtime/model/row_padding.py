@@ -31,7 +31,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from runtime.model.attention import bucket_blocks, has_sinks
+from runtime.model.attention import bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
 from storage.kv_cache import attention_sizes
@@ -90,8 +90,7 @@ def _verdict(model: torch.nn.Module, max_rows: int, max_head_rows: int | None, m
     entry = Entry("invariance", {**cache, "rows": [max_rows, max_head_rows, max_model_len, block_size],
                                  "dtype": str(parameter.dtype), "threads": torch.get_num_threads(),
                                  "batched_attention": decode_attention_is_batched(
-                                     parameter.device, parameter.dtype, _head_dim(_text_config(model)),
-                                     has_sinks(model)),
+                                     parameter.device, parameter.dtype, _head_dim(_text_config(model))),
                                  "code": sources_hash(runtime_sources(*_CODE))})
     verdict = entry.read(lambda directory: json.loads((directory / "verdict.json").read_text()))
     if verdict is None:
@@ -144,9 +143,8 @@ class RowPadding:
             key = (module.in_features, module.out_features, module.bias is not None, module is head)
             shapes.setdefault(key, module)
         parameter = next(model.parameters())
-        sinks = has_sinks(model)
         if not shapes and not decode_attention_is_batched(parameter.device, parameter.dtype,
-                                                          _head_dim(_text_config(model)), sinks):
+                                                          _head_dim(_text_config(model))):
             return cls(list(range(1, max_rows + 1)), max_rows)  # every layer and attention: ponder's own kernels
         failing: set[int] = set()
         generator = torch.Generator().manual_seed(0)
@@ -167,7 +165,7 @@ class RowPadding:
         config = _text_config(model)
         if max_model_len is None:
             max_model_len = getattr(config, "max_position_embeddings", None) or 2048
-        if decode_attention_is_batched(parameter.device, parameter.dtype, _head_dim(config), sinks):
+        if decode_attention_is_batched(parameter.device, parameter.dtype, _head_dim(config)):
             _probe_attention(model, attention_windows(max_model_len, block_size), generator)
         return cls([r for r in candidates if r not in failing], max_rows)
 
@@ -203,12 +201,12 @@ def attention_windows(max_model_len: int, block_size: int) -> list[tuple[int, in
     return [(width, max(1, min(ATTENTION_BATCH, GATHER_TOKENS // width))) for width in widths]
 
 
-def decode_attention_is_batched(device: torch.device, dtype: torch.dtype, head_dim: int, sinks: bool = False) -> bool:
+def decode_attention_is_batched(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode attention runs as batched matmuls over groups of one window, or (False) ponder's
-    CPU kernel attends each query alone: a float32 or bfloat16 cache on a CPU, `head_dim` a multiple of 8, no
-    attention sinks, and the kernel built (runtime.model.model_runner's `_attention_kernel`;
-    tests/runtime/model/test_row_padding.py checks that the two agree)."""
-    if device.type != "cpu" or dtype not in KERNEL_CACHE_DTYPES or head_dim % 8 or sinks:
+    CPU kernel attends each query alone: a float32 or bfloat16 cache on a CPU, `head_dim` a multiple of 8, and the
+    kernel built (runtime.model.model_runner's `_attention_kernel`; tests/runtime/model/test_row_padding.py checks
+    that the two agree)."""
+    if device.type != "cpu" or dtype not in KERNEL_CACHE_DTYPES or head_dim % 8:
         return True
     try:
         attention_kernel()

@@ -81,8 +81,9 @@ def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
     # transformers' forward (no lean decoder for these), its projections in ponder's float kernel
     ("qwen3_moe", {"family": "qwen3_moe", "layers": "transformers", "linear": "float_kernel",
                    "attention": "cpu_kernel"}),
-    # sinks: ponder's CPU decode kernel has none, so attention stays in torch
-    ("gpt_oss", {"family": "gpt_oss", "layers": "transformers", "linear": "float_kernel", "attention": "torch"}),
+    # its sinks are applied by ponder's CPU decode kernel too
+    ("gpt_oss", {"family": "gpt_oss", "layers": "transformers", "linear": "float_kernel",
+                 "attention": "cpu_kernel"}),
 ])
 def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog):
     from runtime.bootstrap import engine_paths

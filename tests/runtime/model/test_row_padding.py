@@ -208,23 +208,7 @@ def test_the_probe_and_the_runner_agree_on_which_attention_runs(device, dtype, h
 
     cache = KVCache(KVShape(num_layers=1, num_kv_heads=1, head_dim=head_dim, block_size=4), 2, dtype,
                     torch.device(device))
-    model = torch.nn.Linear(1, 1)  # no attention sinks
-    assert decode_attention_is_batched(cache.device, dtype, head_dim) == (_attention_kernel(cache, model) is None)
-
-
-def test_a_model_with_attention_sinks_decodes_in_the_torch_path_and_the_probe_knows():
-    """ponder's CPU decode kernel applies no sinks (gpt-oss): the runner attends in torch, and the
-    invariance probe checks that path's batched matmuls."""
-    from runtime.model.model_runner import _attention_kernel
-    from runtime.model.row_padding import decode_attention_is_batched
-    from storage.kv_cache import KVCache, KVShape
-
-    cache = KVCache(KVShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=4), 2, torch.float32,
-                    torch.device("cpu"))
-    attention = torch.nn.Module()
-    attention.sinks = torch.nn.Parameter(torch.zeros(2))
-    assert _attention_kernel(cache, torch.nn.Sequential(attention)) is None
-    assert decode_attention_is_batched(cache.device, torch.float32, 16, sinks=True)
+    assert decode_attention_is_batched(cache.device, dtype, head_dim) == (_attention_kernel(cache) is None)
 
 
 def test_probed_counts_give_every_row_the_bits_of_a_large_call(tiny_llama):
