@@ -134,6 +134,11 @@ class RowPadding:
         `block_size`-token blocks a context of up to `max_model_len` tokens (default: the model's
         `max_position_embeddings`) reads; raise `InvarianceUnavailable` where the device cannot be
         shown to compute row by row."""
+        experts = routed_experts(model)
+        if experts:
+            raise InvarianceUnavailable(
+                f"the routed experts ({', '.join(experts)}) compute each expert's tokens as one matmul whose bits "
+                "depend on how many tokens a step routes to it")
         max_rows = max(max_rows, 1)
         candidates = list(range(1, min(SMALL_ROWS, max_rows) + 1))
         candidates += list(range(BUCKET_ROWS, max_rows, BUCKET_ROWS))
@@ -172,6 +177,14 @@ class RowPadding:
     def __repr__(self) -> str:
         small = [r for r in self.safe_counts if r <= SMALL_ROWS]
         return f"RowPadding(small={small}, buckets={len(self.safe_counts) - len(small)}, max={self.max_rows})"
+
+
+def routed_experts(model: torch.nn.Module) -> list[str]:
+    """The classes of `model`'s modules holding a stack of experts' weights (a parameter of three or more
+    dimensions, `[experts, ...]`): transformers computes each expert over the tokens routed to it, a row
+    count no padding controls, so the probe cannot show their rows to be their own."""
+    return list(dict.fromkeys(type(module).__name__ for module in model.modules()
+                              if any(p.dim() >= 3 for p in module.parameters(recurse=False))))
 
 
 def _round_up(rows: int) -> int:

@@ -20,6 +20,15 @@ LONG = [{"role": "user", "content": "Tom has 5 apples and buys 3 more. Janet has
                                     "What is 2 + 3?"}]
 
 
+# Families whose experts transformers computes over the tokens routed to each: batch invariance is
+# refused for them (runtime.model.row_padding.routed_experts), so they are served with it off.
+ROUTED_EXPERTS = {"qwen3_moe": "Qwen3MoeExperts", "gpt_oss": "GptOssExperts"}
+
+
+def invariance(family: str, requested: bool) -> bool:
+    return requested and family not in ROUTED_EXPERTS
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def replica(request, tmp_path_factory):
     family = request.param
@@ -39,7 +48,7 @@ def test_greedy_decoding_matches_transformers_generate(replica, batch_invariant)
     short, long = prompt_ids(directory, SHORT), prompt_ids(directory, LONG)
     assert len(long) > SLIDING_WINDOW + MAX_TOKENS
     expected = [hf_greedy(reference, p, MAX_TOKENS) for p in (short, long)]
-    assert served(directory, [short, long], batch_invariant=batch_invariant) == expected, family
+    assert served(directory, [short, long], batch_invariant=invariance(family, batch_invariant)) == expected, family
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_oss", "gemma4_text"])
@@ -90,7 +99,7 @@ def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog
     from runtime.model.paths import describe
 
     with caplog.at_level("INFO", logger="ponder.runtime"):
-        engine = engine_for(write_family(family, tmp_path / family))
+        engine = engine_for(write_family(family, tmp_path / family), batch_invariant=False)
     assert engine_paths(engine) == paths
     assert f"paths: {describe(paths)}" in caplog.messages
     assert describe(paths).startswith(f"family {family}: layers transformers, linear float_kernel, attention ")
@@ -102,7 +111,7 @@ def test_a_prompt_read_from_the_prefix_cache_gives_the_same_tokens(replica, batc
     then reads them from the cache: windows, sinks and narrow heads included), with the same tokens."""
     family, directory, reference = replica
     long = prompt_ids(directory, LONG)
-    engine = engine_for(directory, batch_invariant=batch_invariant)
+    engine = engine_for(directory, batch_invariant=invariance(family, batch_invariant))
     first = run(engine, [generate_request("a", long, max_tokens=MAX_TOKENS)])["a"]
     second = run(engine, [generate_request("b", long, max_tokens=MAX_TOKENS)])["b"]
     assert second["finished"].cached_tokens >= len(long) - 4, family  # whole blocks of 4 tokens
@@ -129,3 +138,20 @@ def test_gemma3n_text_is_served_not_refused(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = list(range(3, 20))
     assert served(directory, [prompt]) == [hf_greedy(reference, prompt, MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("family", sorted(ROUTED_EXPERTS))
+def test_batch_invariance_is_refused_for_routed_experts(family, tmp_path, caplog):
+    """An expert's matmul runs over the tokens a step routes to it, a row count no padding controls (its
+    bits change with it on a CPU): `batch_invariant = true` refuses to start, auto serves without it and
+    says so."""
+    from runtime.model.row_padding import InvarianceUnavailable
+
+    directory = write_family(family, tmp_path / family)
+    with pytest.raises(InvarianceUnavailable, match=rf"^the routed experts \({ROUTED_EXPERTS[family]}\) compute "
+                                                     "each expert's tokens as one matmul"):
+        engine_for(directory, batch_invariant=True)
+    with caplog.at_level("WARNING", logger="ponder.runtime"):
+        engine_for(directory, batch_invariant="auto")
+    assert any(m.startswith(f"batch invariance is off: the routed experts ({ROUTED_EXPERTS[family]})")
+               for m in caplog.messages)
