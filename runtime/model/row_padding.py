@@ -181,10 +181,11 @@ class RowPadding:
 
 def routed_experts(model: torch.nn.Module) -> list[str]:
     """The classes of `model`'s modules holding a stack of experts' weights (a parameter of three or more
-    dimensions, `[experts, ...]`): transformers computes each expert over the tokens routed to it, a row
-    count no padding controls, so the probe cannot show their rows to be their own."""
+    dimensions, `[experts, ...]`, convolutions aside): transformers computes each expert over the tokens
+    routed to it, a row count no padding controls, so the probe cannot show their rows to be their own."""
     return list(dict.fromkeys(type(module).__name__ for module in model.modules()
-                              if any(p.dim() >= 3 for p in module.parameters(recurse=False))))
+                              if not isinstance(module, torch.nn.modules.conv._ConvNd)
+                              and any(p.dim() >= 3 for p in module.parameters(recurse=False))))
 
 
 def _round_up(rows: int) -> int:

@@ -155,3 +155,10 @@ def test_batch_invariance_is_refused_for_routed_experts(family, tmp_path, caplog
         engine_for(directory, batch_invariant="auto")
     assert any(m.startswith(f"batch invariance is off: the routed experts ({ROUTED_EXPERTS[family]})")
                for m in caplog.messages)
+
+
+def test_a_convolution_is_not_taken_for_routed_experts():
+    """A causal convolution's weight is three-dimensional too (the recurrent layers ponder will hold)."""
+    from runtime.model.row_padding import routed_experts
+
+    assert routed_experts(torch.nn.Sequential(torch.nn.Conv1d(8, 8, 4, groups=8), torch.nn.Linear(8, 8))) == []
