@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from runtime.model import attention
+from runtime.model import attention, families, paths
 from runtime.model.decoder import LeanDecoder
 from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig
@@ -37,13 +37,17 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
         log.info("the int4 kernel keeps to %s (model.cpu_isa = %s)", use_isa(options.cpu_isa), options.cpu_isa)
     log.info("loading tokenizer from %s", source.directory)
     started = time.perf_counter()
-    tokenizer = load_tokenizer(source, options.trust_remote_code)
+    try:
+        tokenizer = load_tokenizer(source, options.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers' message names neither the file nor the model
+        raise RuntimeError(f"the tokenizer of {source.path} cannot be read: {exc}") from exc
     log.info("tokenizer loaded in %.2f s", time.perf_counter() - started)
     log.info("loading model %s (%s on %s)", source.name, str(dtype).removeprefix("torch."), device)
     started = time.perf_counter()
     model, quantized = load_quantized_model(source, device, dtype, attention.register(), options.quantize,
                                             options.trust_remote_code)
     log.info("model loaded in %.2f s; %s", time.perf_counter() - started, quantized.describe())
+    families.check_loaded(model, source.path)  # the settings check read the config; this reads the modules too
     text_config = model.config.get_text_config()
     limit = getattr(text_config, "max_position_embeddings", None) or 2048
     max_model_len = min(options.max_model_len or limit, limit)
@@ -84,7 +88,15 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                      for name, verifier in verifiers.items()}
     engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter, tiers=tiers,
                     reward_models=reward_models)
+    log.info("paths: %s", paths.describe(engine_paths(engine)))
     return engine, source
+
+
+def engine_paths(engine: Engine) -> dict[str, str]:
+    """Which code computes each part of the engine's steps (runtime.model.paths)."""
+    runner = engine.runner
+    return paths.step_paths(engine.model, runner.decoder, runner.attention_kernel, engine.quantized.mode,
+                            runner.recurrent)
 
 
 def speculates(setting: bool | str, device) -> bool | str:
@@ -138,6 +150,7 @@ def _load_verifier(name: str, spec: dict[str, str], device, dtype):
     log.info("loading verifier %s (%s) from %s", name, spec["kind"], spec["path"])
     verifier = load_verifier(spec["kind"], spec["path"], device=device, dtype=dtype,
                              trust_remote_code=spec.get("trust_remote_code") == "true")
+    families.check_loaded(verifier.model, spec["path"])  # it attends through the same paged attention
     verifier.model.set_attn_implementation(attention.ATTENTION_NAME)
     return verifier
 

@@ -6,7 +6,8 @@ The runtime process runs `problem` first and says what it found before it loads 
 serve` starts that process before it binds its port, and stops there on a problem), so a setting
 this machine cannot honour (`--device cuda` without CUDA, a dtype the device only emulates) stops
 start-up with one line naming the setting instead of leaving a server up that answers 503. Exit status 2 and the line on stderr on a bad setting; 3 for a checkpoint that would leave a weight at
-random or holds tensors nothing reads (runtime.model.loader.check_loading).
+random or holds tensors nothing reads (runtime.model.loader.check_loading); 4 for an architecture ponder
+cannot run exactly (runtime.model.families), the line naming what it lacks.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from runtime.model.loader import (
 )
 from runtime.wire.protocol import RuntimeOptions, SettingsChecked, decode_options
 from runtime.model.quantize import check_device, check_mode
-from runtime.model import generation_config
+from runtime.model import families, generation_config
 
 
 CHECKPOINT_REFUSED = 3  # the exit status for a checkpoint that does not fill its model (2: a setting)
+MODEL_REFUSED = 4  # an architecture ponder cannot run exactly
 
 
 def check(options: RuntimeOptions) -> None:
@@ -39,9 +41,12 @@ def check(options: RuntimeOptions) -> None:
     fraction = options.gpu_memory_fraction
     if fraction is not None and not 0 < fraction <= 1:
         raise SettingError(f"cache.gpu_memory_fraction = {fraction} is not in (0, 1]")
+    config = _model_config(options)
+    if config is not None:
+        families.check(config, resolve_model(options.model, options.served_model_name).path)
     # The roofline split, and a GPU's free memory, size the pool once every model is loaded.
-    if options.kv_split != "roofline" and not sizes_from_device(options, device):
-        _check_budget(options, dtype)
+    if config is not None and options.kv_split != "roofline" and not sizes_from_device(options, device):
+        _check_budget(options, config, dtype)
     _check_checkpoints(options)
 
 
@@ -65,8 +70,8 @@ def _check_checkpoints(options: RuntimeOptions) -> None:
             continue
 
 
-def _check_budget(options: RuntimeOptions, dtype) -> None:
-    """The compute budget against one path's working set, from the model's config alone."""
+def _model_config(options: RuntimeOptions):
+    """The generator's transformers config, or None where it cannot be read (reported when it loads)."""
     from transformers import AutoConfig
 
     try:
@@ -74,11 +79,14 @@ def _check_budget(options: RuntimeOptions, dtype) -> None:
         if source.gguf_file:  # transformers parses the whole vocabulary for it: kept once read
             from runtime.model.cached_model import gguf_config
 
-            config = gguf_config(source, options.trust_remote_code)
-        else:
-            config = AutoConfig.from_pretrained(source.directory, trust_remote_code=options.trust_remote_code)
+            return gguf_config(source, options.trust_remote_code)
+        return AutoConfig.from_pretrained(source.directory, trust_remote_code=options.trust_remote_code)
     except Exception:  # noqa: BLE001 - a model that cannot be read is reported when it loads
-        return
+        return None
+
+
+def _check_budget(options: RuntimeOptions, config, dtype) -> None:
+    """The compute budget against one path's working set, from the model's config alone."""
     shape = kv_shape_of(config, options.block_size)
     limit = getattr(config.get_text_config(), "max_position_embeddings", None) or 2048
     num_blocks = options.num_blocks or max(1, options.kv_memory_bytes // shape.bytes_per_block(dtype))
@@ -93,6 +101,11 @@ def problem(options: RuntimeOptions) -> SettingsChecked:
         return SettingsChecked(problem=str(exc), status=2)
     except CheckpointMismatch as exc:
         return SettingsChecked(problem=str(exc), status=CHECKPOINT_REFUSED)
+    except families.UnsupportedModel as exc:
+        return SettingsChecked(problem=str(exc), status=MODEL_REFUSED)
+    except Exception as exc:  # noqa: BLE001 - a check that fails says why, rather than end the process unheard
+        return SettingsChecked(problem=f"the settings check failed: {type(exc).__name__}: {' '.join(str(exc).split())}",
+                               status=1)
     return SettingsChecked()
 
 

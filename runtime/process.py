@@ -57,11 +57,12 @@ def serve(channel: Channel) -> None:
     if verdict.problem is not None:
         return
     try:
-        from runtime.bootstrap import build_engine
+        from runtime.bootstrap import build_engine, engine_paths
         from runtime.model.generation_config import sampling_defaults
 
         engine, source = build_engine(options)
         defaults = sampling_defaults(source, options.generation_config)
+        paths = engine_paths(engine)
     except Exception as exc:  # noqa: BLE001 - reported to the server, which shows it to the user
         log.error("model load failed: %s", exc)
         channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
@@ -71,7 +72,8 @@ def serve(channel: Channel) -> None:
                        num_blocks=engine.config.num_blocks, block_size=engine.config.block_size,
                        verifiers=tuple(sorted(engine.scorers)), quantize=engine.quantized.mode,
                        tool_call_format=engine.gate.tool_format, reasoning_format=engine.reasoning_format,
-                       block_types=engine.quantized.block_types, sampling_defaults=defaults))
+                       block_types=engine.quantized.block_types, sampling_defaults=defaults,
+                       paths=paths))
     log.info("runtime ready: %s", source.name)
     from runtime.search.answers import warm_up
 
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         log.critical("the device failed and cannot recover (%s): exiting so the server restarts the runtime", exc)
         sys.exit(DEVICE_FAILURE_EXIT)
     finally:
+        # The server ends this process once its socket closes: a SIGTERM now has nothing left to stop.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sock.close()
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import uuid
+from collections.abc import Callable
 
 import msgspec
 
@@ -84,9 +86,10 @@ class _TooLarge(HTTPException):
 
 
 def create_app(settings: Settings, client: RuntimeClient | None = None, metrics: Metrics | None = None,
-               runtime: SpawnedRuntime | None = None) -> FastAPI:
+               runtime: SpawnedRuntime | None = None, on_load_failed: Callable[[str], None] | None = None) -> FastAPI:
     """The app over `client`, or over a client of its own that adopts `runtime` (a runtime process
-    `ponder serve` started and whose settings check passed) or starts one."""
+    `ponder serve` started and whose settings check passed) or starts one. `on_load_failed` is called
+    with the runtime's message where the model cannot load (`ponder serve` then exits)."""
     metrics = metrics or Metrics()
     if client is None:
         client = RuntimeClient(settings.runtime_options(), on_stats=metrics.apply_runtime_stats, spawned=runtime)
@@ -106,9 +109,12 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
     async def lifespan(app: FastAPI):
         with quiet_probe_access_log(not settings.server.access_log_probes):
             await client.start(wait=False)
+            watch = asyncio.create_task(_watch_load(client, on_load_failed)) if on_load_failed else None
             try:
                 yield
             finally:
+                if watch is not None:
+                    watch.cancel()
                 await client.stop()
 
     app = FastAPI(title="ponder", version="0.1.0", lifespan=lifespan,
@@ -168,7 +174,8 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
                                             "max_model_len": info.max_model_len if info else None,
                                             "quantize": info.quantize if info else None,
                                             "block_types": list(info.block_types) if info else None,
-                                            "sampling_defaults": dict(info.sampling_defaults) if info else None}]}
+                                            "sampling_defaults": dict(info.sampling_defaults) if info else None,
+                                            "paths": dict(info.paths) if info else None}]}
 
     def thinking_of(body) -> Thinking | None:
         """How a chat answer's thinking is told from its answer, or None where it is not."""
@@ -283,6 +290,19 @@ def create_app(settings: Settings, client: RuntimeClient | None = None, metrics:
         install_ui(app, trees, api_key, settings.server.sse_keepalive_s)
 
     return app
+
+
+async def _watch_load(client: RuntimeClient, on_load_failed: Callable[[str], None]) -> None:
+    """Call `on_load_failed` once the runtime says its model cannot load; return once it is ready."""
+    while True:
+        try:
+            await client.wait_ready()
+            return
+        except asyncio.TimeoutError:
+            continue  # a large model loads for longer than the client's load timeout: keep waiting
+        except RuntimeUnavailable as exc:
+            on_load_failed(str(exc))
+            return
 
 
 def _output_shape(body) -> tuple[Constraint | None, ToolCalling | None]:

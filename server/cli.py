@@ -73,8 +73,9 @@ def serve(args: argparse.Namespace) -> int:
     verdict = runtime.settings_checked()
     if verdict.problem is not None:
         runtime.close()
-        # Status 3: a checkpoint refused by strict loading (runtime.preflight.CHECKPOINT_REFUSED).
-        kind = "refusing the checkpoint" if verdict.status == 3 else "invalid settings:"
+        # Status 3: a checkpoint refused by strict loading (runtime.preflight.CHECKPOINT_REFUSED); 4: an
+        # architecture ponder cannot run exactly (runtime.preflight.MODEL_REFUSED).
+        kind = {3: "refusing the checkpoint", 4: "refusing the model"}.get(verdict.status, "invalid settings:")
         print(f"ponder: {kind} {verdict.problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -83,10 +84,22 @@ def serve(args: argparse.Namespace) -> int:
     if settings.server.api_key is None and not _is_loopback(host):
         log.warning("binding %s without an API key: anyone who can reach this address can use the server; "
                     "set --api-key or PONDER_SERVER__API_KEY", host)
-    app = create_app(settings, runtime=runtime)
-    uvicorn.run(app, host=host, port=settings.server.port, log_level=settings.server.log_level.lower(),
-                timeout_graceful_shutdown=5)
-    return 0
+    failures: list[str] = []
+
+    def load_failed(message: str) -> None:
+        """The model cannot load: stop serving and exit non-zero (as vLLM and llama-server do), so
+        `make run`, Docker and systemd see the failure instead of a server answering 503."""
+        failures.append(message)
+        server.should_exit = True
+
+    app = create_app(settings, runtime=runtime, on_load_failed=load_failed)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=settings.server.port,
+                                           log_level=settings.server.log_level.lower(), timeout_graceful_shutdown=5))
+    server.run()
+    if failures:
+        print(f"ponder: cannot load the model: {' '.join(failures[0].split())}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 3  # 3: uvicorn's own status where it could not start (a port in use)
 
 
 def _one_line(exc: Exception) -> str:

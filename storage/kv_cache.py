@@ -115,10 +115,21 @@ class KVCache:
         target.copy_(payload, non_blocking=True)
 
 
+def attention_sizes(text_config) -> tuple[int, int]:
+    """(KV heads, head size) of a transformers text config's attention: the largest of any layer where
+    they differ by layer (Gemma 4's global layers: a heterogeneous config's `per_layer_config`, whose
+    global values cannot be read). A narrower layer's keys are padded to them in the cache
+    (runtime.model.attention)."""
+    num_heads = text_config.num_attention_heads
+    layers = getattr(text_config, "per_layer_config", None)
+    layers = list(layers) if layers else [text_config]
+    head_dim = max(getattr(layer, "head_dim", None) or text_config.hidden_size // num_heads for layer in layers)
+    num_kv_heads = max(getattr(layer, "num_key_value_heads", None) or num_heads for layer in layers)
+    return num_kv_heads, head_dim
+
+
 def kv_shape_of(model_config, block_size: int) -> KVShape:
     """The KV shape of a transformers model config (its text config for a multimodal one)."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    num_heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    num_kv_heads, head_dim = attention_sizes(text_config)
     return KVShape(text_config.num_hidden_layers, num_kv_heads, head_dim, block_size)

@@ -13,6 +13,8 @@ been checked against a GPU's peak (no GPU was at hand), hence the factor of two.
 
 from __future__ import annotations
 
+from storage.kv_cache import attention_sizes
+
 
 FLOAT32_BYTES = 4
 
@@ -37,8 +39,7 @@ def activation_reserve(text_config, num_tokens: int, num_logit_rows: int, max_mo
 
     hidden = text_config.hidden_size
     heads = text_config.num_attention_heads
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+    kv_heads, head_dim = attention_sizes(text_config)
     intermediate = getattr(text_config, "intermediate_size", None) or 4 * hidden
     q_width, kv_width = heads * head_dim, kv_heads * head_dim
     per_token = 5 * hidden + (q_width + 2 * kv_width) + 2 * (q_width + kv_width) + q_width + 4 * intermediate

@@ -111,30 +111,72 @@ class AttentionMetadata:
     recurrent: object | None = None
 
 
+# Attention features some transformers families pass that this function does not implement: a
+# model passing one is stopped with its name rather than attended without it.
+_UNHONOURED = ("sinks", "position_bias", "indices", "block_indices")
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function transformers' modules call: query `[1, H, T, D]`, key/value `[1, KVH, T, D]`.
-    Gemma 2's `softcap` (attention-logit soft-capping) and `sliding_window` (its local layers) are honoured."""
+    Gemma 2's `softcap` (attention-logit soft-capping), `sliding_window` (local layers) and gpt-oss's
+    `s_aux` (attention sinks) are honoured; any other attention feature stops the step, naming it."""
+    for name in _UNHONOURED:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"ponder's paged attention does not implement {name!r} "
+                                      f"({type(module).__name__})")
+    if kwargs.get("is_causal") is False:
+        raise NotImplementedError(f"ponder's paged attention is causal; {type(module).__name__} is not")
     out = attend(kwargs["ponder_attention"], module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                 value[0].transpose(0, 1), scaling, softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"))
+                 value[0].transpose(0, 1), scaling, softcap=kwargs.get("softcap"), window=kwargs.get("sliding_window"),
+                 sinks=kwargs.get("s_aux"))
     return out.unsqueeze(0), None
 
 
 def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           scaling: float | None, *, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+           scaling: float | None, *, softcap: float | None = None, window: int | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write the step's new keys and values `[T, KVH, D]` of `layer` and attend its queries `[T, H, D]`;
     returns `[T, H, D]`. `softcap`: scores become softcap * tanh(score / softcap); `window`: a query at
-    position p attends to positions p - window + 1 .. p only (transformers' sliding window)."""
+    position p attends to positions p - window + 1 .. p only (transformers' sliding window); `sinks` `[H]`:
+    one more logit per head in the softmax's denominator, whose weight goes to no value (gpt-oss)."""
     if meta.attention is not None:
+        lacking = [name for name, used in (("attention sinks", sinks is not None), ("soft-capping", bool(softcap)),
+                                           ("a sliding window", bool(window))) if used]
+        if lacking:
+            raise NotImplementedError(f"the head-wise KV residency does not apply {' or '.join(lacking)}")
         return meta.attention(layer, queries, keys, values, scaling)
+    head_dim = queries.shape[-1]
+    narrow = tuple(keys.shape[1:]) != (meta.cache.shape.num_kv_heads, meta.cache.shape.head_dim)
+    if narrow:
+        scaling = scaling if scaling is not None else head_dim ** -0.5
+        queries, keys, values = _widened(meta.cache.shape, queries, keys, values)
     if meta.layers is not None:
         meta.layers.before_layer(layer)
-    out = _attend(meta, layer, queries, keys, values, scaling, softcap or None, window or None)
+    out = _attend(meta, layer, queries, keys, values, scaling, softcap or None, window or None, sinks)
     if meta.layers is not None:
         meta.layers.after_layer(layer)
-    return out
+    return out[..., :head_dim] if narrow else out
 
 
-def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling, softcap, window):
+def _widened(shape, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """A layer narrower than the cache (Gemma 4's sliding layers beside its wider global ones, see
+    storage.kv_cache.attention_sizes), as the cache's width: each KV head repeated for the query heads
+    that read it, keys, values and queries padded with zeros to the cache's head size. The scores are
+    the layer's own (a zero adds nothing to a dot product) and so are the outputs' first `head_dim` values."""
+    num_kv_heads = keys.shape[1]
+    if shape.num_kv_heads % num_kv_heads or queries.shape[1] % shape.num_kv_heads:
+        raise NotImplementedError(f"a layer of {num_kv_heads} KV heads beside the cache's {shape.num_kv_heads} "
+                                  f"for {queries.shape[1]} query heads")
+    repeat = shape.num_kv_heads // num_kv_heads
+    if repeat > 1:  # query head i reads KV head i // (H / KVH): the same head after repeat_interleave
+        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+    pad = shape.head_dim - keys.shape[-1]
+    if pad:
+        queries, keys, values = (F.pad(x, (0, pad)) for x in (queries, keys, values))
+    return queries, keys, values
+
+
+def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling, softcap, window, sinks):
     cache = meta.cache
     cache.write_rows(layer, meta.slot_rows, keys, values)
     num_tokens, num_heads, head_dim = queries.shape
@@ -150,16 +192,17 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
             out[-meta.num_padding:] = 0
     if meta.decode_rows is not None:
         d = meta.decode_rows
+        kernel_sinks = None if sinks is None else sinks.detach().float().contiguous()
         if queries.dtype != torch.float32:  # a bfloat16 model: the kernel widens them, and rounds its output back
             attended = out.new_zeros(out.shape, dtype=torch.float32)
             d.kernel(queries.float(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
-                     int(window or 0))
+                     int(window or 0), kernel_sinks)
             out.copy_(attended)
         else:
             if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view
                 queries = queries.contiguous()
             d.kernel(queries, d.rows, cache.kv, d.tables, d.ctx, layer, scale, out, float(softcap or 0),
-                     int(window or 0))
+                     int(window or 0), kernel_sinks)
     for group in meta.decode_groups:
         g = group.rows.shape[0]
         # Query heads h*r .. h*r+r-1 share KV head h (grouped-query attention): [G, KVH, r, D].
@@ -176,7 +219,9 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
             ctx = (~masked).sum(-1, keepdim=True)
             masked = masked | (torch.arange(group.width, device=ctx.device) < ctx - window)
         # A masked position's weight is exactly 0 and its value finite (see DecodeGroup.kv_rows).
-        weights = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
+        # Query head h * shared + j is sink h * shared + j: [KVH, shared, 1] against [G, KVH, shared, width].
+        weights = _softmax(scores.masked_fill_(masked, float("-inf")),
+                           None if sinks is None else sinks.view(num_kv_heads, shared, 1))
         attended = torch.matmul(weights if weights.dtype == v.dtype else weights.to(v.dtype), v)
         if out is None:  # the step's only group, every row in order
             return attended.view(g, num_heads, head_dim)
@@ -184,14 +229,14 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
 
     for p in meta.prefills:
         q = queries[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
-        if softcap is not None or window is not None:  # SDPA has no soft-capping: the plain arithmetic
+        if softcap is not None or window is not None or sinks is not None:  # beyond SDPA: the plain arithmetic
             if p.mask is None:
                 k = keys[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
                 v = values[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
             else:
                 k, v = cache.gather(layer, p.block_table)
                 k, v = k[:, :, :p.ctx_len], v[:, :, :p.ctx_len]
-            o = _prefill_capped(q, k, v, p.ctx_len, scale, softcap, window)
+            o = _prefill_capped(q, k, v, p.ctx_len, scale, softcap, window, sinks)
         elif p.mask is None:
             k = keys[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
             v = values[p.q_start:p.q_start + p.q_len].transpose(0, 1)[None]
@@ -208,9 +253,20 @@ def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax over the last dimension of `scores`, with `sinks` (broadcast to `scores` but for its
+    last dimension, one logit per head) in the denominator: transformers' gpt-oss arithmetic (the sink
+    joins the scores, the row's maximum is subtracted, the softmax taken, the sink's column dropped)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def _prefill_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, scale: float,
-                    softcap: float | None, window: int | None) -> torch.Tensor:
-    """A prompt slice's attention in float32 with soft-capping and a sliding window: q `[1, H, Q, D]`
+                    softcap: float | None, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A prompt slice's attention in float32 with soft-capping, a sliding window and sinks: q `[1, H, Q, D]`
     at positions ctx_len - Q .. ctx_len - 1, k/v `[1, KVH, ctx_len, D]`; returns `[1, H, Q, D]`."""
     heads, q_len, kv_heads = q.shape[1], q.shape[2], k.shape[1]
     k = k.float().repeat_interleave(heads // kv_heads, dim=1)
@@ -221,7 +277,7 @@ def _prefill_capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: 
     hidden = key_pos > query_pos
     if window is not None:
         hidden = hidden | (key_pos <= query_pos - window)
-    weights = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    weights = _softmax(scores.masked_fill_(hidden, float("-inf")), None if sinks is None else sinks.view(heads, 1, 1))
     return torch.matmul(weights.to(v.dtype), v)
 
 

@@ -36,15 +36,6 @@ def recurrent_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in LAYER_CLASSES]
 
 
-def unsupported_recurrent(model: nn.Module) -> str | None:
-    """What a model's recurrent layers need that ponder does not run, or None."""
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if kind.endswith(("GatedDeltaNet", "Mamba", "Mamba2Mixer", "MambaMixer")) and kind not in LAYER_CLASSES:
-            return f"{name} is a {kind} layer, whose recurrent state ponder does not hold"
-    return None
-
-
 @dataclass
 class Segment:
     """One sequence's rows of the step: tokens `begin .. end - 1` at rows `row .. row + end - begin - 1`,
@@ -88,7 +79,7 @@ class RecurrentLayers:
     def __init__(self, layers: list[nn.Module], states: RecurrentStates) -> None:
         self.layers = layers
         self.states = states
-        kernel = _kernel_for(layers[0])
+        self.kernel = kernel = _kernel_for(layers[0])  # None: the token loop in torch
         for index, layer in enumerate(layers):
             layer.forward = partial(gated_delta_forward, layer, index, kernel)
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from runtime.model.attention import bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.model.decoder import LeanDecoder
+from storage.kv_cache import attention_sizes
 
 SMALL_ROWS = 48  # every row count up to this is probed
 BUCKET_ROWS = 64  # above it, steps are padded to multiples of this, each probed
@@ -133,6 +134,11 @@ class RowPadding:
         `block_size`-token blocks a context of up to `max_model_len` tokens (default: the model's
         `max_position_embeddings`) reads; raise `InvarianceUnavailable` where the device cannot be
         shown to compute row by row."""
+        experts = routed_experts(model)
+        if experts:
+            raise InvarianceUnavailable(
+                f"the routed experts ({', '.join(experts)}) compute each expert's tokens as one matmul whose bits "
+                "depend on how many tokens a step routes to it")
         max_rows = max(max_rows, 1)
         candidates = list(range(1, min(SMALL_ROWS, max_rows) + 1))
         candidates += list(range(BUCKET_ROWS, max_rows, BUCKET_ROWS))
@@ -171,6 +177,15 @@ class RowPadding:
     def __repr__(self) -> str:
         small = [r for r in self.safe_counts if r <= SMALL_ROWS]
         return f"RowPadding(small={small}, buckets={len(self.safe_counts) - len(small)}, max={self.max_rows})"
+
+
+def routed_experts(model: torch.nn.Module) -> list[str]:
+    """The classes of `model`'s modules holding a stack of experts' weights (a parameter of three or more
+    dimensions, `[experts, ...]`, convolutions aside): transformers computes each expert over the tokens
+    routed to it, a row count no padding controls, so the probe cannot show their rows to be their own."""
+    return list(dict.fromkeys(type(module).__name__ for module in model.modules()
+                              if not isinstance(module, torch.nn.modules.conv._ConvNd)
+                              and any(p.dim() >= 3 for p in module.parameters(recurse=False))))
 
 
 def _round_up(rows: int) -> int:
@@ -219,7 +234,7 @@ def _text_config(model: torch.nn.Module):
 
 
 def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return attention_sizes(config)[1]
 
 
 def _probe_attention(model: torch.nn.Module, windows: list[tuple[int, int]], generator: torch.Generator) -> None:
@@ -228,8 +243,7 @@ def _probe_attention(model: torch.nn.Module, windows: list[tuple[int, int]], gen
     largest."""
     config = _text_config(model)
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = _head_dim(config)
+    kv_heads, head_dim = attention_sizes(config)
     parameter = next(model.parameters())
     for width, most in windows:
         q = torch.randn(most, kv_heads, heads // kv_heads, head_dim, generator=generator)

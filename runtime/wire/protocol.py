@@ -120,6 +120,9 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     # The model author's sampling defaults (runtime.model.generation_config), e.g. {"temperature": 0.7}: the
     # server applies each to a request that leaves that field unset. Empty: ponder's own (SamplingParams').
     sampling_defaults: dict[str, Union[int, float]] = {}
+    # Which code computes each part of a step (runtime.model.paths): e.g. {"family": "llama", "layers": "lean",
+    # "linear": "float_kernel", "attention": "cpu_kernel"}.
+    paths: dict[str, str] = {}
 
 
 class SettingsChecked(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True):

@@ -102,6 +102,8 @@ SCRIPT = textwrap.dedent("""
         cache = SimpleNamespace(dtype=torch.float32)
         quantized = SimpleNamespace(mode="none", block_types=())
         gate = SimpleNamespace(tool_format="hermes")
+        model = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
+        runner = SimpleNamespace(decoder=None, attention_kernel=None)
         scorers = {}
         requests = {}
         searches = {}

@@ -44,6 +44,9 @@ def test_models_and_health(server, client):
     [entry] = httpx.get(server + "/v1/models", headers=AUTH).json()["data"]
     assert (entry["quantize"], entry["block_types"]) == ("float", [])  # float weights in ponder's float kernel, no GGUF blocks
     assert entry["sampling_defaults"] == {}  # its generation_config.json holds token ids, no sampling field
+    # A float llama on a CPU: the lean decoder whose decode steps are one float-kernel call (runtime.model.paths).
+    assert entry["paths"] == {"family": "llama", "layers": "float_kernel", "linear": "float_kernel",
+                              "attention": "cpu_kernel"}
 
 
 def test_chat_non_streaming_matches_greedy_reference(client, expected):

@@ -7,6 +7,8 @@
 //   s_j = softcap * tanh(s_j / softcap)              with soft-capping (Gemma 2), softcap > 0
 //                                                  with a sliding window, only j >= ctx[g] - window
 //   w_j = exp(s_j - max s) / sum of those exps     (exp: a polynomial, the same bits on every CPU)
+//                                                  with sinks (gpt-oss), the head's sink joins the max
+//                                                  and adds its exp to the sum; it weighs no value
 //   out = sum over j, in order, of w_j * v_j
 // A query's result depends on its own query, context and cache only, so it never depends on the
 // batch, the thread count or what else the step holds. A bfloat16 cache's keys and values are
@@ -14,8 +16,8 @@
 // values gives.
 //
 // decode_attention(queries [T, H, D], rows [G], cache [blocks, layers, 2, KVH, bs, D], tables [G, W],
-//                  ctx [G], layer, scale, out [T, H, D], softcap, window) writes out[rows[g]] for every g;
-// softcap 0 and window 0 mean none. queries and out are float32, the cache float32 or bfloat16.
+//                  ctx [G], layer, scale, out [T, H, D], softcap, window, sinks [H]) writes out[rows[g]] for
+// every g; softcap 0, window 0 and sinks None mean none. queries and out are float32, the cache float32 or bfloat16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -168,7 +170,7 @@ int64_t score_keys(const Layout& s, const float* qh, int64_t ctx, const Key& key
 // shared * ctx floats. With a window, the context is its last `window` positions: `first` on.
 template <class KV>
 void attend_head(const Layout& s, const float* q, const KV* cache, const int64_t* table, int64_t full_ctx,
-                 int64_t kv_head, float scale, float* out, float* scores) {
+                 int64_t kv_head, float scale, float* out, float* scores, const float* sinks) {
   const int64_t shared = s.H / s.KVH, D = s.D, chunks = D / 8;
   const int64_t head_offset = kv_head * s.bs * D, value_offset = s.KVH * s.bs * D;
   const int64_t first = s.window > 0 && full_ctx > s.window ? full_ctx - s.window : 0;
@@ -207,6 +209,8 @@ void attend_head(const Layout& s, const float* q, const KV* cache, const int64_t
     float* si = scores + i * ctx;
     float top = si[0];
     for (int64_t j = 1; j < ctx; ++j) top = std::max(top, si[j]);
+    const float* sink = sinks != nullptr ? sinks + kv_head * shared + i : nullptr;
+    if (sink != nullptr) top = std::max(top, *sink);
     const __m256 top8 = _mm256_set1_ps(top);
     __m256 sum8 = _mm256_setzero_ps();
     int64_t j = 0;
@@ -223,7 +227,13 @@ void attend_head(const Layout& s, const float* q, const KV* cache, const int64_t
       for (int64_t t = 0; j + t < ctx; ++t) si[j + t] = tail[t];
       sum8 = _mm256_add_ps(sum8, e);  // the padding's exps are 0
     }
-    const float inverse = 1.0f / hsum(sum8);
+    float sum = hsum(sum8);
+    if (sink != nullptr) {  // the sink's exp, through the same polynomial (its other lanes' exps are 0)
+      alignas(32) float lane[8] = {*sink - top, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f, -100.0f};
+      _mm256_store_ps(lane, exp_nonpositive(_mm256_load_ps(lane)));
+      sum += lane[0];
+    }
+    const float inverse = 1.0f / sum;
     for (int64_t t = 0; t < ctx; ++t) si[t] *= inverse;
   }
   float* heads_out = out + kv_head * shared * D;
@@ -283,7 +293,7 @@ namespace ponder {
 
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
                       const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out,
-                      double softcap, int64_t window) {
+                      double softcap, int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(softcap >= 0 && window >= 0, "decode_attention: softcap and window must be >= 0 (0: none)");
   TORCH_CHECK(supported(), "decode_attention: this CPU lacks AVX2 or FMA");
   TORCH_CHECK(cache.dim() == 6 && (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16) &&
@@ -300,6 +310,10 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
               out.size(0) == queries.size(0) && out.size(1) == queries.size(1) && out.size(2) == D,
               "decode_attention: out must be contiguous float32 shaped like queries");
   const int64_t G = rows.size(0);
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->dim() == 1 && sinks->size(0) == queries.size(1)),
+              "decode_attention: sinks must be contiguous float32 [heads]");
+  const float* sp = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 1,
               "decode_attention: rows must be contiguous int64 [queries]");
   TORCH_CHECK(ctx.scalar_type() == at::kLong && ctx.is_contiguous() && ctx.dim() == 1 && ctx.size(0) == G,
@@ -340,10 +354,11 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t k = i / KVH, h = i % KVH, g = k % 2 ? G - 1 - k / 2 : k / 2;
       if (wide)
-        attend_head(s, qp + rp[g] * s.q_stride, kv, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D, scores.data());
+        attend_head(s, qp + rp[g] * s.q_stride, kv, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D, scores.data(),
+                    sp);
       else
         attend_head(s, qp + rp[g] * s.q_stride, kv16, tp + g * s.W, cp[g], h, sc, op + rp[g] * s.H * D,
-                    scores.data());
+                    scores.data(), sp);
     }
   });
 }
@@ -352,6 +367,6 @@ void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const a
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {
   m.def("decode_attention(Tensor queries, Tensor rows, Tensor cache, Tensor tables, Tensor ctx, int layer, "
-        "float scale, Tensor(a!) out, float softcap=0, int window=0) -> ()");
+        "float scale, Tensor(a!) out, float softcap=0, int window=0, Tensor? sinks=None) -> ()");
 }
 TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("decode_attention", &ponder::decode_attention); }

@@ -161,7 +161,7 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
       }
     }
     attended.zero_();
-    ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, 0);
+    ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, 0, std::nullopt);
     at::Tensor gate_up;
     if (is_float) {
       const at::Tensor out = narrow ? attended.to(at::kBFloat16) : attended;  // attention's output in the model's dtype

@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace ponder {
 
 // q4_linear.cpp: residual + rms_norm(x; norm_weight, eps) @ W.T for float32 x [R, K] (see there).
@@ -17,6 +19,6 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 // decode_attention.cpp: each query of `rows` attends to its own paged context (see there).
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
                       const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out,
-                      double softcap, int64_t window);
+                      double softcap, int64_t window, const std::optional<at::Tensor>& sinks);
 
 }  // namespace ponder

@@ -93,9 +93,10 @@ def test_a_querys_bits_do_not_depend_on_the_other_queries(path):
     assert torch.equal(out[0, 1], alone[0])
 
 
-def _reference(cache, layer, q, table, ctx, scale, softcap=0.0, window=0):
+def _reference(cache, layer, q, table, ctx, scale, softcap=0.0, window=0, sinks=None):
     """float64 attention of one query `[H, D]` over the first `ctx` positions of its blocks (the last
-    `window` of them with a window), scores soft-capped with `softcap`."""
+    `window` of them with a window), scores soft-capped with `softcap`, each head's sink `sinks` `[H]`
+    in the softmax's denominator."""
     blocks = cache.kv[table][:, layer].double()  # [blocks, 2, KVH, BS, D]
     first = max(0, ctx - window) if window else 0
     keys = blocks[:, 0].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, first:ctx]
@@ -103,7 +104,34 @@ def _reference(cache, layer, q, table, ctx, scale, softcap=0.0, window=0):
     scores = q.double().view(KVH, H // KVH, D) @ keys.transpose(1, 2) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    return (torch.softmax(scores, dim=-1) @ values).reshape(H, D)
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ values).reshape(H, D)
+    sink = sinks.double().view(KVH, H // KVH, 1)
+    weights = torch.softmax(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
+    return (weights @ values).reshape(H, D)
+
+
+@pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_kernel_adds_each_heads_sink_to_the_softmax(window):
+    """gpt-oss's attention sinks: one more logit per head in the denominator, weighing no value; and
+    the torch path (decode groups) agrees with the kernel on the same step."""
+    cache = KVCache(KVShape(2, KVH, D, BS), 16, torch.float32, torch.device("cpu"))
+    cache.kv.normal_(generator=torch.Generator().manual_seed(8))
+    gen = torch.Generator().manual_seed(10)
+    tables = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(3)])
+    ctx = torch.tensor([1, 9, 30])
+    queries = torch.randn(3, H, D, generator=gen)
+    sinks = 1.0 + 2.0 * torch.randn(H, generator=gen)
+    rows = torch.arange(3)
+    out = torch.zeros(3, H, D)
+    attention_kernel()(queries, rows, cache.kv, tables, ctx, 1, 0.3, out, 0.0, window, sinks)
+    for g in range(3):
+        torch.testing.assert_close(out[g].double(), _reference(cache, 1, queries[g], tables[g], int(ctx[g]), 0.3,
+                                                               window=window, sinks=sinks), rtol=1e-5, atol=1e-6)
+    plain = torch.zeros(3, H, D)
+    attention_kernel()(queries, rows, cache.kv, tables, ctx, 1, 0.3, plain, 0.0, window)
+    assert not torch.allclose(plain, out)  # the sinks change every result
 
 
 @pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
