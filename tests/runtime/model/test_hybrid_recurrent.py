@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from runtime.model.recurrent import _initial
+from runtime.model.row_padding import InvarianceUnavailable
 from runtime.wire.protocol import Delta, Finished, GenerateRequest
 from runtime.wire.params import SamplingParams, SearchParams
 from storage.recurrent_state import Resume, State
@@ -53,6 +54,10 @@ def test_greedy_decoding_matches_transformers_generate(hybrid, batch_invariant):
     directory, reference = hybrid
     prompts = [prompt_ids(directory, SHORT), prompt_ids(directory, LONG)]
     assert len(prompts[1]) > 40
+    if batch_invariant and reference.config.model_type != "qwen3_5_text":  # routed experts: refused, see docs/models.md
+        with pytest.raises(InvarianceUnavailable, match="routed experts"):
+            engine_for(directory, batch_invariant=True)
+        batch_invariant = "auto"
     engine = engine_for(directory, batch_invariant=batch_invariant)
     results = run(engine, [request(str(i), p, max_tokens=12) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
@@ -85,7 +90,7 @@ def test_a_step_started_from_an_empty_state_decodes_other_tokens(dense):
 def test_logprobs_equal_transformers_forward_over_prompt_and_path(hybrid):
     directory, reference = hybrid
     prompt = prompt_ids(directory, LONG)
-    engine = engine_for(directory)
+    engine = engine_for(directory, batch_invariant="auto")
     engine.add_request(request("r", prompt, max_tokens=10, temperature=1.0, seed=3, logprobs=True))
     tokens, logprobs = [], []
     while engine.has_work:
