@@ -85,7 +85,7 @@ class RecurrentLayers:
 
     @classmethod
     def build(cls, model: nn.Module, states: RecurrentStates | None) -> "RecurrentLayers | None":
-        layers = recurrent_layers(model)
+        layers = recurrent_layers(model) if model is not None else []  # None: a runner of attention alone (tests)
         if not layers:
             return None
         if states is None:
