@@ -103,7 +103,7 @@ SCRIPT = textwrap.dedent("""
         quantized = SimpleNamespace(mode="none", block_types=())
         gate = SimpleNamespace(tool_format="hermes")
         model = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
-        runner = SimpleNamespace(decoder=None, attention_kernel=None)
+        runner = SimpleNamespace(decoder=None, attention_kernel=None, recurrent=None)
         scorers = {}
         requests = {}
         searches = {}
