@@ -104,6 +104,7 @@ SCRIPT = textwrap.dedent("""
         gate = SimpleNamespace(tool_format="hermes")
         model = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
         runner = SimpleNamespace(decoder=None, attention_kernel=None, recurrent=None)
+        reasoning_format = "none"
         scorers = {}
         requests = {}
         searches = {}
