@@ -3,6 +3,7 @@ path, so that grammar, tool calls, sampling, search and metrics are written once
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,18 @@ class ChatBridge:
     model: Callable[[str | None], str]  # the served model's name: a 404 for another's, a 503 while loading
     dependencies: list[Any]  # the API key check
     keepalive_s: float  # a comment on every stream at least this often
+
+
+def read_chat_event(raw: bytes) -> tuple[str, Any]:
+    """One SSE message of the chat stream as (kind, value): ("comment", raw) for a comment (keep-alives and
+    search progress, which every SSE parser skips: passed through), ("done", None) at `[DONE]`, ("error",
+    the error object) for an error chunk, else ("chunk", the chunk)."""
+    if raw.startswith(b":"):
+        return "comment", raw
+    if raw.strip() == b"data: [DONE]":
+        return "done", None
+    chunk = json.loads(raw.decode().removeprefix("data: "))
+    return ("error", chunk["error"]) if "error" in chunk else ("chunk", chunk)
 
 
 def search_of(summary: dict | None, path: dict | None) -> dict | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.chat_bridge import search_of
+from server.chat_bridge import read_chat_event, search_of
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 
@@ -72,7 +72,6 @@ def event(kind: str, payload: dict[str, Any]) -> bytes:
 class MessageStream:
     """Turns the chat path's SSE chunks (one choice, continuous usage) into Anthropic's events."""
 
-    DONE = b"data: [DONE]"
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
@@ -89,14 +88,14 @@ class MessageStream:
     def feed(self, raw: bytes) -> list[bytes]:
         """The events for one SSE message of the chat stream (comments pass through: keep-alives and
         search progress, which every SSE parser skips)."""
-        if raw.startswith(b":"):
+        kind, chunk = read_chat_event(raw)
+        if kind == "comment":
             return [raw]
-        if raw.strip() == self.DONE:
+        if kind == "done":
             return [] if self.failed else self._end()
-        chunk = json.loads(raw.decode().removeprefix("data: "))
-        if "error" in chunk:
+        if kind == "error":
             self.failed = True
-            error = chunk["error"]
+            error = chunk
             return [event("error", {"error": {"type": error.get("type") or "api_error", "message": error["message"]}})]
         out = [] if self.started else [self._start(chunk)]
         self.usage = chunk.get("usage") or self.usage

@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any
 
-from server.chat_bridge import search_of
+from server.chat_bridge import read_chat_event, search_of
 
 
 def new_id(prefix: str) -> str:
@@ -86,7 +86,6 @@ class ResponseStream:
     """Turns the chat path's SSE chunks (one choice, continuous usage) into Responses events; `final`
     holds the finished response (None until then, and after a failure)."""
 
-    DONE = b"data: [DONE]"
 
     def __init__(self, envelope: dict) -> None:
         self.envelope = envelope
@@ -115,14 +114,14 @@ class ResponseStream:
     def feed(self, raw: bytes) -> list[bytes]:
         """The events for one SSE message of the chat stream (comments pass through: keep-alives and
         search progress, which every SSE parser skips)."""
-        if raw.startswith(b":"):
+        kind, chunk = read_chat_event(raw)
+        if kind == "comment":
             return [raw]
-        if raw.strip() == self.DONE:
+        if kind == "done":
             return [] if self.failed else self._end()
-        chunk = json.loads(raw.decode().removeprefix("data: "))
-        if "error" in chunk:
+        if kind == "error":
             self.failed = True
-            error = chunk["error"]
+            error = chunk
             failed = {**self.envelope, "status": "failed", "output": self.output, "usage": None,
                       "error": {"code": error.get("code") or "server_error", "message": error["message"]}}
             return [self._event("response.failed", {"response": failed})]
