@@ -39,6 +39,47 @@ def read_chat_event(raw: bytes) -> tuple[str, Any]:
     return ("error", chunk["error"]) if "error" in chunk else ("chunk", chunk)
 
 
+class ChatStreamTranslation:
+    """Turns the chat route's SSE messages (one choice, continuous usage) into another API's events:
+    comments pass through, an error chunk ends the stream (`_failed`), `[DONE]` ends it (`_end`), and each
+    chunk updates the usage and the search summary, then is turned choice by choice (`_choice`), after
+    what the API sends first (`_opening`)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+        self.usage: dict | None = None
+        self.summary: dict | None = None  # the search summary, on the last chunk of a search
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        kind, chunk = read_chat_event(raw)
+        if kind == "comment":
+            return [raw]
+        if kind == "done":
+            return [] if self.failed else self._end()
+        if kind == "error":
+            self.failed = True
+            return self._failed(chunk)
+        out = self._opening(chunk)
+        self.usage = chunk.get("usage") or self.usage
+        if chunk.get("search") is not None:
+            self.summary = chunk["search"]
+        for choice in chunk.get("choices", ()):
+            out.extend(self._choice(choice))
+        return out
+
+    def _opening(self, chunk: dict) -> list[bytes]:
+        return []
+
+    def _choice(self, choice: dict) -> list[bytes]:
+        raise NotImplementedError
+
+    def _failed(self, error: dict) -> list[bytes]:
+        raise NotImplementedError
+
+    def _end(self) -> list[bytes]:
+        raise NotImplementedError
+
+
 def search_of(summary: dict | None, path: dict | None) -> dict | None:
     """ponder's `search` on an answer of one choice: the chat answer's summary of the search, with the
     chosen path's score, step scores and answer beside it."""

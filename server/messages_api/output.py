@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.chat_bridge import read_chat_event, search_of
+from server.chat_bridge import ChatStreamTranslation, search_of
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 
@@ -69,41 +69,24 @@ def event(kind: str, payload: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
-class MessageStream:
+class MessageStream(ChatStreamTranslation):
     """Turns the chat path's SSE chunks (one choice, continuous usage) into Anthropic's events."""
 
-
     def __init__(self, stops: list[str]) -> None:
+        super().__init__()
         self.stops = stops
         self.started = False
         self.block: str | None = None  # the kind of the open content block
         self.num_blocks = 0
-        self.usage: dict | None = None
         self.finish_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.summary: dict | None = None
         self.path: dict | None = None
-        self.failed = False
 
-    def feed(self, raw: bytes) -> list[bytes]:
-        """The events for one SSE message of the chat stream (comments pass through: keep-alives and
-        search progress, which every SSE parser skips)."""
-        kind, chunk = read_chat_event(raw)
-        if kind == "comment":
-            return [raw]
-        if kind == "done":
-            return [] if self.failed else self._end()
-        if kind == "error":
-            self.failed = True
-            error = chunk
-            return [event("error", {"error": {"type": error.get("type") or "api_error", "message": error["message"]}})]
-        out = [] if self.started else [self._start(chunk)]
-        self.usage = chunk.get("usage") or self.usage
-        if chunk.get("search") is not None:
-            self.summary = chunk["search"]
-        for choice in chunk.get("choices", ()):
-            out.extend(self._choice(choice))
-        return out
+    def _opening(self, chunk: dict) -> list[bytes]:
+        return [] if self.started else [self._start(chunk)]
+
+    def _failed(self, error: dict) -> list[bytes]:
+        return [event("error", {"error": {"type": error.get("type") or "api_error", "message": error["message"]}})]
 
     def _start(self, chunk: dict) -> bytes:
         self.started = True

@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any
 
-from server.chat_bridge import read_chat_event, search_of
+from server.chat_bridge import ChatStreamTranslation, search_of
 
 
 def new_id(prefix: str) -> str:
@@ -82,20 +82,18 @@ def response_body(envelope: dict, chat: dict) -> dict:
     return body
 
 
-class ResponseStream:
+class ResponseStream(ChatStreamTranslation):
     """Turns the chat path's SSE chunks (one choice, continuous usage) into Responses events; `final`
     holds the finished response (None until then, and after a failure)."""
 
-
     def __init__(self, envelope: dict) -> None:
+        super().__init__()
         self.envelope = envelope
         self.sequence = 0
         self.output: list[dict] = []  # finished items
         self.message: dict | None = None  # the message item being written
         self.reasoning: dict | None = None  # the reasoning item being written
-        self.usage: dict | None = None
         self.finish_reason: str | None = None
-        self.summary: dict | None = None
         self.path: dict | None = None
         self.final: dict | None = None
         self.failed = False
@@ -111,27 +109,10 @@ class ResponseStream:
         return [self._event("response.created", {"response": snapshot}),
                 self._event("response.in_progress", {"response": snapshot})]
 
-    def feed(self, raw: bytes) -> list[bytes]:
-        """The events for one SSE message of the chat stream (comments pass through: keep-alives and
-        search progress, which every SSE parser skips)."""
-        kind, chunk = read_chat_event(raw)
-        if kind == "comment":
-            return [raw]
-        if kind == "done":
-            return [] if self.failed else self._end()
-        if kind == "error":
-            self.failed = True
-            error = chunk
-            failed = {**self.envelope, "status": "failed", "output": self.output, "usage": None,
-                      "error": {"code": error.get("code") or "server_error", "message": error["message"]}}
-            return [self._event("response.failed", {"response": failed})]
-        self.usage = chunk.get("usage") or self.usage
-        if chunk.get("search") is not None:
-            self.summary = chunk["search"]
-        out: list[bytes] = []
-        for choice in chunk.get("choices", ()):
-            out.extend(self._choice(choice))
-        return out
+    def _failed(self, error: dict) -> list[bytes]:
+        failed = {**self.envelope, "status": "failed", "output": self.output, "usage": None,
+                  "error": {"code": error.get("code") or "server_error", "message": error["message"]}}
+        return [self._event("response.failed", {"response": failed})]
 
     def _choice(self, choice: dict) -> list[bytes]:
         delta = choice.get("delta") or {}
