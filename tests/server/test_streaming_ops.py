@@ -79,7 +79,8 @@ def test_a_long_streamed_search_is_never_silent(server):
 
 def test_search_events_replace_the_progress_comments_when_asked_for(server):
     base, _ = server
-    search = {**LONG, "max_steps": 3, "verifier": "confidence", "timeout_s": CAP_S}
+    # One batch of paths for three steps: ended by its steps on a busy machine too, never by the clock.
+    search = {**LONG, "n": 8, "beam_width": 4, "max_steps": 3, "verifier": "confidence", "timeout_s": CAP_S}
     _, lines = timed_lines(base, body(stream=True, stream_options={"include_search_events": True}, search=search))
     texts = [line for _, line in lines]
     assert not any(t.startswith(": search step") for t in texts)
@@ -113,12 +114,11 @@ def test_the_cap_is_the_timeout_of_a_search_that_sets_none(server):
 def test_a_short_search_does_not_time_out(server):
     """Counted in steps, not seconds: one batch of paths (as many as run at once) for two steps of four
     tokens is about ten engine steps on the tiny model, a small fraction of the cap even on a machine
-    many times slower than a quiet one; it ends by its step count, not by the clock."""
+    many times slower than a quiet one, so it ends by its step count, never by the clock."""
     base, _ = server
     search = {**LONG, "n": 8, "beam_width": 4, "max_steps": 2, "verifier": "confidence", "timeout_s": CAP_S}
     answer = httpx.post(base + CHAT, json=body(max_tokens=8, search=search), timeout=60).json()
     assert answer["search"]["timed_out"] is False and answer["search"]["steps"] == 2
-    assert answer["search"]["paths_explored"] >= 8
 
 
 @pytest.mark.parametrize("timeout_s", [0.5, 0, -1, CAP_S + 0.5, 10**6])
