@@ -102,7 +102,8 @@ class SearchController(SearchOutput):
 
     @property
     def spec_tokens(self) -> dict[str, int]:
-        """Speculative tokens: used by their path, adopted by its children, discarded."""
+        """Speculative tokens: used by their path, adopted by its children, discarded (read only:
+        speculation counts them, `Speculation.count`)."""
         return self.speculation.tokens
 
     def _out_of_time(self) -> bool:
@@ -269,7 +270,7 @@ class SearchController(SearchOutput):
             ahead = path.ahead.pop(0)  # this step, decoded ahead (in part, or whole)
             path.head_start = (len(path.seq.token_ids) if ahead.end is None else ahead.end) - ahead.start
             path.chunk_logprobs.extend(ahead.logprobs)
-            self.spec_tokens["adopted" if ahead.adopted else "used"] += path.head_start
+            self.speculation.count("adopted" if ahead.adopted else "used", path.head_start)
             if ahead.end is None:
                 to_run.append(path)  # it decodes the rest of its step
                 continue
@@ -315,7 +316,7 @@ class SearchController(SearchOutput):
 
     def _discard(self, path: SearchPath) -> None:
         """Release a path that ends here; its speculative tokens, and its branches', were for nothing."""
-        self.spec_tokens["discarded"] += path.num_speculative
+        self.speculation.count("discarded", path.num_speculative)
         self.speculation.release(path)
         self.plan.release(path.seq)
 
