@@ -373,10 +373,9 @@ class Engine:
         for controller in list(self.searches.values()):
             controller.check_deadline()  # a search past its deadline answers now, verified or not
             self._carry_out(controller)
-        try:
-            plan = self._schedule()
-        except MemoryError as exc:
-            return self._fail_blocked(str(exc))
+        plan = self._schedule()
+        if plan.blocked is not None:
+            return self._fail_blocked(plan.blocked)
         self.stats["preemptions"] += len(plan.preempted) + len(plan.released)
         if plan.is_empty:
             return self._drain()
@@ -458,10 +457,10 @@ class Engine:
         self.outbox.append(RequestError(request_id=request_id, status=status, type="server_error", code=code,
                                         message=message))
 
-    def _fail_blocked(self, reason: str) -> list[FromRuntime]:
+    def _fail_blocked(self, seq: Sequence) -> list[FromRuntime]:
         """Nothing can run and the next waiting sequence does not fit: fail its request, not the server."""
-        request_id = self.scheduler.waiting[0].owner.request_id
-        self.fail_request(request_id, f"the KV cache is exhausted: {reason}")
+        self.fail_request(seq.owner.request_id, f"the KV cache is exhausted: a sequence of {len(seq)} tokens "
+                                                f"cannot fit in an empty KV pool")
         return self._drain()
 
     # -- introspection --------------------------------------------------------------------------

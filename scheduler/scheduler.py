@@ -32,6 +32,9 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     released: list[Sequence] = field(default_factory=list)  # parked sequences that gave their blocks up
+    # Nothing runs and the next waiting sequence does not fit even in an empty pool: it never will, so
+    # its owner is to end it (a result, not an exception: the step goes on for everything else).
+    blocked: Sequence | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -157,8 +160,7 @@ class Scheduler:
             budget -= num_new
 
         if not out.scheduled and self.waiting and not self.running:
-            seq = self.waiting[0]
-            raise MemoryError(f"a sequence of {len(seq)} tokens cannot fit in an empty KV pool")
+            out.blocked = self.waiting[0]
         return out
 
     def _release_parked(self, out: SchedulerOutput) -> bool:

@@ -50,6 +50,43 @@ def blocks(text: str, page: str) -> list[Block]:
     return found
 
 
+SHOWN = "checked: the output of the request above"
+
+
+def shown_outputs(found: list[Block]) -> list[tuple[Block, Block]]:
+    """(the live request, the output shown for it): each block marked `<!-- checked: the output of the
+    request above ... -->` paired with the live block before it on its page."""
+    pairs = []
+    for i, block in enumerate(found):
+        if block.marker is not None and block.marker.startswith(SHOWN):
+            request = next(b for b in reversed(found[:i]) if b.page == block.page and b.marker == LIVE)
+            pairs.append((request, block))
+    return pairs
+
+
+UNCOMPARED = {"id", "created"}  # a fresh id and clock every time
+
+
+def output_differences(shown, actual, where: str = "") -> list[str]:
+    """Where `actual` (a response) differs from `shown` (the page's output, abridged: only the fields it
+    shows are compared). A number shown with d decimals is compared rounded to d decimals; seconds and
+    the response's id and time are not compared (they are the machine's, not the code's)."""
+    if isinstance(shown, dict):
+        if not isinstance(actual, dict):
+            return [f"{where}: {actual!r} is not an object"]
+        return [d for key, value in shown.items() if key not in UNCOMPARED and not key.startswith("seconds_")
+                for d in (output_differences(value, actual[key], f"{where}.{key}") if key in actual
+                          else [f"{where}.{key}: not in the response"])]
+    if isinstance(shown, list):
+        if not isinstance(actual, list) or len(actual) != len(shown):
+            return [f"{where}: {actual!r} is not {len(shown)} items"]
+        return [d for i, (s, a) in enumerate(zip(shown, actual)) for d in output_differences(s, a, f"{where}[{i}]")]
+    if isinstance(shown, float) and isinstance(actual, float):
+        decimals = len(repr(shown).partition(".")[2])
+        return [] if round(actual, decimals) == shown else [f"{where}: shown {shown}, the code gives {actual}"]
+    return [] if shown == actual and type(shown) is type(actual) else [f"{where}: shown {shown!r}, the code gives {actual!r}"]
+
+
 def unmarked(found: list[Block]) -> list[str]:
     """Runnable blocks with no marker, or a `not run` marker that gives no reason."""
     return [b.where for b in found if b.lang in RUNNABLE

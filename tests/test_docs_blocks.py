@@ -116,3 +116,42 @@ def test_the_live_blocks_run_against_a_live_server(server, page):
         assert body["choices"][0]["finish_reason"] in ("stop", "length"), block.where
         if '"search"' in code:
             assert body["search"]["strategy"] == "beam" and body["choices"][0]["search"]["step_scores"], block.where
+
+
+SHOWN = docs.shown_outputs(BLOCKS)
+
+
+def test_the_outputs_shown_are_paired_with_their_requests():
+    assert [(request.where, output.where) for request, output in SHOWN] == [
+        ("README.md:30", "README.md:36"), ("README.md:52", "README.md:66")]
+    shown = {"a": 1, "id": "x", "b": {"score": 0.9935, "seconds_generating": 0.29, "steps": [2, "s"]}}
+    assert docs.output_differences(shown, {"a": 1, "id": "y", "b": {"score": 0.99352, "steps": [2, "s"],
+                                                                     "seconds_generating": 5.7}}) == []
+    assert docs.output_differences(shown, {"a": 1.0, "b": {"score": 0.99344, "steps": [3, "s"]}}) == [
+        ".a: shown 1, the code gives 1.0", ".b.score: shown 0.9935, the code gives 0.99344",
+        ".b.steps[0]: shown 2, the code gives 3"]
+    assert docs.output_differences(shown, {"a": 1}) == [".b: not in the response"]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    # The model the pages' outputs were taken on: the embedded one, default settings.
+    with live_server("--device", "cpu", timeout=300) as (base, _):
+        yield base
+
+
+@pytest.mark.parametrize("pair", SHOWN, ids=[output.where for _, output in SHOWN])
+def test_an_output_shown_is_what_the_code_gives(embedded, pair):
+    """Greedy or seeded, the documented request answers what its page shows, field for field (seconds,
+    the id and the time aside), on the instruction set the page names (another one's rounding may pick
+    another token)."""
+    from bench.report import kernel_isa
+
+    request, output = pair
+    isa = output.marker.rsplit("ISA ", 1)[-1]
+    if kernel_isa() != isa:
+        pytest.skip(f"{output.where} was taken with the {isa} kernel; this machine runs {kernel_isa()}")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", request.code.replace(DOCUMENTED, embedded)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{request.where}: {done.stderr}"
+    assert docs.output_differences(json.loads(output.code), json.loads(done.stdout), output.where) == []

@@ -1,9 +1,9 @@
 """What the KV room's long-lived parts ask of the engine (their ports); the engine satisfies them.
 
-The engine builds its compute pool (KV tensor, block pool, KV manager, scheduler, runner) anew when
-tiers are attached under `token`, attaches the tiers after it is made, and re-chooses the batch caps
-as its search load changes: those are read through these ports at each use. What stays fixed (the
-model, the settings) is handed over when the part is made.
+The engine builds its compute pool (KV tensor, block pool, KV manager, scheduler, runner) once, when
+it is made (under `token` sized to the blocks the tiers hold), and the residency over it then; it
+re-chooses the batch caps as its search load changes, so those are read through these ports at each
+use. What stays fixed (the model, the settings) is handed over when the part is made.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What plain requests ask of the engine (their port); the engine satisfies it.
 
-Only the compute pool's queues and KV manager are read through it: the engine builds them anew when
-tiers are attached under `token`, so they are asked for at each use. What stays fixed (the
+Only the compute pool's queues and KV manager are read through it: the engine owns them (it builds
+them once, when it is made) and plain requests hold no reference of their own. What stays fixed (the
 tokenizer, the limits, the head-wise residency) is handed over when plain requests are made.
 """
 

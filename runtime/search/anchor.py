@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from runtime.search.host import Verifier
 from runtime.wire.params import SamplingParams
 
 ANCHOR_UID = -1  # never a sampled path's number: the sampled paths' seeds stay what they were without it
@@ -34,17 +35,16 @@ def anchor_params(params: SamplingParams) -> SamplingParams:
     return msgspec.structs.replace(params, temperature=0.0)
 
 
-def outranks(verifier, score: float, anchor_score: float) -> bool:
+def outranks(verifier: Verifier, score: float, anchor_score: float) -> bool:
     """Whether a candidate scored `score` beats the anchor scored `anchor_score` by `verifier`'s margin."""
     if not math.isfinite(score):
         return False
     if not math.isfinite(anchor_score):
         return True
-    rule = getattr(verifier, "outranks", None)
-    return rule(score, anchor_score) if rule is not None else score > anchor_score
+    return verifier.outranks(score, anchor_score)
 
 
-def anchor_first(order: Sequence[int], scores: Sequence[float], anchor: int, verifier) -> list[int]:
+def anchor_first(order: Sequence[int], scores: Sequence[float], anchor: int, verifier: Verifier) -> list[int]:
     """`order` (candidate indices, best first) with the anchor `anchor` moved first unless the best
     candidate outranks it."""
     order = list(order)

@@ -29,7 +29,7 @@ from runtime.search.ahead import Rollouts
 from runtime.search.anchor import ANCHOR_UID, anchor_params
 from runtime.search.aggregate import aggregate, normalize_step
 from runtime.search.answers import compile_answer_pattern
-from runtime.search.host import SearchHost
+from runtime.search.host import SearchHost, Verifier
 from runtime.search.output import SearchOutput
 from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.plan import SearchPlan
@@ -42,7 +42,7 @@ from scheduler.sequence import Sequence
 
 class SearchController(SearchOutput):
     def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
-                 prompt_ids: list[int], question: str, max_tokens: int, verifier, grammar: Grammar | None = None,
+                 prompt_ids: list[int], question: str, max_tokens: int, verifier: Verifier, grammar: Grammar | None = None,
                  answer_form: str | None = None, thinking: ThinkingStart | None = None) -> None:
         """`grammar`: what every path's output must match (its constraint forks with the path);
         `answer_form`: how its answers compare (`runtime.search.answers.structured_answer`), None: as math;
@@ -102,7 +102,8 @@ class SearchController(SearchOutput):
 
     @property
     def spec_tokens(self) -> dict[str, int]:
-        """Speculative tokens: used by their path, adopted by its children, discarded."""
+        """Speculative tokens: used by their path, adopted by its children, discarded (read only:
+        speculation counts them, `Speculation.count`)."""
         return self.speculation.tokens
 
     def _out_of_time(self) -> bool:
@@ -173,10 +174,9 @@ class SearchController(SearchOutput):
         """The score the verifier will give a step of these sampled tokens' log-probabilities, where it
         reads nothing else (`confidence`: free, and each step is a unit of its own with no roll-outs);
         None where only verifying tells."""
-        score_of = getattr(self.verifier, "score_of", None)
-        if score_of is None or not self.strategy.uses_verifier or self.search.granularity != 1 or self.search.lookahead:
+        if not self.strategy.uses_verifier or self.search.granularity != 1 or self.search.lookahead:
             return None
-        return score_of(logprobs)
+        return self.verifier.score_of(logprobs)
 
     def children_limit(self, step: int) -> int:
         """The fewest children a path surviving step `step` will get, as far as is known now: for the
@@ -270,7 +270,7 @@ class SearchController(SearchOutput):
             ahead = path.ahead.pop(0)  # this step, decoded ahead (in part, or whole)
             path.head_start = (len(path.seq.token_ids) if ahead.end is None else ahead.end) - ahead.start
             path.chunk_logprobs.extend(ahead.logprobs)
-            self.spec_tokens["adopted" if ahead.adopted else "used"] += path.head_start
+            self.speculation.count("adopted" if ahead.adopted else "used", path.head_start)
             if ahead.end is None:
                 to_run.append(path)  # it decodes the rest of its step
                 continue
@@ -316,7 +316,7 @@ class SearchController(SearchOutput):
 
     def _discard(self, path: SearchPath) -> None:
         """Release a path that ends here; its speculative tokens, and its branches', were for nothing."""
-        self.spec_tokens["discarded"] += path.num_speculative
+        self.speculation.count("discarded", path.num_speculative)
         self.speculation.release(path)
         self.plan.release(path.seq)
 
@@ -377,7 +377,7 @@ class SearchController(SearchOutput):
                            or self.step_index >= self.search.max_steps)
         to_score = [p for p in self.stepped if self.verify_now or p.is_done] if self.strategy.uses_verifier else []
         if self._out_of_time():
-            self.cut_step_verified = bool(to_score) and getattr(self.verifier, "is_free", False)
+            self.cut_step_verified = bool(to_score) and self.verifier.is_free
             if to_score and not self.cut_step_verified:
                 self._settle()
                 return
@@ -409,7 +409,7 @@ class SearchController(SearchOutput):
         if self.to_verify:
             self.stats["verifier_calls"] += 1
             self.scores_before = {path: len(path.step_scores) for path in self.to_verify}
-            if not getattr(self.verifier, "is_free", False):
+            if not self.verifier.is_free:
                 self.plan.verify(self.to_verify)
                 return
             self.verifier.submit(self, self.to_verify)
@@ -423,6 +423,10 @@ class SearchController(SearchOutput):
         path.chunk_start = path.step_end
         self.stats["verifier_tokens_prefilled"] += prefilled
         self.stats["prefix_hit_tokens"] += cached
+
+    def expect_scores(self) -> None:
+        """A batch of asynchronous scores (a model's) is on its way: the search settles once all arrived."""
+        self.pending_scores += 1
 
     def score_done(self) -> None:
         """Called once a batch of asynchronous scores (judge sequences) has all arrived."""

@@ -16,6 +16,21 @@ if TYPE_CHECKING:
     import torch
 
 
+class Verifier(Protocol):
+    """What a search asks of the verifier it was given (runtime.verify's scorers satisfy it). A free
+    one scores in `submit` itself; another one's scores arrive in later steps, asked for in the plan
+    (`Verify`), each batch announced to the search (`expect_scores`) and ended by `score_done`."""
+
+    name: str
+    is_free: bool  # scores at once from what the search has: still taken past its deadline
+
+    def submit(self, client, paths) -> None: ...
+
+    def score_of(self, logprobs: list[float]) -> float | None: ...  # a unit's score from these alone, None: not so
+
+    def outranks(self, score: float, anchor_score: float) -> bool: ...  # the greedy anchor's margin
+
+
 class SearchLimits(Protocol):
     @property
     def max_model_len(self) -> int: ...

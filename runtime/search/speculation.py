@@ -555,9 +555,14 @@ class Speculation:
             lineage.speculating = False
         self.search.plan.park(lineage.seq)
 
+    def count(self, outcome: str, num_tokens: int) -> None:
+        """Speculative tokens by what became of them: `used` by their path, `adopted` by its children,
+        `discarded`; the search tells which when it settles a step or drops a path."""
+        self.tokens[outcome] += num_tokens
+
     def _drop(self, branch: Branch) -> None:
         self.release(branch)
-        self.tokens["discarded"] += branch.num_tokens
+        self.count("discarded", branch.num_tokens)
         self.running.pop(branch, None)
         self.search.plan.release(branch.seq)
 

@@ -12,6 +12,25 @@ from typing import Protocol
 from scheduler.sequence import Sequence
 
 
+class ScoreClient(Protocol):
+    """What a scorer asks of the one it scores for (a search's controller, a rewards request): the
+    scorer tells it of each score and of each batch on its way, and the client counts them itself."""
+
+    request_id: str
+    question: str
+    is_finished: bool
+
+    def expect_scores(self) -> None: ...  # a batch of scores is on its way: `score_done` once all arrived
+
+    def on_score(self, path, score: float, prefilled: int = 0, cached: int = 0) -> None: ...
+
+    def score_done(self) -> None: ...
+
+    def lookahead_unit(self, path) -> str | None: ...  # the next step to score with this one, if any
+
+    def on_next_score(self, path, unit: str, score: float) -> None: ...  # that next step's score
+
+
 class VerifierHost(Protocol):
     def fail_request(self, request_id: str, message: str, status: int = 503,
                      code: str = "kv_cache_exhausted") -> None: ...

@@ -67,7 +67,18 @@ class RewardScoring:
         """Sequences it holds itself (for aborts): none; its judge questions are the engine's `scoring`."""
         return []
 
-    # -- what the scorers call, as on a search's controller ---------------------------------------
+    # -- what the scorers call, as on a search's controller (runtime.verify.host.ScoreClient) -------
+    def expect_scores(self) -> None:
+        self.pending_scores += 1
+
+    @staticmethod
+    def lookahead_unit(path: GivenPath) -> None:
+        """None: a given response has no step ahead of the one scored."""
+        return None
+
+    def on_next_score(self, path: GivenPath, unit: str, score: float) -> None:
+        raise AssertionError("a given response has no step ahead: no scorer reads one (lookahead_unit is None)")
+
     def on_score(self, path: GivenPath, score: float, prefilled: int = 0, cached: int = 0) -> None:
         self.step_scores[path.candidate][len(path.chunks) - 1] = float(score)
         self.input_tokens += prefilled + cached

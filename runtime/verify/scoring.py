@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.verify.host import JudgeHost
+from runtime.verify.host import JudgeHost, ScoreClient
 from runtime.verify.verifiers import calculator
 from runtime.verify.verifiers.confidence import confidence_from_logprobs
 from runtime.verify.verifiers.judge import JudgeVerifier
@@ -38,16 +38,22 @@ def unit_confidence(path) -> float:
     return confidence_from_logprobs(path.chunk_logprobs + path.lookahead_logprobs)
 
 
+def higher(score: float, anchor_score: float) -> bool:
+    """The greedy anchor's margin where a verifier has none of its own: a strictly higher score."""
+    return score > anchor_score
+
+
 class ConfidenceScorer:
     name = "confidence"
     is_free = True  # scores from logprobs already at hand: still worth taking past a search's deadline
+    outranks = staticmethod(higher)
 
-    def submit(self, controller, paths) -> None:
+    def submit(self, controller: ScoreClient, paths) -> None:
         for path in paths:
             controller.on_score(path, unit_confidence(path))
 
     @staticmethod
-    def score_of(logprobs) -> float:
+    def score_of(logprobs) -> float | None:
         """The score `submit` gives a unit of these sampled tokens' log-probabilities (no look-ahead):
         speculation reads it for a step decoded ahead, before any path exists to score."""
         return confidence_from_logprobs(logprobs)
@@ -61,6 +67,11 @@ class CalculatorScorer:
     def outranks(score: float, anchor_score: float) -> bool:
         """The greedy anchor's margin (runtime.search.anchor): a candidate must reach a higher tier."""
         return calculator.tier_of_score(score) > calculator.tier_of_score(anchor_score)
+
+    @staticmethod
+    def score_of(logprobs) -> float | None:
+        """None: the calculator reads the path's text, which only verifying has."""
+        return None
 
     def submit(self, controller, paths) -> None:
         question = calculator_question(controller)
@@ -123,6 +134,13 @@ class _ScoreJob:
 
 class JudgeScorer:
     name = "judge"
+    is_free = False  # a model's questions, prefilled in later steps: not started past a search's deadline
+    outranks = staticmethod(higher)
+
+    @staticmethod
+    def score_of(logprobs) -> float | None:
+        """None: the judge reads the step's text, which only verifying asks it about."""
+        return None
 
     def __init__(self, host: JudgeHost, judge: JudgeVerifier) -> None:
         self.host = host
@@ -131,11 +149,11 @@ class JudgeScorer:
         # question about a path begins with its previous one up to where that one's suffix began.
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def submit(self, controller, paths) -> None:
+    def submit(self, controller: ScoreClient, paths) -> None:
         """One question per distinct text asked: paths whose steps read the same (siblings that
         sampled the same step) share its sequence and its score, which a second sequence would
         only compute again in the same batch, before the first one's blocks are in the cache."""
-        controller.pending_scores += 1
+        controller.expect_scores()
         batch = ScoreBatch(controller, len(paths), time.perf_counter(), self.host.observe_verifier)
         jobs: dict[tuple[int, ...], _ScoreJob] = {}
         for path in paths:

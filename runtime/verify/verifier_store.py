@@ -22,8 +22,8 @@ from runtime.model.model_runner import ModelRunner
 from runtime.model.recurrent import recurrent_states
 from runtime.model.float_layers import float_layers
 from runtime.model.row_padding import padding_for
-from runtime.verify.host import VerifierHost
-from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer, ScoreBatch
+from runtime.verify.host import ScoreClient, VerifierHost
+from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer, ScoreBatch, higher
 from runtime.verify.verifiers.judge import JudgeVerifier
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import ScheduledSequence
@@ -61,7 +61,7 @@ class StoreScore:
     def deliver(self) -> None:
         """To the search, unless it ended meanwhile; the last score of a verification lets it go on."""
         job = self.job
-        if getattr(job.controller, "is_finished", False):
+        if job.controller.is_finished:
             return
         if self.score_ahead is not None:
             job.controller.on_next_score(job.path, job.ahead[0], self.score_ahead)
@@ -69,6 +69,14 @@ class StoreScore:
 
 
 class VerifierStore:
+    is_free = False  # a reward model's forwards: not started past a search's deadline
+    outranks = staticmethod(higher)
+
+    @staticmethod
+    def score_of(logprobs) -> float | None:
+        """None: a reward model reads the step's text, which only verifying gives it."""
+        return None
+
     def __init__(self, name: str, verifier, shape: KVShape, num_blocks: int, max_batched_tokens: int,
                  host: VerifierHost, *, max_model_len: int, batch_invariant: bool | str) -> None:
         self.name = name
@@ -110,10 +118,10 @@ class VerifierStore:
             return self.max_batched_tokens
         return min(self.max_batched_tokens, self.prefill_token_cap)
 
-    def submit(self, controller, paths) -> None:
+    def submit(self, controller: ScoreClient, paths) -> None:
         """Queue the newest unit of each path; the controller hears back through on_score/score_done
         when the engine delivers the scores `step` read."""
-        controller.pending_scores += 1
+        controller.expect_scores()
         batch = ScoreBatch(controller, len(paths), time.perf_counter(), self.host.observe_verifier)
         capacity = self.pool.num_blocks * self.pool.block_size
         for path in paths:
@@ -125,7 +133,7 @@ class VerifierStore:
                 return
             read = last.read_positions[-1]
             ahead = None
-            unit = getattr(controller, "lookahead_unit", lambda p: None)(path)
+            unit = controller.lookahead_unit(path)
             if unit is not None:  # LookAhead verification: the next step in the same sequence
                 both = self.verifier.build_inputs(controller.question, units + [unit])[-1]
                 # Only where the current score is read at the same position after the same tokens
@@ -147,7 +155,7 @@ class VerifierStore:
         budget = self.step_token_budget if token_cap is None else min(self.step_token_budget, token_cap)
         while self.queue:
             job = self.queue[0]
-            if getattr(job.controller, "is_finished", False):
+            if job.controller.is_finished:
                 self.queue.popleft()  # its search was aborted
                 continue
             if jobs and len(job.seq.token_ids) > budget:

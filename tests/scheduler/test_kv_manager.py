@@ -168,3 +168,18 @@ def test_keep_moves_parked_sequences_to_the_front_so_they_give_up_blocks_last():
         scheduler.hold(seq)
     scheduler.keep([seqs[3], seqs[1]])
     assert scheduler.parked == [seqs[1], seqs[3], seqs[0], seqs[2]]
+
+
+def test_a_sequence_no_empty_pool_can_hold_is_reported_blocked_not_raised():
+    pool, kv = make(num_blocks=2, block_size=2)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    big = Sequence([1, 2, 3, 4, 5])  # 3 blocks of 2 tokens; the pool has 2
+    sched.add(big)
+    out = sched.schedule()
+    assert out.is_empty and out.blocked is big and list(sched.waiting) == [big]
+    assert pool.num_used == 0 and big.block_table == []
+    small, sched = Sequence([6, 7, 8]), Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.add(small)
+    out = sched.schedule()
+    assert out.blocked is None and [s.seq for s in out.scheduled] == [small]
+    pool.check_integrity([small.block_table])

@@ -1,13 +1,12 @@
 """The greedy anchor: one path decoded at temperature 0 beside the strategy's, the answer unless a
 candidate outranks it by the verifier's margin (runtime.search.anchor)."""
 
-from types import SimpleNamespace
 
 import pytest
 
 from runtime.search.anchor import anchor_first, outranks
 from runtime.search.controller import SearchController
-from runtime.verify.scoring import CalculatorScorer
+from runtime.verify.scoring import CalculatorScorer, ConfidenceScorer, JudgeScorer
 from runtime.wire.params import SamplingParams, SearchParams
 from runtime.wire.protocol import Delta, Finished, GenerateRequest
 from tests.runtime.engine_helpers import engine_for
@@ -117,12 +116,13 @@ def test_the_calculator_s_margin_is_a_tier():
     assert not outranks(calculator, unsupported_sure, unchecked_unsure)  # (1 + 1.0) / 4 is tier 1 at full confidence
     assert outranks(calculator, unchecked_unsure, unsupported_sure)
     assert outranks(calculator, 0.1, float("-inf")) and not outranks(calculator, float("-inf"), 0.1)
-    plain = SimpleNamespace()  # a verifier without a rule of its own: a strictly higher score
+    plain = ConfidenceScorer()  # a verifier without a margin of its own: a strictly higher score
     assert outranks(plain, 0.51, 0.5) and not outranks(plain, 0.5, 0.5)
+    assert JudgeScorer.outranks(0.51, 0.5) and not JudgeScorer.outranks(0.5, 0.5)
 
 
 def test_anchor_first_moves_the_anchor_before_what_does_not_outrank_it():
-    plain = SimpleNamespace()
+    plain = ConfidenceScorer()
     assert anchor_first([2, 0, 1], [0.3, 0.1, 0.9], 1, plain) == [2, 0, 1]  # 0.9 beats greedy's 0.1
     assert anchor_first([2, 0, 1], [0.3, 0.9, 0.9], 1, plain) == [1, 2, 0]  # a tie keeps greedy
     assert anchor_first([1, 0], [0.3, 0.9], 1, plain) == [1, 0]

@@ -23,6 +23,14 @@ class Controller:
     scores: list = field(default_factory=list)  # (path, score, prefilled, cached)
     done: int = 0
 
+    is_finished: bool = False
+
+    def expect_scores(self):
+        self.pending_scores += 1
+
+    def lookahead_unit(self, path):
+        return None
+
     def on_score(self, path, score, prefilled=0, cached=0):
         self.scores.append((path, score, prefilled, cached))
 
