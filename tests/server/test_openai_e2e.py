@@ -1,5 +1,7 @@
 """End to end: `ponder serve` on a tiny model, driven with the official openai SDK and raw HTTP."""
 
+import subprocess
+import sys
 import time
 
 import httpx
@@ -8,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.runtime.engine_helpers import hf_greedy
-from tests.server.live import live_server, metric
+from tests.server.live import ROOT, live_server, metric
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -183,15 +185,12 @@ def test_dropped_stream_frees_every_block(server):
     assert generated() - before < 4 * 400  # stopped early: the request was aborted, not finished
 
 
-def test_health_is_503_when_the_model_cannot_load(tmp_path):
-    with live_server("--model", str(tmp_path / "missing"), wait_healthy=False) as (base, _):
-        deadline = time.monotonic() + 60
-        while True:
-            r = httpx.get(base + "/health")
-            assert r.status_code == 503
-            if "no model at" in r.json()["error"]["message"]:
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        code, error = _error(base, "/v1/chat/completions", {"messages": MESSAGES}, headers={})
-        assert code == 503
+def test_a_model_that_cannot_load_ends_the_server_naming_why(tmp_path):
+    """Until the model loads /health answers 503; a load that fails ends `ponder serve` with status 1 and
+    the loader's message on its last line (docs/models.md), not a server answering 503 for ever."""
+    out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tmp_path / "missing"),
+                          "--port", "0", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.splitlines()[-1] == (f"ponder: cannot load the model: ModelNotFound: no model at "
+                                           f"{tmp_path / 'missing'}: pass a model directory, a .gguf file or a "
+                                           "cached hub id")
