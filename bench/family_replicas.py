@@ -1,6 +1,6 @@
 """SmolLM2-sized replicas of other families, to time the lean decoder on each against the same-sized llama.
 
-    python -m bench.family_replicas OUT_DIR [--families llama,qwen3,smollm3] [--dtype bfloat16]
+    ponder bench family-replicas OUT_DIR [--families llama,qwen3,smollm3] [--dtype bfloat16]
 
 Writes OUT_DIR/<family>: a random-weight (seeded) checkpoint of SmolLM2-135M's sizes (576 wide, 30
 layers, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embedding) in the family's
