@@ -32,7 +32,8 @@ def build_tokenizer(directory: Path):
 
 def build_model(directory: Path, arch: str = "llama", seed: int = 0, layers: int = 2):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -42,6 +43,10 @@ def build_model(directory: Path, arch: str = "llama", seed: int = 0, layers: int
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "qwen3":  # head_dim not hidden / heads, as Qwen3's published checkpoints
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    elif arch == "smollm3":  # the second layer without rotary (NoPE), as every fourth in SmolLM3-3B
+        model = SmolLM3ForCausalLM(SmolLM3Config(**common, no_rope_layers=[1, 0][:layers] + [1] * (layers - 2)))
     else:
         raise ValueError(arch)
     # Random init gives near-uniform logits; sharpen them so greedy decoding has clear winners.
@@ -60,5 +65,27 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """A Qwen3 whose q and k norms are not all ones (random init leaves them so, which would hide them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory = build_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3", seed=2)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.rand(norm.weight.shape, generator=gen))
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3(tmp_path_factory) -> Path:
+    return build_model(tmp_path_factory.mktemp("tiny-smollm3"), "smollm3", seed=3)
 
 

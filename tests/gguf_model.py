@@ -33,14 +33,21 @@ def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.0
 
 
 def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: dict[str, str] | None = None,
-                    hidden: int = HIDDEN, ffn: int = FFN, embedding: str = "Q8_0") -> Path:
+                    hidden: int = HIDDEN, ffn: int = FFN, embedding: str = "Q8_0", arch: str = "llama",
+                    head_dim: int | None = None) -> Path:
     """`directory`/tiny.gguf with every projection stored as `kind`, but those named in `kinds` (e.g.
     {"attn_v": "Q8_0", "ffn_down": "F16"}), as llama-quantize mixes them (K-quants need `hidden` and
-    `ffn` multiples of 256), and the embedding (the tied head) as `embedding`."""
+    `ffn` multiples of 256), and the embedding (the tied head) as `embedding`. `arch="qwen3"` writes
+    Qwen3's q/k norms (attn_q_norm, attn_k_norm) and its head size as llama.cpp's converter does
+    (`attention.key_length` / `value_length`, `head_dim` wide, default hidden / heads)."""
     HIDDEN, FFN = hidden, ffn  # noqa: N806 - the module's sizes, overridden
     rng = np.random.default_rng(seed)
     path = directory / "tiny.gguf"
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
+    head_dim = head_dim or HIDDEN // HEADS
+    if arch != "llama":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_context_length(128)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
@@ -71,12 +78,14 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
 
     blocks("token_embd.weight", (VOCAB, HIDDEN), GGMLQuantizationType[embedding])
     floats("output_norm.weight")
-    head_dim = HIDDEN // HEADS
     for i in range(LAYERS):
         floats(f"blk.{i}.attn_norm.weight")
         floats(f"blk.{i}.ffn_norm.weight")
-        for name, shape in [("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (KV_HEADS * head_dim, HIDDEN)),
-                            ("attn_v", (KV_HEADS * head_dim, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
+        if arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
+        for name, shape in [("attn_q", (HEADS * head_dim, HIDDEN)), ("attn_k", (KV_HEADS * head_dim, HIDDEN)),
+                            ("attn_v", (KV_HEADS * head_dim, HIDDEN)), ("attn_output", (HIDDEN, HEADS * head_dim)),
                             ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))]:
             blocks(f"blk.{i}.{name}.weight", shape, GGMLQuantizationType[(kinds or {}).get(name, kind)])
     writer.write_header_to_file()

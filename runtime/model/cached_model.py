@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from runtime.model.float_layers import FloatLinear, float_layers
-from runtime.model.loader import CheckpointMismatch, ModelSource, load_causal_lm
+from runtime.model.loader import CheckpointMismatch, ModelSource, file_head_dim, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
@@ -102,8 +102,12 @@ def gguf_config(source: ModelSource, trust_remote_code: bool = False):
         cached.name_or_path = source.directory
         return cached
     config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code)
+    head_dim = file_head_dim(source.path)
+    if head_dim is not None and hasattr(config, "head_dim"):
+        config.head_dim = head_dim
     entry.write(config.save_pretrained)
     return config
+
 
 
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:

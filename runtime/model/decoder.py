@@ -1,4 +1,4 @@
-"""A lean forward pass for llama-family decoders (llama, qwen2) over the paged KV cache.
+"""A lean forward pass for llama-family decoders (llama, qwen2, qwen3, smollm3) over the paged KV cache.
 
 transformers' modules spend most of a small model's decode step on Python and on many small
 operators: three projections where one matmul would do, rotary embeddings applied to queries and
@@ -24,8 +24,13 @@ A step whose every row the decode kernel attends runs the whole layer stack as o
 same bits, tested): where every layer is int4, and where every projection runs in ponder's float kernel
 (runtime.model.float_layers: a float model on a CPU, an F16 GGUF).
 
-A model it does not know (another architecture, a projection it cannot fuse, a layer with norms on
-queries and keys) is run by transformers' forward; `LeanDecoder.build` says which by returning None.
+Qwen3's per-head RMS norms on queries and keys (over head_dim, which need not be hidden / heads) run
+between the qkv projection and the rotary, as transformers runs them; SmolLM3's NoPE layers skip the
+rotary; a layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel
+does the same, in the same operators.
+
+A model it does not know (another architecture, a projection it cannot fuse) is run by transformers'
+forward; `LeanDecoder.build` says which by returning None.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes
 
 
@@ -135,6 +140,22 @@ class _Layer:
     # also take the norm, are `qkv.fused` and `gate_up.fused`)
     o_module: QuantizedLinear | None = None
     down_module: QuantizedLinear | None = None
+    # Qwen3's RMS norms over each query and key head (None: none), whether the layer rotates its
+    # queries and keys (SmolLM3's NoPE layers do not), its sliding window (None: full attention)
+    q_norm: _Norm | None = None
+    k_norm: _Norm | None = None
+    rotary: bool = True
+    window: int | None = None
+
+    def queries_and_keys(self, qk: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`qk` [T, H + KVH, D] (the qkv projection's queries then keys) normed per head and rotated as
+        transformers does: each norm over its heads, then x * cos + x rolled by D / 2 * sin."""
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        if not self.rotary:
+            return qk
+        # Queries and keys rotated together: the same elementwise arithmetic as transformers' two passes.
+        return (qk * cos) + (torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin)
 
 
 class LeanDecoder:
@@ -158,7 +179,9 @@ class LeanDecoder:
                 _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
                 Projections([attn.q_proj, attn.k_proj, attn.v_proj]), rows_call(attn.o_proj),
                 _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn, rows_call(mlp.down_proj)))
+                Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn, rows_call(mlp.down_proj),
+                q_norm=head_norm(attn, "q_norm"), k_norm=head_norm(attn, "k_norm"),
+                rotary=bool(getattr(attn, "use_rope", True)), window=getattr(attn, "sliding_window", None) or None))
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
         # also apply the norms and add the residuals (see the module docstring).
         sources = [(layer.self_attn.o_proj, layer.mlp.down_proj) for layer in base.layers[:config.num_hidden_layers]]
@@ -190,7 +213,9 @@ class LeanDecoder:
         if built is not None:
             return built
         config = getattr(model, "config", None)
-        if getattr(config, "model_type", None) not in ARCHITECTURES or getattr(config, "pretraining_tp", 1) != 1:
+        # (transformers' forward no longer reads `pretraining_tp`; SmolLM3's published config sets 2)
+        if getattr(config, "model_type", None) not in ARCHITECTURES or \
+                (config.model_type == "llama" and getattr(config, "pretraining_tp", 1) != 1):
             return None
         base = getattr(model, "base_model", None)
         if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
@@ -199,7 +224,9 @@ class LeanDecoder:
             return None
         for layer in base.layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if attn is None or mlp is None or hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            if attn is None or mlp is None or hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
+                return None
+            if hasattr(attn, "q_norm") and (head_norm(attn, "q_norm") is None or head_norm(attn, "k_norm") is None):
                 return None
             if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling")):
                 return None
@@ -230,11 +257,9 @@ class LeanDecoder:
         for layer in self.layers:
             residual = hidden
             qk, v = layer.qkv.split_last(layer.input_norm(hidden))
-            # Queries and keys rotated together: the same elementwise arithmetic as transformers' two passes.
-            qk = qk.view(num_tokens, heads + kv_heads, dim)
-            qk = (qk * cos) + (torch.roll(qk, half, dims=-1) * sin)
+            qk = layer.queries_and_keys(qk.view(num_tokens, heads + kv_heads, dim), heads, cos, sin)
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v.view(num_tokens, kv_heads, dim),
-                         layer.scaling)
+                         layer.scaling, window=layer.window)
             hidden = residual + layer.o_proj(out.view(num_tokens, heads * dim))
             residual = hidden
             gate, up = layer.gate_up(layer.post_norm(hidden))
@@ -246,7 +271,7 @@ class LeanDecoder:
         """The residual stream after every layer, each layer four int4 kernel calls (see `int4`)."""
         if self.stack is not None and self.stack.covers(meta):
             return self.stack(hidden, cos, sin, meta)
-        num_tokens, half = hidden.shape[0], self.head_dim // 2
+        num_tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         for layer in self.layers:
             norm = layer.input_norm
@@ -254,9 +279,9 @@ class LeanDecoder:
             if layer.qkv.fused.bias is not None:
                 qkv = qkv + layer.qkv.fused.bias
             qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
-            qk = (qk * cos) + (torch.roll(qk, half, dims=-1) * sin)
+            qk = layer.queries_and_keys(qk, heads, cos, sin)
             v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
-            out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling)
+            out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling, window=layer.window)
             hidden = layer.o_module.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
             norm = layer.post_norm
             gate_up = layer.gate_up.fused.fused_rows(hidden, norm.weight, norm.eps)
@@ -293,14 +318,16 @@ class LayerStack:
         self.floats: list[float] = []
         for layer in decoder.layers:
             qkv, o, gate_up, down = layer.qkv.fused, layer.o_module, layer.gate_up.fused, layer.down_module
+            q_norm, k_norm = (None, None) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
             tensors = (layer.input_norm.weight, qkv.weight, *scales(qkv), qkv.bias, o.weight, *scales(o),
                        layer.post_norm.weight, gate_up.weight, *scales(gate_up), gate_up.bias,
-                       down.weight, *scales(down))
+                       down.weight, *scales(down), q_norm, k_norm)
             self.weights += [empty if t is None else t.detach() for t in tensors]
             self.sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features,
-                           layer.gate_up.sizes[0]]
+                           layer.gate_up.sizes[0], int(layer.rotary), layer.window or 0]
             scale = layer.scaling if layer.scaling is not None else decoder.head_dim ** -0.5
-            self.floats += [layer.input_norm.eps, layer.post_norm.eps, scale]
+            head_eps = 0.0 if layer.q_norm is None else layer.q_norm.eps
+            self.floats += [layer.input_norm.eps, layer.post_norm.eps, scale, head_eps]
 
     @classmethod
     def build(cls, decoder: LeanDecoder) -> "LayerStack | None":
@@ -309,6 +336,8 @@ class LayerStack:
         dtype = decoder.embed.weight.dtype  # the activations'
         if any(layer.index != i or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
                or layer.input_norm.weight.dtype != dtype or layer.post_norm.weight.dtype != dtype
+               or any(n is not None and n.weight.dtype != dtype for n in (layer.q_norm, layer.k_norm))
+               or (layer.q_norm is not None and layer.q_norm.eps != layer.k_norm.eps)
                for i, layer in enumerate(decoder.layers)):
             return None
         try:
@@ -330,6 +359,14 @@ class LayerStack:
         return self.kernel(hidden, cos, sin,
                            self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,
                            meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx, float_isa())
+
+
+def head_norm(attn: nn.Module, name: str) -> _Norm | None:
+    """The attention's RMS norm `name` over each head (Qwen3's q_norm, k_norm), None where it has none
+    of the form transformers' Qwen3RMSNorm computes."""
+    norm = getattr(attn, name, None)
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    return None if weight is None or eps is None else _Norm(weight, eps)
 
 
 def scales(layer: QuantizedLinear) -> tuple:

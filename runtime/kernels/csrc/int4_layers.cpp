@@ -9,9 +9,12 @@
 //             float_isa)
 // returns the residual stream after every layer [T, E]. For layer l of int4 layers:
 //   qkv  = q4_linear(hidden; input norm) (+ bias)              [T, (H + 2 KVH) D]
-//   q, k = rotary: x * cos + x rolled by D / 2 * sin           (`sin` with its first half negated)
+//   q, k = rms_norm over each head (a layer with q and k norms: Qwen3's), as the decoder's ATen ops
+//   q, k = rotary: x * cos + x rolled by D / 2 * sin           (`sin` with its first half negated;
+//          a layer without rotary, SmolLM3's NoPE, keeps them as they are)
 //   the keys and values are stored at slot_rows (+ the layer's offset), and every query of `rows`
-//   attends to its context with decode_attention (the other rows' outputs are 0: padding)
+//   attends to its context with decode_attention, within the layer's sliding window if it has one
+//   (the other rows' outputs are 0: padding)
 //   hidden = hidden + q4_linear(attention)                     (the o projection)
 //   gate, up = q4_linear(hidden; post-attention norm) (+ bias)
 //   hidden = hidden + q4_linear(silu(gate) * up)               (the down projection)
@@ -24,11 +27,11 @@
 // loop as it runs in bfloat16: each float_linear's input widened and its output rounded to bfloat16
 // (FloatLinear.rows), the rotary's two products and their sum each rounded to bfloat16, the
 // attention's float32 output rounded to bfloat16, the residual adds and silu in bfloat16 (ATen).
-// weights: 16 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
-// codes, d, m, bias, down codes, d, m (an empty tensor for a missing m or bias; d and m empty for a
-// float layer); sizes: 5 a layer
-// (qkv, o, gate/up and down out features, then gate's); floats: 3 a layer (the two norms' eps, the
-// attention scale).
+// weights: 18 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
+// codes, d, m, bias, down codes, d, m, q norm, k norm (an empty tensor for a missing m, bias or head
+// norm; d and m empty for a float layer); sizes: 7 a layer (qkv, o, gate/up and down out features,
+// then gate's, 1 if the layer rotates its queries and keys, its sliding window or 0); floats: 4 a
+// layer (the two norms' eps, the attention scale, the head norms' eps).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -40,7 +43,7 @@
 
 namespace {
 
-constexpr int64_t kTensors = 16, kSizes = 5, kFloats = 3;
+constexpr int64_t kTensors = 18, kSizes = 7, kFloats = 4;
 
 c10::optional<at::Tensor> present(const at::Tensor& t) {
   return !t.defined() || t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
@@ -94,7 +97,7 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
   const int64_t L = static_cast<int64_t>(weights.size()) / kTensors;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kTensors &&
               static_cast<int64_t>(sizes.size()) == L * kSizes && static_cast<int64_t>(floats.size()) == L * kFloats,
-              "int4_layers: weights, sizes and floats must hold 16, 5 and 3 entries a layer");
+              "int4_layers: weights, sizes and floats must hold 18, 7 and 4 entries a layer");
   const bool narrow = hidden_in.scalar_type() == at::kBFloat16;
   TORCH_CHECK(hidden_in.dim() == 2 && (hidden_in.scalar_type() == at::kFloat || narrow),
               "int4_layers: hidden must be float32 or bfloat16 [T, E]");
@@ -133,6 +136,12 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
       if (w[4].numel() != 0) qkv = qkv + w[4];
     }
     TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "int4_layers: layer ", l, "'s qkv has ", qkv.size(1), " outputs");
+    if (w[16].numel() != 0) {  // the decoder's head norms: each over its heads' [T, heads, D] view, then joined
+      const at::Tensor q = rms_norm(qkv.narrow(1, 0, H * D).view({T, H, D}), w[16], f[3]);
+      const at::Tensor k = rms_norm(qkv.narrow(1, H * D, KVH * D).view({T, KVH, D}), w[17], f[3]);
+      qkv = at::cat({q.reshape({T, H * D}), k.reshape({T, KVH * D}), qkv.narrow(1, (H + KVH) * D, KVH * D)}, 1);
+    }
+    const bool rotary = n[5] != 0;
     const at::Tensor qkv32 = narrow ? qkv.to(at::kFloat) : qkv;  // bfloat16 values, widened exactly
     const float* x = qkv32.data_ptr<float>();
     const int64_t width = qkv.size(1);
@@ -141,6 +150,10 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
       const float* row = x + t * width;
       for (int64_t h = 0; h < H; ++h) {
         float* q = qp + (t * H + h) * D;
+        if (!rotary) {
+          std::memcpy(q, row + h * D, D * sizeof(float));
+          continue;
+        }
         if (!narrow) {
           rotate(row + h * D, cp + t * D, sp + t * D, D, q);
           continue;
@@ -151,17 +164,19 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
       for (int64_t h = 0; h < KVH; ++h) {
         const int64_t key = (slots[t * KVH + h] + l * layer_rows) * D, value = (slots[(T + t) * KVH + h] + l * layer_rows) * D;
         if (!narrow) {
-          rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + key);
+          if (rotary) rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + key);
+          else std::memcpy(kv + key, row + (H + h) * D, D * sizeof(float));
           std::memcpy(kv + value, row + (H + KVH + h) * D, D * sizeof(float));
           continue;
         }
-        rotate_bf16(row + (H + h) * D, cp + t * D, sp + t * D, D, kv16 + key);
         const c10::BFloat16* values = qkv.data_ptr<c10::BFloat16>() + t * width + (H + KVH + h) * D;
+        if (rotary) rotate_bf16(row + (H + h) * D, cp + t * D, sp + t * D, D, kv16 + key);
+        else std::memcpy(kv16 + key, values - KVH * D, D * sizeof(c10::BFloat16));
         std::memcpy(kv16 + value, values, D * sizeof(c10::BFloat16));
       }
     }
     attended.zero_();
-    ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, 0, std::nullopt);
+    ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, n[6], std::nullopt);
     at::Tensor gate_up;
     if (is_float) {
       const at::Tensor out = narrow ? attended.to(at::kBFloat16) : attended;  // attention's output in the model's dtype

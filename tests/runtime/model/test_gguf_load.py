@@ -183,3 +183,17 @@ def test_a_7b_shaped_gguf_loads_within_1_3x_its_file_size(tmp_path):
         # (no KV pool is made here), beside a fixed allowance that does not grow with the model.
         assert run["peak"] - run["before"] < 1.3 * size + CODE_ALLOWANCE, (run, size)
         assert run["held"] < 1.1 * size  # the served tensors: the file's blocks, float norms and embedding
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])  # hidden / heads, and a head size of its own (not Qwen3's 128)
+def test_a_qwen3_file_takes_its_head_size_from_the_file_and_runs_the_int_stack(tmp_path, head_dim):
+    # transformers' GGUF config reader ignores `qwen3.attention.key_length` (Qwen3Config's 128 otherwise).
+    path = write_tiny_gguf(tmp_path, "Q4_1", arch="qwen3", head_dim=head_dim)
+    assert gguf_config(resolve_model(str(path))).head_dim == head_dim
+    engine = engine_for(path, batch_invariant=False)
+    assert engine.runner.decoder.int4 and engine.runner.decoder.stack is not None
+    assert engine.runner.decoder.layers[0].q_norm is not None and engine.runner.decoder.head_dim == head_dim
+    assert engine.quantized.describe() == (
+        "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (14 Q4_1, 1 Q8_0); "
+        "linear tensors in the file: 14 Q4_1, 1 Q8_0)")
+    assert_serves_generate_s_tokens(engine, path)

@@ -93,6 +93,9 @@ def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
     # its sinks are applied by ponder's CPU decode kernel too
     ("gpt_oss", {"family": "gpt_oss", "layers": "transformers", "linear": "float_kernel",
                  "attention": "cpu_kernel"}),
+    # the lean decoder, its decode steps one call of the float stack kernel (NoPE layers and all)
+    ("smollm3", {"family": "smollm3", "layers": "float_kernel", "linear": "float_kernel",
+                 "attention": "cpu_kernel"}),
 ])
 def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog):
     from runtime.bootstrap import engine_paths
@@ -102,7 +105,7 @@ def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog
         engine = engine_for(write_family(family, tmp_path / family), batch_invariant=False)
     assert engine_paths(engine) == paths
     assert f"paths: {describe(paths)}" in caplog.messages
-    assert describe(paths).startswith(f"family {family}: layers transformers, linear float_kernel, attention ")
+    assert describe(paths).startswith(f"family {family}: layers {paths['layers']}, linear float_kernel, attention ")
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])

@@ -1,0 +1,76 @@
+"""SmolLM2-sized replicas of other families, to time the lean decoder on each against the same-sized llama.
+
+    ponder bench family-replicas OUT_DIR [--families llama,qwen3,smollm3] [--dtype bfloat16]
+
+Writes OUT_DIR/<family>: a random-weight (seeded) checkpoint of SmolLM2-135M's sizes (576 wide, 30
+layers, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embedding) in the family's
+own transformers class (`qwen3`: per-head q/k norms, head_dim 64 given explicitly; `smollm3`: every
+fourth layer without rotary), saved as safetensors in `--dtype`, with SmolLM2's tokenizer read from the
+embedded model's GGUF. Time them with `ponder bench decode --model OUT_DIR/<family>`; prints what it
+wrote as JSON and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from bench.report import emit
+
+SIZES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+             rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = ("llama", "qwen3", "smollm3")
+
+
+def replica(family: str):
+    """The family's transformers model at SmolLM2's sizes, seeded random weights (norms perturbed so
+    none is the identity)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SIZES))
+    elif family == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**SIZES, head_dim=64))
+    elif family == "smollm3":
+        model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**SIZES))
+    else:
+        raise ValueError(f"no replica of {family!r}: one of {', '.join(FAMILIES)}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.8, 1.2)
+    return model.eval()
+
+
+def write(family: str, directory: Path, dtype: torch.dtype) -> dict:
+    from transformers import AutoTokenizer
+
+    from runtime.model.loader import default_model_path
+
+    model = replica(family).to(dtype)
+    model.save_pretrained(directory, safe_serialization=True)
+    gguf = default_model_path()
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(directory)
+    return {"family": family, "path": str(directory), "dtype": str(dtype).removeprefix("torch."),
+            "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    args = parser.parse_args(argv)
+    rows = [write(f, Path(args.out_dir) / f, getattr(torch, args.dtype)) for f in args.families.split(",")]
+    lines = [f"{'family':10} {'dtype':9} {'parameters':>11}  path"]
+    lines += [f"{r['family']:10} {r['dtype']:9} {r['parameters']:>11,}  {r['path']}" for r in rows]
+    emit({"replicas": rows}, "\n".join(lines), None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
