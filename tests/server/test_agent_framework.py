@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.server.agent_tools import weather_agent
 from tests.server.live import live_server
 
 agents = pytest.importorskip("agents", reason="openai-agents is not installed (make install's dev extra has it)")
@@ -21,22 +22,11 @@ def server():
 def test_an_agent_calls_a_tool_and_answers(server):
     from openai import AsyncOpenAI
 
-    agents.set_tracing_disabled(True)
     cities: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather now in a city."""
-        cities.append(city)
-        return f"18 degrees and sunny in {city}"
-
     model = agents.OpenAIChatCompletionsModel(model="SmolLM2-135M-Instruct",
                                               openai_client=AsyncOpenAI(base_url=server + "/v1", api_key="unused",
                                                                         max_retries=0))
-    agent = agents.Agent(name="weather", instructions="Answer questions about the weather with the tools.",
-                         model=model, tools=[get_weather],
-                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                                                     temperature=0, max_tokens=80))
+    agent = weather_agent(agents, model, cities)
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"]

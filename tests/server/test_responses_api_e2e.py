@@ -211,21 +211,12 @@ def test_search_answers_with_its_summary(client, stream):
 
 def test_an_agent_with_the_default_responses_model_runs_a_tool_loop(server):
     agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
+    from tests.server.agent_tools import weather_agent
+
     cities: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather now in a city."""
-        cities.append(city)
-        return f"18 degrees and sunny in {city}"
-
     provider = agents.OpenAIProvider(openai_client=openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused",
                                                                       max_retries=0), use_responses=True)
-    agent = agents.Agent(name="weather", instructions="Answer questions about the weather with the tools.",
-                         model=provider.get_model(MODEL), tools=[get_weather],
-                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                                             temperature=0, max_tokens=80))
+    agent = weather_agent(agents, provider.get_model(MODEL), cities)
     assert type(agent.model).__name__ == "OpenAIResponsesModel"
     result = agents.Runner.run_sync(agent, ASK, max_turns=4)
     kinds = [type(item).__name__ for item in result.new_items]
