@@ -171,7 +171,8 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         tables: list[int] = []  # every entry's block table, one after another
-        starts, counts, splits, table_starts, replays = [], [], [], [], []
+        starts, counts, splits, table_starts = [], [], [], []
+        new_starts: list[int] = []  # each entry's first new token (after the recomputed ones)
         prefills: list[PrefillSlice] = []
         entry_start: list[int] = []
         segments: list[Segment] = []
@@ -197,7 +198,7 @@ class ModelRunner:
             starts.append(begin)
             counts.append(end - begin)
             splits.append(split)
-            replays.append(start)
+            new_starts.append(start)
             table_starts.append(len(tables))
             tables.extend(seq.block_table)
         num_tokens = len(input_ids)
@@ -213,12 +214,14 @@ class ModelRunner:
         table_start_t = torch.tensor(table_starts, dtype=torch.long)
         slot_blocks = table_t[table_start_t[entry_of] + positions // bs]
         slot_offsets = positions % bs
-        replayed = positions < torch.tensor(replays)[entry_of]
-        if segments and bool(replayed.any()):
-            slot_blocks = slot_blocks.masked_fill(replayed, self.cache.scratch_block)
         # The generated tokens (and, with exact prefill, every token; and the tokens a recurrent state
         # is recomputed over): they attend one query at a time.
-        generated = torch.nonzero((positions >= torch.tensor(splits)[entry_of]) | replayed).flatten()
+        attends_alone = positions >= torch.tensor(splits)[entry_of]
+        if segments:  # only a model with recurrent layers recomputes tokens before the new ones
+            recomputed = positions < torch.tensor(new_starts)[entry_of]
+            slot_blocks = slot_blocks.masked_fill(recomputed, self.cache.scratch_block)
+            attends_alone |= recomputed
+        generated = torch.nonzero(attends_alone).flatten()
         decode_rows, decode_groups = None, []
         if self.attention_kernel is not None:
             decode_rows = self._decode_rows(generated, positions, entry_of, table_t, table_start_t)
