@@ -169,56 +169,66 @@ def gated_delta_forward(layer: nn.Module, index: int, kernel, hidden_states: tor
     num_rows = x.shape[0]
     mixed, z, b, a = _projections(layer, x)
     taps = layer.conv1d.weight.squeeze(1).transpose(0, 1)  # [K, conv_dim]
-    bias = layer.conv1d.bias
-    decay_rate = -layer.A_log.float().exp()
     width = layer.conv_kernel_size
-    repeat = layer.num_v_heads // layer.num_k_heads
     core = torch.zeros(num_rows, layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=x.device)
-    if kernel is not None:
-        taps, decay_rate = taps.contiguous(), layer.A_log.detach().float().contiguous()
+    run = _in_torch if kernel is None else partial(_in_kernel, kernel)
     for number, segment in enumerate(step.segments):
         conv_state, state = _initial(layer, index, segment.resume, x.device)
         rows = mixed[segment.row:segment.row + segment.length].to(taps.dtype)
         window = torch.cat([conv_state, rows])  # [K-1+n, C]: the inputs of tokens begin-K+1 .. end-1
         positions = step.boundary_positions(segment)
-        snapshots = {p: window[p - segment.begin:p - segment.begin + width - 1].clone() for p in positions}
-        if kernel is not None:
-            seg = slice(segment.row, segment.row + segment.length)
-            state, *taken = kernel(window, taps, bias if bias is not None else taps.new_empty(0),
-                                   a[seg].float().contiguous(), b[seg].float().contiguous(),
-                                   layer.dt_bias.detach().float().contiguous(), decay_rate, state.contiguous(),
-                                   layer.num_k_heads, layer.head_k_dim, layer.head_v_dim,
-                                   [p - segment.begin for p in positions], core[seg])
-            snapshots = {p: (snapshots[p], s) for p, s in zip(positions, taken)}
-            step.finals[number].append((window[segment.length:].clone(), state))
-            step.boundaries[number].append(snapshots)
-            continue
-        for t in range(segment.length):
-            row = segment.row + t
-            conv = window[t] * taps[0]
-            for tap in range(1, width):
-                conv = conv + window[t + tap] * taps[tap]
-            if bias is not None:
-                conv = conv + bias
-            conv = F.silu(conv).to(x.dtype)
-            q, k, v = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim])
-            q = q.reshape(-1, layer.head_k_dim).float()
-            k = k.reshape(-1, layer.head_k_dim).float()
-            if repeat != 1:  # each key head serves consecutive value heads
-                q, k = q.repeat_interleave(repeat, dim=0), k.repeat_interleave(repeat, dim=0)
-            q, k = _l2norm(q) / (layer.head_k_dim ** 0.5), _l2norm(k)
-            v = v.reshape(-1, layer.head_v_dim).float()
-            g = decay_rate * F.softplus(a[row].float() + layer.dt_bias)
-            beta = b[row].sigmoid().float()
-            state = state * g.exp()[:, None, None]
-            memory = (state * k.unsqueeze(-1)).sum(dim=-2)
-            delta = (v - memory) * beta.unsqueeze(-1)
-            state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-            core[row] = (state * q.unsqueeze(-1)).sum(dim=-2)
-            position = segment.begin + t + 1
-            if position in snapshots:
-                snapshots[position] = (snapshots[position], state)
+        state, taken = run(layer, segment, window, taps, a, b, state, [p - segment.begin for p in positions], core,
+                           x.dtype)
         step.finals[number].append((window[segment.length:].clone(), state))
-        step.boundaries[number].append(snapshots)
+        step.boundaries[number].append({p: (window[p - segment.begin:p - segment.begin + width - 1].clone(), s)
+                                        for p, s in zip(positions, taken)})
     out = layer.norm(core.to(x.dtype).reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(out.reshape(num_rows, -1))[None]
+
+
+def _in_kernel(kernel, layer: nn.Module, segment: Segment, window: torch.Tensor, taps: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, state: torch.Tensor, counts: list[int], core: torch.Tensor, dtype) -> tuple:
+    """One segment through ponder's kernel: (its final recurrent state, the state after each of `counts`
+    tokens), its outputs written into `core`."""
+    rows = slice(segment.row, segment.row + segment.length)
+    bias = layer.conv1d.bias
+    state, *taken = kernel(window, taps.contiguous(), bias if bias is not None else taps.new_empty(0),
+                           a[rows].float().contiguous(), b[rows].float().contiguous(),
+                           layer.dt_bias.detach().float().contiguous(), layer.A_log.detach().float().contiguous(),
+                           state.contiguous(), layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, counts,
+                           core[rows])
+    return state, taken
+
+
+def _in_torch(layer: nn.Module, segment: Segment, window: torch.Tensor, taps: torch.Tensor, a: torch.Tensor,
+              b: torch.Tensor, state: torch.Tensor, counts: list[int], core: torch.Tensor, dtype) -> tuple:
+    """The same in torch, token by token on one token's shapes (see `gated_delta_forward`)."""
+    bias, width = layer.conv1d.bias, layer.conv_kernel_size
+    decay_rate = -layer.A_log.float().exp()
+    repeat = layer.num_v_heads // layer.num_k_heads
+    taken = []
+    for t in range(segment.length):
+        row = segment.row + t
+        conv = window[t] * taps[0]
+        for tap in range(1, width):
+            conv = conv + window[t + tap] * taps[tap]
+        if bias is not None:
+            conv = conv + bias
+        conv = F.silu(conv).to(dtype)
+        q, k, v = torch.split(conv, [layer.key_dim, layer.key_dim, layer.value_dim])
+        q = q.reshape(-1, layer.head_k_dim).float()
+        k = k.reshape(-1, layer.head_k_dim).float()
+        if repeat != 1:  # each key head serves consecutive value heads
+            q, k = q.repeat_interleave(repeat, dim=0), k.repeat_interleave(repeat, dim=0)
+        q, k = _l2norm(q) / (layer.head_k_dim ** 0.5), _l2norm(k)
+        v = v.reshape(-1, layer.head_v_dim).float()
+        g = decay_rate * F.softplus(a[row].float() + layer.dt_bias)
+        beta = b[row].sigmoid().float()
+        state = state * g.exp()[:, None, None]
+        memory = (state * k.unsqueeze(-1)).sum(dim=-2)
+        delta = (v - memory) * beta.unsqueeze(-1)
+        state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+        core[row] = (state * q.unsqueeze(-1)).sum(dim=-2)
+        if t + 1 in counts:
+            taken.append(state)
+    return state, taken
