@@ -1,0 +1,6 @@
+"""ponder's Triton kernels for the decode step on a GPU (runtime.model.gpu_layers runs them).
+
+Each kernel computes one row (a token, or a token's head) from that row's inputs only, in an order
+fixed by the row's own shape, so a row's bits never depend on what else is in the step. On a CPU they
+run in Triton's interpreter (`TRITON_INTERPRET=1` before the first import), which the tests use.
+"""

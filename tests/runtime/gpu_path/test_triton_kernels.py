@@ -1,0 +1,118 @@
+"""The GPU path's Triton kernels (runtime/kernels/gpu) in Triton's interpreter, against torch's arithmetic,
+and decode attention's batch invariance: a query's output bits alone are its bits in any batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.kernels.gpu.elementwise import rms_norm, rotary, silu_mul
+from runtime.kernels.gpu.paged import decode_attention, write_kv
+from storage.kv_cache import KVCache, KVShape
+
+
+def torch_rms_norm(x, weight, eps):
+    wide = x.float()
+    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(5, 48, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(48, generator=gen).to(dtype)
+    out, summed = rms_norm(x, weight, 1e-6)
+    assert summed is x
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.0625, rtol=0.016)
+    torch.testing.assert_close(out, torch_rms_norm(x, weight, 1e-6), **tol)
+    out, summed = rms_norm(x, weight, 1e-6, residual=res)
+    if dtype == torch.float32:
+        assert torch.equal(summed, x + res)  # the add rounds once, to the activations' dtype, as torch's
+    else:  # (the interpreter rounds to bfloat16 toward zero, a GPU to nearest: one unit in the last place)
+        torch.testing.assert_close(summed, x + res, atol=0.0, rtol=2 ** -7)
+    torch.testing.assert_close(out, torch_rms_norm(x + res, weight, 1e-6), **tol)
+
+
+def test_rotary_of_strided_heads_matches_rotate_half():
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(3, 7, 16, generator=gen)  # 4 query heads, 2 key heads, 1 value head: rotate 6 of 7
+    angles = torch.randn(3, 8, generator=gen)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    signed = torch.cat((-sin[:, :8], sin[:, 8:]), -1)
+    out = rotary(qkv[:, :6], cos, signed)
+    x = qkv[:, :6]
+    expected = x * cos[:, None] + torch.cat((-x[..., 8:], x[..., :8]), -1) * sin[:, None]
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_silu_mul():
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(4, 2 * 40, generator=gen)
+    torch.testing.assert_close(silu_mul(gate_up, 40), F.silu(gate_up[:, :40]) * gate_up[:, 40:],
+                               atol=1e-6, rtol=1e-6)
+
+
+def _cache(dtype=torch.float32, blocks=8):
+    cache = KVCache(KVShape(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4), blocks, dtype,
+                    torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(3)).to(dtype))
+    return cache
+
+
+def test_write_kv_is_write_rows():
+    gen = torch.Generator().manual_seed(4)
+    mine, theirs = _cache(), _cache()
+    key, value = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    slots = mine.row_index(torch.tensor([5, 0, 2]), torch.tensor([3, 1, 0]))
+    write_kv(mine.kv, mine.layer_rows, 1, slots, key, value)
+    theirs.write_rows(1, slots, key, value)
+    assert torch.equal(mine.kv, theirs.kv)
+
+
+def torch_attention(q, cache, layer, table, ctx, scale, window=0):
+    """One query `[H, D]` against its first `ctx` positions, in float64."""
+    k, v = cache.gather(layer, torch.tensor([table]))
+    k, v = k[0, :, :ctx].double(), v[0, :, :ctx].double()
+    shared = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(shared, 0), v.repeat_interleave(shared, 0)
+    scores = torch.einsum("hd,htd->ht", q.double(), k) * scale
+    if window:
+        scores[:, :max(ctx - window, 0)] = float("-inf")
+    return torch.einsum("ht,htd->hd", torch.softmax(scores, -1), v)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_attention_matches_reference_and_is_batch_invariant(window):
+    cache = _cache()
+    gen = torch.Generator().manual_seed(5)
+    queries = torch.randn(4, 4, 16, generator=gen)
+    tables = torch.tensor([[3, 1, 6], [0, 2, 7], [5, 4, 3], [7, 7, 7]])
+    ctx = torch.tensor([9, 1, 12, 4])
+    rows = torch.arange(4)
+    out = torch.zeros(4, 4, 16)
+    decode_attention(queries, rows, cache.kv, tables, ctx, 1, 0.25, out, window=window)
+    for i in range(4):
+        expected = torch_attention(queries[i], cache, 1, tables[i].tolist(), int(ctx[i]), 0.25, window)
+        torch.testing.assert_close(out[i].double(), expected, atol=1e-5, rtol=1e-5)
+        alone = torch.zeros(1, 4, 16)
+        decode_attention(queries[i:i + 1], torch.tensor([0]), cache.kv, tables[i:i + 1, :2 if ctx[i] <= 8 else 3],
+                         ctx[i:i + 1], 1, 0.25, alone, window=window)
+        assert torch.equal(alone[0], out[i])  # the same bits alone, with a narrower table, as in the batch
+
+
+def test_decode_attention_bfloat16_and_sinks():
+    cache = _cache(torch.bfloat16)
+    gen = torch.Generator().manual_seed(6)
+    queries = torch.randn(2, 4, 16, generator=gen).bfloat16()
+    tables, ctx, rows = torch.tensor([[1, 2], [4, 0]]), torch.tensor([7, 3]), torch.tensor([1, 0])
+    sinks = torch.randn(4, generator=gen)
+    out = torch.zeros(2, 4, 16, dtype=torch.bfloat16)
+    decode_attention(queries, rows, cache.kv, tables, ctx, 0, 0.25, out, sinks=sinks)
+    for i, row in enumerate(rows.tolist()):
+        k, v = cache.gather(0, tables[i:i + 1])
+        k, v = (x[0, :, :int(ctx[i])].double().repeat_interleave(2, 0) for x in (k, v))
+        scores = torch.einsum("hd,htd->ht", queries[row].double(), k) * 0.25
+        scores = torch.cat((scores, sinks.double()[:, None]), -1)
+        expected = torch.einsum("ht,htd->hd", torch.softmax(scores, -1)[:, :-1], v)
+        torch.testing.assert_close(out[row].double(), expected, atol=0.02, rtol=0.02)
