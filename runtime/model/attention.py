@@ -82,7 +82,8 @@ class DecodeRows:
     rows: torch.Tensor  # [G] position of each query in the step's row
     tables: torch.Tensor  # [G, W] each query's block table (padded past its context)
     ctx: torch.Tensor  # [G] each query's context length
-    kernel: object  # torch.ops.ponder.decode_attention
+    kernel: object  # torch.ops.ponder.decode_attention, or on a GPU runtime.kernels.gpu.paged.decode_attention
+    widen: bool = True  # the kernel computes with float32 queries (the CPU kernel); False: any dtype (Triton)
 
 
 class LayerHooks(Protocol):
@@ -193,7 +194,7 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
     if meta.decode_rows is not None:
         d = meta.decode_rows
         kernel_sinks = None if sinks is None else sinks.detach().float().contiguous()
-        if queries.dtype != torch.float32:  # a bfloat16 model: the kernel widens them, and rounds its output back
+        if queries.dtype != torch.float32 and d.widen:  # a bfloat16 model: widened, the output rounded back
             attended = out.new_zeros(out.shape, dtype=torch.float32)
             d.kernel(queries.float(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
                      int(window or 0), kernel_sinks)

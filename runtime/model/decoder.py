@@ -196,6 +196,17 @@ class LeanDecoder:
         head = self.head
         self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
         self.stack = LayerStack.build(self) if self.int4 or self.floats else None
+        # The Triton kernels' layer loop for a GPU's decode steps (runtime.model.gpu_layers), where a runner
+        # asks for it (`use_gpu_layers`); None: the loops below
+        self.gpu = None
+
+    def use_gpu_layers(self) -> bool:
+        """Run every step the Triton kernels' loop covers there; False where the layers are not of its form."""
+        if self.gpu is None:
+            from runtime.model.gpu_layers import GpuLayers
+
+            self.gpu = GpuLayers.build(self)
+        return self.gpu is not None
 
     def kernel_layers(self, kind: type, sources: list[tuple[nn.Module, nn.Module]], dtypes: tuple) -> bool:
         """Whether every layer's projections are `kind` (qkv and gate/up fused, o and down without a
@@ -248,6 +259,8 @@ class LeanDecoder:
         cos, sin = cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]  # [T, 1, D]
         num_tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.gpu is not None and self.gpu.covers(meta):
+            return self.gpu(hidden, cos, sin, meta, normed)
         if self.int4:
             hidden = self._int4_layers(hidden, cos, sin, meta)
             return self.norm(hidden) if normed else hidden

@@ -24,6 +24,7 @@ import torch
 
 from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
+from runtime.kernels.gpu import runs_on as gpu_kernels_run_on
 from runtime.model.decoder import LeanDecoder
 from runtime.model.recurrent import RecurrentLayers, RecurrentStep, Segment
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
@@ -78,7 +79,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, padding: RowPadding | None = None,
-                 states: RecurrentStates | None = None) -> None:
+                 states: RecurrentStates | None = None, gpu_kernels: bool | None = None) -> None:
+        """`gpu_kernels`: decode steps in ponder's Triton kernels (runtime.model.gpu_layers); None: on a CUDA
+        device where Triton imports."""
         if padding is not None and cache.scratch_block is None:
             raise ValueError("padding a step needs a cache with a scratch block")
         self.model = model
@@ -91,8 +94,24 @@ class ModelRunner:
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)
         self.decoder = LeanDecoder.build(model)
         self.attention_kernel = _attention_kernel(cache)
+        self.gpu_kernels = False  # decode attention (and the lean decoder's decode steps) in Triton
+        if gpu_kernels or (gpu_kernels is None and gpu_kernels_run_on(cache.device)):
+            self.use_gpu_kernels()
         # Linear-attention layers (runtime.model.recurrent): each sequence's state beside its blocks
         self.recurrent = RecurrentLayers.build(model, states)
+
+    def use_gpu_kernels(self) -> None:
+        """Attend generated tokens with the Triton decode kernel, and run the lean decoder's decode steps in
+        its Triton loop (on a CPU only in Triton's interpreter, as the tests do)."""
+        from runtime.kernels.gpu.paged import decode_attention
+
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"the Triton decode kernel reads a block as one tile: block_size {self.block_size} "
+                             "is not a power of two")
+        self.attention_kernel = decode_attention
+        self.gpu_kernels = True
+        if self.decoder is not None:
+            self.decoder.use_gpu_layers()
 
     def use_residency(self, residency: StepResidency | None) -> None:
         """Run every step from the next one on through `residency`'s hooks."""
@@ -255,7 +274,9 @@ class ModelRunner:
         ctx = positions[rows] + 1
         width = -(-int(ctx.max()) // self.block_size)
         index = table_starts[entry_of[rows]][:, None] + torch.arange(width)[None, :]
-        return DecodeRows(rows, tables[index.clamp(max=len(tables) - 1)], ctx, self.attention_kernel)
+        to = self.device
+        return DecodeRows(rows.to(to), tables[index.clamp(max=len(tables) - 1)].to(to), ctx.to(to), self.attention_kernel,
+                          widen=not self.gpu_kernels)
 
     def _decode_groups(self, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
                        tables: torch.Tensor, table_starts: torch.Tensor) -> list[DecodeGroup]:

@@ -26,13 +26,16 @@ def step_paths(model, decoder, attention_kernel, quantize_mode: str, recurrent=N
     `quantize_mode` (runtime.model.quantize.Quantized.mode) made them."""
     if decoder is None:
         layers = "transformers"
+    elif decoder.gpu is not None:
+        layers = "triton"
     elif decoder.stack is not None:
         layers = "int_kernel" if decoder.int4 else "float_kernel"
     else:
         layers = "lean"
     paths = {"family": families.family(model.config), "layers": layers,
              "linear": _LINEAR.get(quantize_mode, quantize_mode),
-             "attention": "torch" if attention_kernel is None else "cpu_kernel"}
+             "attention": "torch" if attention_kernel is None else
+             "triton" if getattr(attention_kernel, "__module__", "").startswith("runtime.kernels.gpu") else "cpu_kernel"}
     if recurrent is not None:
         paths["recurrent"] = "cpu_kernel" if recurrent.kernel is not None else "torch"
     return paths

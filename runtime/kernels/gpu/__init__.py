@@ -4,3 +4,19 @@ Each kernel computes one row (a token, or a token's head) from that row's inputs
 fixed by the row's own shape, so a row's bits never depend on what else is in the step. On a CPU they
 run in Triton's interpreter (`TRITON_INTERPRET=1` before the first import), which the tests use.
 """
+
+from __future__ import annotations
+
+import torch
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether ponder runs its Triton kernels for a step on `device`: a CUDA device, with Triton importable
+    (a CPU runs them only when a test asks, in Triton's interpreter)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

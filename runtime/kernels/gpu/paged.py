@@ -36,6 +36,7 @@ def write_kv(kv: torch.Tensor, layer_rows: int, layer: int, slot_rows: torch.Ten
     be strided) stored at `slot_rows` `[2, T, KVH]` (layer 0's rows) of layer `layer`."""
     tokens, heads, dim = key.shape
     assert key.stride(2) == 1 and key.stride(1) == dim and value.stride(2) == 1 and value.stride(1) == dim
+    assert slot_rows.shape == (2, tokens, heads) and key.shape == value.shape
     if tokens:
         _write_kv[(tokens, heads)](key, value, slot_rows.contiguous(), kv, layer * layer_rows, tokens, heads,
                                    key.stride(0), value.stride(0), D=dim, BLOCK=triton.next_power_of_2(dim))
@@ -102,7 +103,8 @@ def decode_attention(queries: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor
     num_queries = rows.shape[0]
     heads, dim = queries.shape[1], queries.shape[2]
     _, num_layers, _, kv_heads, block_size, cache_dim = kv.shape
-    assert cache_dim == dim and queries.stride(2) == 1 and out.is_contiguous() and heads % kv_heads == 0
+    assert cache_dim == dim and queries.stride(2) == 1 and heads % kv_heads == 0
+    assert out.is_contiguous() and out.shape[1:] == (heads, dim) and out.shape[0] >= queries.shape[0]
     assert block_size & (block_size - 1) == 0, "the kernel reads a block as one tile: a power-of-two block size"
     if not num_queries:
         return

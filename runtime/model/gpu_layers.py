@@ -1,0 +1,82 @@
+"""The lean decoder's layer loop for a decode step on a GPU, in ponder's Triton kernels (runtime/kernels/gpu).
+
+transformers' arithmetic with fewer launches: a layer is the RMS norm with the residual add before it,
+the fused qkv matmul, rotary over queries and keys together, the KV write, paged decode attention,
+the o matmul, the second norm with its add, the fused gate/up matmul, SiLU * mul and the down matmul:
+ten launches, each row computed from its own inputs only (the matmuls are torch's; row padding keeps
+their rows their own, as on every path). The norms, rotary and activation compute in float32 and
+round once where torch rounds twice, so a bfloat16 model's logits are close to the torch loop's, not
+its bits; in float32 they agree to the last few bits (tested: the same tokens).
+
+A step runs here when the decode kernel attends every row of it (`covers`): no prompt prefilled by
+SDPA, no residency hooks between layers, no head-wise attention, no recurrent layers. Others run the
+torch loop (runtime.model.decoder), decided per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.kernels.gpu.elementwise import rms_norm, rotary, silu_mul
+from runtime.kernels.gpu.paged import decode_attention, write_kv
+from runtime.model.attention import AttentionMetadata
+
+
+class GpuLayers:
+    """The decoder's layers as Triton kernel launches around torch's matmuls (see the module docstring)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder = decoder
+        self.layers = decoder.layers
+        self.heads, self.kv_heads, self.head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
+
+    @classmethod
+    def build(cls, decoder) -> "GpuLayers | None":
+        """None where a layer is not of the form the kernels compute: fused qkv and gate/up projections,
+        SiLU (gate, up), an even head size."""
+        from runtime.model.decoder import _SILU
+
+        if decoder.head_dim % 2 or decoder.int4:
+            return None
+        for layer in decoder.layers:
+            if layer.qkv.fused_call is None or layer.gate_up.fused_call is None or len(layer.gate_up.sizes) != 2 \
+                    or layer.gate_up.sizes[0] != layer.gate_up.sizes[1] or type(layer.act) not in _SILU:
+                return None
+        return cls(decoder)
+
+    @staticmethod
+    def covers(meta: AttentionMetadata) -> bool:
+        d = meta.decode_rows
+        return d is not None and getattr(d.kernel, "__name__", None) == decode_attention.__name__ and \
+            not meta.decode_groups and not meta.prefills and meta.layers is None and meta.attention is None and \
+            meta.recurrent is None
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                 normed: bool = True) -> torch.Tensor:
+        """The final norm's output `[T, hidden]` (the residual stream before it with `normed=False`)
+        for the embedded tokens `hidden`; `cos`, `sin` `[T, 1, D]` as the decoder makes them."""
+        num_tokens = hidden.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        cos, sin = cos.reshape(num_tokens, dim), sin.reshape(num_tokens, dim)
+        cache, d = meta.cache, meta.decode_rows
+        stream, update = hidden, None  # the residual stream, and what the last sublayer adds to it
+        for layer in self.layers:
+            x, stream = rms_norm(stream if update is None else update, layer.input_norm.weight, layer.input_norm.eps,
+                                 residual=None if update is None else stream)
+            qkv = layer.qkv.fused_call(x)
+            qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
+            if layer.q_norm is not None:  # Qwen3's per-head norms: torch's operators, then the rotary
+                qk = layer.queries_and_keys(qk, heads, cos[:, None], sin[:, None])
+            elif layer.rotary:
+                qk = rotary(qk, cos, sin)
+            v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)
+            write_kv(cache.kv, cache.layer_rows, layer.index, meta.slot_rows, qk[:, heads:], v)
+            out = torch.zeros((num_tokens, heads, dim), dtype=hidden.dtype, device=hidden.device)
+            scale = layer.scaling if layer.scaling is not None else dim ** -0.5
+            decode_attention(qk[:, :heads], d.rows, cache.kv, d.tables, d.ctx, layer.index, scale, out, window=layer.window or 0)
+            attended = layer.o_proj(out.view(num_tokens, heads * dim))
+            x, stream = rms_norm(attended, layer.post_norm.weight, layer.post_norm.eps, residual=stream)
+            update = layer.down(silu_mul(layer.gate_up.fused_call(x), layer.gate_up.sizes[0]))
+        final = self.decoder.norm
+        x, stream = rms_norm(update, final.weight, final.eps, residual=stream)
+        return x if normed else stream

@@ -1,0 +1,57 @@
+"""The GPU path's wiring run on a CPU in Triton's interpreter: the runner's decode steps through the Triton
+layer loop (runtime.model.gpu_layers) and the Triton decode attention give the tokens the normal path gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.model import gpu_layers
+from tests.runtime.engine_helpers import engine_for, request, run
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 40]]
+
+
+def requests():
+    return [request("greedy", PROMPTS[0], max_tokens=3),
+            request("sampled", PROMPTS[1], max_tokens=3, temperature=0.8, seed=3, n=2)]
+
+
+def counting_gpu_steps(monkeypatch):
+    seen = []
+    call = gpu_layers.GpuLayers.__call__
+
+    def counted(self, hidden, *args, **kwargs):
+        seen.append(hidden.shape[0])
+        return call(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(gpu_layers.GpuLayers, "__call__", counted)
+    return seen
+
+
+# llama; Qwen3 (per-head norms before the rotary)
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_triton_decode_steps_give_the_normal_path_s_tokens(request_fixture_value, model, monkeypatch):
+    path = request_fixture_value(model)
+    expected = run(engine_for(path, quantize="none", num_blocks=32), requests())
+    engine = engine_for(path, quantize="none", num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    assert engine.runner.decoder.gpu is not None
+    steps = counting_gpu_steps(monkeypatch)
+    assert run(engine, requests()) == expected
+    # Every step decodes (exact prefill attends prompt tokens one query at a time too): all in Triton
+    assert len(steps) == 3
+
+
+def test_without_padding_prompts_prefill_in_torch_and_decode_steps_run_in_triton(tiny_llama, monkeypatch):
+    expected = run(engine_for(tiny_llama, quantize="none", batch_invariant=False), requests())
+    engine = engine_for(tiny_llama, quantize="none", batch_invariant=False)
+    engine.runner.use_gpu_kernels()
+    steps = counting_gpu_steps(monkeypatch)
+    assert run(engine, requests()) == expected
+    assert steps == [3] * 2  # the prefill step is SDPA's; then three rows a step, each step in Triton
+
+
+@pytest.fixture
+def request_fixture_value(request):
+    return request.getfixturevalue
