@@ -88,6 +88,9 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                      for name, verifier in verifiers.items()}
     engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter, tiers=tiers,
                     reward_models=reward_models)
+    if options.cuda_graphs and device.type == "cuda" and engine.runner.use_graphs():
+        log.info("CUDA graphs: pure decode steps of 1 to %d sequences replay one of %d graphs (padded sizes %s)",
+                 engine.runner.graphs.max_rows, len(engine.runner.graphs.sizes), engine.runner.graphs.sizes)
     log.info("paths: %s", paths.describe(engine_paths(engine)))
     return engine, source
 

@@ -51,6 +51,9 @@ class ModelSettings(_Section):
     # where the CPU has it; avx2 keeps to the AVX2 path most desktop CPUs run (to time it on a server CPU).
     # The same bits either way.
     cpu_isa: Literal["auto", "avx2"] = "auto"
+    # On a CUDA GPU, pure decode steps replay a CUDA graph captured at start-up for each padded batch size
+    # (runtime.model.graphs; needs batch invariance's row padding); false runs every step eagerly.
+    cuda_graphs: bool = True
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty where they differ from transformers' defaults) apply where a request leaves them
     # unset, as vLLM's `--generation-config auto`; none: ponder's own defaults (vLLM's `vllm`).
@@ -202,6 +205,7 @@ class Settings(BaseSettings):
             model=self.model.path, served_model_name=self.model.served_name, device=self.model.device,
             dtype=self.model.dtype, max_model_len=self.model.max_model_len,
             trust_remote_code=self.model.trust_remote_code, quantize=self.model.quantize, cpu_isa=self.model.cpu_isa,
+            cuda_graphs=self.model.cuda_graphs,
             generation_config=self.model.generation_config,
             block_size=self.cache.block_size,
             kv_memory_bytes=int((self.cache.compute_memory_gib or 2.0) * (1 << 30)), num_blocks=self.cache.num_blocks,

@@ -25,6 +25,8 @@ from runtime.model.attention import AttentionMetadata
 class GpuLayers:
     """The decoder's layers as Triton kernel launches around torch's matmuls (see the module docstring)."""
 
+    attention_kernel = staticmethod(decode_attention)
+
     def __init__(self, decoder) -> None:
         self.decoder = decoder
         self.layers = decoder.layers
@@ -47,7 +49,7 @@ class GpuLayers:
     @staticmethod
     def covers(meta: AttentionMetadata) -> bool:
         d = meta.decode_rows
-        return d is not None and getattr(d.kernel, "__name__", None) == decode_attention.__name__ and \
+        return d is not None and d.kernel is decode_attention and \
             not meta.decode_groups and not meta.prefills and meta.layers is None and meta.attention is None and \
             meta.recurrent is None
 

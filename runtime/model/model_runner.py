@@ -24,7 +24,7 @@ import torch
 
 from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
-from runtime.kernels.gpu import runs_on as gpu_kernels_run_on
+from runtime.kernels.gpu import attends as gpu_attends
 from runtime.model.decoder import LeanDecoder
 from runtime.model.recurrent import RecurrentLayers, RecurrentStep, Segment
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
@@ -95,7 +95,8 @@ class ModelRunner:
         self.decoder = LeanDecoder.build(model)
         self.attention_kernel = _attention_kernel(cache)
         self.gpu_kernels = False  # decode attention (and the lean decoder's decode steps) in Triton
-        if gpu_kernels or (gpu_kernels is None and gpu_kernels_run_on(cache.device)):
+        self.graphs = None  # runtime.model.graphs.DecodeGraphs: pure decode steps from static buffers (`use_graphs`)
+        if gpu_kernels or (gpu_kernels is None and gpu_attends(cache.device, cache.block_size)):
             self.use_gpu_kernels()
         # Linear-attention layers (runtime.model.recurrent): each sequence's state beside its blocks
         self.recurrent = RecurrentLayers.build(model, states)
@@ -113,6 +114,18 @@ class ModelRunner:
         if self.decoder is not None:
             self.decoder.use_gpu_layers()
 
+    def use_graphs(self, capture: bool | None = None, max_rows: int | None = None) -> bool:
+        """Run pure decode steps from static buffers, replaying a CUDA graph per padded batch size on a CUDA
+        device (`capture`; False: the same static-buffer step run eagerly, the CPU twin); False where that
+        cannot be (no Triton loop for this model, or no row padding: batch invariance off)."""
+        from runtime.model.graphs import MAX_GRAPH_ROWS, DecodeGraphs
+
+        if not self.gpu_kernels or self.decoder is None or self.decoder.gpu is None or not self.padding.max_rows \
+                or self.recurrent is not None:
+            return False
+        self.graphs = DecodeGraphs(self.decoder, self.cache, self.padding, max_rows or MAX_GRAPH_ROWS, capture=capture)
+        return True
+
     def use_residency(self, residency: StepResidency | None) -> None:
         """Run every step from the next one on through `residency`'s hooks."""
         self.residency = residency
@@ -127,6 +140,10 @@ class ModelRunner:
         """Compute the scheduled tokens; return float32 logits `[len(logits_for), vocab]` at the last
         new token of each scheduled entry whose index is in `logits_for`. Each (entry index, count) of
         `every_row_of` (prompt logprobs) appends the logits of that entry's first `count` new tokens."""
+        if self.graphs is not None and self.residency is None and self.graphs.covers(scheduled, every_row_of):
+            self.cache.copy_blocks(list(copies))
+            logits = self.graphs.run(scheduled)
+            return logits[torch.tensor(list(logits_for), dtype=torch.long, device=self.device)].float()
         try:
             step = self._prepare(scheduled, copies)
             wanted = [step.last_token_index[i] for i in logits_for]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from runtime.model.attention import bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
+from runtime.kernels.gpu import attends as gpu_attends
 from runtime.model.decoder import LeanDecoder
 from storage.kv_cache import attention_sizes
 
@@ -149,7 +150,7 @@ class RowPadding:
             shapes.setdefault(key, module)
         parameter = next(model.parameters())
         if not shapes and not decode_attention_is_batched(parameter.device, parameter.dtype,
-                                                          _head_dim(_text_config(model))):
+                                                          _head_dim(_text_config(model)), block_size):
             return cls(list(range(1, max_rows + 1)), max_rows)  # every layer and attention: ponder's own kernels
         failing: set[int] = set()
         generator = torch.Generator().manual_seed(0)
@@ -170,7 +171,7 @@ class RowPadding:
         config = _text_config(model)
         if max_model_len is None:
             max_model_len = getattr(config, "max_position_embeddings", None) or 2048
-        if decode_attention_is_batched(parameter.device, parameter.dtype, _head_dim(config)):
+        if decode_attention_is_batched(parameter.device, parameter.dtype, _head_dim(config), block_size):
             _probe_attention(model, attention_windows(max_model_len, block_size), generator)
         return cls([r for r in candidates if r not in failing], max_rows)
 
@@ -215,11 +216,13 @@ def attention_windows(max_model_len: int, block_size: int) -> list[tuple[int, in
     return [(width, max(1, min(ATTENTION_BATCH, GATHER_TOKENS // width))) for width in widths]
 
 
-def decode_attention_is_batched(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def decode_attention_is_batched(device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int = 16) -> bool:
     """Whether decode attention runs as batched matmuls over groups of one window, or (False) ponder's
     CPU kernel attends each query alone: a float32 or bfloat16 cache on a CPU, `head_dim` a multiple of 8, and the
     kernel built (runtime.model.model_runner's `_attention_kernel`; tests/runtime/model/test_row_padding.py checks
-    that the two agree)."""
+    that the two agree); or on a CUDA device, ponder's Triton kernel (runtime.kernels.gpu.attends)."""
+    if gpu_attends(device, block_size):
+        return False
     if device.type != "cpu" or dtype not in KERNEL_CACHE_DTYPES or head_dim % 8:
         return True
     try:

@@ -20,3 +20,10 @@ def runs_on(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+def attends(device: torch.device, block_size: int) -> bool:
+    """Whether the Triton decode kernel attends a step's generated tokens on `device` (each query alone, so
+    there is no batched matmul for the start-up probe to check): `runs_on(device)` and a block size that
+    is a power of two (the kernel reads a block as one tile)."""
+    return runs_on(device) and block_size > 0 and block_size & (block_size - 1) == 0

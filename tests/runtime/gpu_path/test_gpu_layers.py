@@ -55,3 +55,28 @@ def test_without_padding_prompts_prefill_in_torch_and_decode_steps_run_in_triton
 @pytest.fixture
 def request_fixture_value(request):
     return request.getfixturevalue
+
+
+def test_the_static_buffer_decode_step_gives_the_eager_path_s_tokens(tiny_llama, monkeypatch):
+    """The step a CUDA graph replays, run eagerly on the CPU (its twin): pure decode steps from the static
+    buffers at padded batch sizes, the same tokens as the normal path."""
+    from runtime.model.graphs import DecodeGraphs
+
+    expected = run(engine_for(tiny_llama, quantize="none", num_blocks=32), requests())
+    engine = engine_for(tiny_llama, quantize="none", num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    assert engine.runner.use_graphs(capture=False, max_rows=4)
+    sizes = []
+    step = DecodeGraphs._step
+    monkeypatch.setattr(DecodeGraphs, "_step", lambda self, size: sizes.append(size) or step(self, size))
+    assert run(engine, requests()) == expected
+    # The prompts' step is eager; then two steps of three sequences, each padded as row padding pads 3.
+    assert sizes == [engine.runner.padding.pad(3)] * 2
+
+
+def test_graphs_need_row_padding_and_the_triton_loop(tiny_llama):
+    engine = engine_for(tiny_llama, quantize="none", batch_invariant=False)
+    assert not engine.runner.use_graphs(capture=False)  # no Triton kernels asked for
+    engine.runner.use_gpu_kernels()
+    assert not engine.runner.use_graphs(capture=False)  # no row padding: batch invariance off
+    assert engine.runner.graphs is None
