@@ -1,7 +1,10 @@
 """Token sampling with per-sequence parameters and per-sequence random generators.
 
 Every sequence draws from its own seeded `torch.Generator`, one draw per sampled token, so the
-tokens a seed gives do not depend on which other sequences share the batch or on preemption.
+tokens a seed gives do not depend on which other sequences share the batch or on preemption. On a CUDA
+device the draws are keyed instead: each row's uniform is Philox4x32-10 of (its seed, its output
+position) (runtime.model.philox), all rows in a few elementwise operators on the device, with no
+per-row generator call; the same independence holds, and a recomputed token draws what it drew.
 Log-probabilities are reported from the model's own distribution (before penalties/temperature).
 """
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.model.philox import uniforms
 from runtime.wire.params import SamplingParams
 
 
@@ -44,6 +48,7 @@ class SamplingState:
     def __init__(self, params: SamplingParams, seed: int, device: torch.device, track_logprobs: bool = False,
                  confidence_k: int = 0) -> None:
         self.params = params
+        self.seed = seed  # the key of the keyed draws (on a CUDA device, see `sample`)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # Report the sampled token's log-probability even when the client did not ask (search scoring).
@@ -91,7 +96,7 @@ def _uniform(state: SamplingState, dtype: torch.dtype) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: list[tuple[list[int], list[int]]],
-           refused: tuple[list[int], torch.Tensor] | None = None) -> list[SampleOutput]:
+           refused: tuple[list[int], torch.Tensor] | None = None, keyed: bool | None = None) -> list[SampleOutput]:
     """Sample one token per row of `logits` `[S, vocab]` (float32).
 
     `token_histories[i]` is (prompt ids, output ids) of row i, for the penalties. `refused`: (rows,
@@ -99,7 +104,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     after the penalties and logit bias, so a greedy row takes the best allowed token and a sampled row
     draws among them (log-probabilities stay the model's own). Rows are processed
     together; each sampled row takes exactly one uniform draw from its own generator and inverts
-    its cumulative distribution, so a row's token does not depend on the other rows. Tokens,
+    its cumulative distribution, so a row's token does not depend on the other rows (`keyed`, by default
+    on a CUDA device: that draw is Philox of the row's seed and output position, runtime.model.philox). Tokens,
     log-probabilities and top log-probabilities of every row come to the host in one transfer.
     """
     device = logits.device
@@ -138,7 +144,12 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
             if (p.top_k and p.top_k > 0) or p.top_p < 1.0 or p.min_p > 0.0:
                 y[k] = _filter(y[k], p)
         cdf = torch.softmax(y, dim=-1).cumsum_(dim=-1)
-        draws = torch.stack([_uniform(states[row], cdf.dtype).to(device) for row in rows])
+        if keyed if keyed is not None else device.type == "cuda":
+            seeds = torch.tensor([states[row].seed for row in rows], dtype=torch.int64)
+            positions = torch.tensor([len(token_histories[row][1]) for row in rows], dtype=torch.int64)
+            draws = uniforms(torch.stack((seeds, positions)).to(device))
+        else:
+            draws = torch.stack([_uniform(states[row], cdf.dtype).to(device) for row in rows])
         picked = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
         tokens[torch.tensor(rows, device=device)] = picked.clamp_(max=cdf.shape[-1] - 1)
     # One transfer: token ids, then per row wanting them its log-probability and top-k (values, ids),
