@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install run test test-gpu lint docs bench clean
+.PHONY: install run test test-gpu gpu-check lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ test: install lint docs
 test-gpu: install
 	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device (install the CUDA build: see TORCH_SPEC above)')"
 	$(VENV)/bin/pytest -q -m cuda $(PYTEST_ARGS)
+
+# The device check on a CUDA GPU machine (bench/gpu.py): the cuda tests, the probe, decode figures against
+# the bandwidth limit, graph replay against eager; one JSON under bench/results/. Nothing is installed or
+# downloaded: it runs with .venv's Python where there is one, else the machine's python3.
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) -m bench.gpu $(ARGS)
 
 bench: install
 	$(VENV)/bin/ponder bench decode

@@ -1,0 +1,71 @@
+"""The parts of the device check (bench/gpu.py) that run without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu
+from storage.kv_cache import KVShape
+
+
+def test_arguments_and_the_json_s_path():
+    args = gpu.parse_args([])
+    assert (args.out, args.steps, args.skip_tests, args.no_8b) == (None, 64, False, False)
+    args = gpu.parse_args(["--out", "x.json", "--steps", "8", "--skip-tests", "--no-8b"])
+    assert (args.out, args.steps, args.skip_tests, args.no_8b) == (Path("x.json"), 8, True, True)
+    assert gpu.output_path("NVIDIA H100 80GB HBM3", None) == Path("bench/results/gpu-nvidia-h100-80gb-hbm3.json")
+    assert gpu.output_path("NVIDIA H200", Path("a.json")) == Path("a.json")
+
+
+def test_the_bandwidth_limit():
+    # 8B in bfloat16 (16.06e9 bytes) at 3.35e12 bytes/s: 208.6 tokens/s for one stream without KV
+    assert gpu.bandwidth_limit(16_060_000_000, 0, 1, 3.35e12) == pytest.approx(208.59, abs=0.01)
+    # 16 streams each reading 1e8 bytes of KV: 16 tokens for 16.06e9 + 1.6e9 bytes
+    assert gpu.bandwidth_limit(16_060_000_000, 100_000_000, 16, 3.35e12) == pytest.approx(
+        16 * 3.35e12 / 17.66e9)
+    # Llama-3-8B's KV at 1,000 tokens in bfloat16: 32 layers x 2 x 8 heads x 128 x 2 bytes a token
+    shape = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+    assert gpu.kv_bytes(shape, 1000, torch.bfloat16) == 131_072_000
+
+
+def test_a_failing_step_is_recorded_not_skipped():
+    report = {"errors": [], "seconds": {}}
+    gpu.step(report, "fine", lambda: None)
+    gpu.step(report, "broken", lambda: 1 / 0)
+    assert report["errors"] == ["broken: ZeroDivisionError: division by zero"]
+    assert set(report["seconds"]) == {"fine", "broken"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_without_a_gpu_it_refuses_loudly():
+    with pytest.raises(SystemExit, match="sees no CUDA device"):
+        gpu.run(gpu.parse_args(["--skip-tests"]))
+
+
+def test_the_decode_loop_gives_transformers_greedy_tokens(tiny_llama, monkeypatch):
+    """The device check's own decode loop (prompts, then one token a stream a step), on a CPU with the
+    normal path: every stream's tokens are transformers' greedy continuation of its prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.model import attention
+    from runtime.model.model_runner import ModelRunner
+    from storage.kv_cache import KVCache, kv_shape_of
+    from tests.runtime.engine_helpers import hf_greedy
+
+    attention.register()
+    monkeypatch.setattr(gpu, "PROMPT_TOKENS", 6)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    runner = ModelRunner(model, KVCache(kv_shape_of(model.config, 16), 8, torch.float32, torch.device("cpu")))
+    out = gpu.decode(runner, 2, 3, seed=1)
+    assert len(out["logits"]) == 4 and out["tokens_per_s"] > 0
+    prompts = [seq_tokens[:6] for seq_tokens in _prompts(model.config.vocab_size, 2, 1)]
+    # the prompts' step and 3 timed steps each append a token (the last step's logits are not sampled)
+    assert out["tokens"] == [hf_greedy(model, p, 4) for p in prompts]
+
+
+def _prompts(vocab, streams, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (6,), generator=generator).tolist() for _ in range(streams)]
