@@ -27,15 +27,17 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/ponder/venv/bin:$PATH
 
 # g++ builds ponder's CPU kernels (runtime/kernels/csrc): without it a CPU serves float weights, slowly.
+# python3-dev: Triton (which the CUDA torch wheel brings) compiles a small C launcher for each of ponder's
+# GPU kernels at first use, against Python's headers, with the same compiler.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv g++ ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-dev python3-venv g++ ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv $VIRTUAL_ENV
 
 # Debian-based images have no uid 1000; an Ubuntu base ships "ubuntu" with it, which ponder takes.
 RUN if id -u ubuntu > /dev/null 2>&1; then userdel --remove ubuntu; fi \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin ponder \
-    && mkdir -p /models /home/ponder/.cache/huggingface /var/lib/ponder/kv \
+    && mkdir -p /models /home/ponder/.cache/huggingface /var/lib/ponder/kv /var/lib/ponder/triton \
     && chown -R ponder:ponder /models /home/ponder/.cache /var/lib/ponder
 
 # The largest layer first, so that changes to the project do not download it again.
@@ -56,7 +58,9 @@ RUN pip install $PIP_EXTRA_ARGS . && ponder --help > /dev/null \
     && python -c "from runtime.model.loader import default_model_path; print('embedded model:', default_model_path())"
 
 # Everything is local: models come from /models, the embedded one or an already filled cache.
+# Triton's compiled kernels on a volume: a restarted container does not compile them again.
 ENV PONDER_CACHE__DISK_DIR=/var/lib/ponder/kv \
+    TRITON_CACHE_DIR=/var/lib/ponder/triton \
     HF_HOME=/home/ponder/.cache/huggingface \
     HF_HUB_OFFLINE=1
 
@@ -70,7 +74,7 @@ RUN python -c "import sys; from runtime.kernels import cpu_kernels; reason = cpu
 sys.exit('ponder CPU kernels: ' + reason) if reason and 'could not be built' in reason else None; \
 print('ponder CPU kernels:', reason or 'built (' + cpu_kernels.describe_isa() + ')')"
 
-VOLUME ["/models", "/home/ponder/.cache/huggingface", "/var/lib/ponder/kv"]
+VOLUME ["/models", "/home/ponder/.cache/huggingface", "/var/lib/ponder/kv", "/var/lib/ponder/triton"]
 EXPOSE 8000
 
 # /health answers 503 while the model loads or when the runtime is down; urlopen raises on it. The

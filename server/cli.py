@@ -39,7 +39,7 @@ def _serve_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark (prints JSON and a table)")
-    p.add_argument("name", choices=["decode", "search", "accuracy", "kv", "simulate", "headwise", "serving", "load", "quantize", "example", "startup", "router", "timeout", "serving-load", "structured", "gguf-memory", "family-replicas"])
+    p.add_argument("name", choices=["decode", "search", "accuracy", "kv", "simulate", "headwise", "serving", "load", "quantize", "example", "startup", "router", "timeout", "serving-load", "structured", "gguf-memory", "family-replicas", "gpu"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see --help of each)")
 
 

