@@ -1,0 +1,54 @@
+"""The Triton GEMM with a fixed reduction order (runtime/kernels/gpu/linear.py) in Triton's interpreter:
+float weights and a GGUF's own Q8_0 and Q4_K blocks against gguf's dequantized weights, and a row's bits
+alone equal to its bits in a batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from runtime.kernels.gpu.linear import block_linear, linear
+from runtime.model.gguf_blocks import decode
+
+
+def assert_rows_are_their_own(fn, x):
+    batch = fn(x)
+    for count in (1, 3, 17):
+        assert torch.equal(fn(x[:count]), batch[:count])
+    assert torch.equal(fn(x[5:6]), batch[5:6])
+    return batch
+
+
+def test_float_linear_matches_torch_and_keeps_each_row_s_bits():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    out = assert_rows_are_their_own(lambda rows: linear(rows, w), x)
+    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def q4_k_data(rows: int, cols: int) -> np.ndarray:
+    """Random Q4_K blocks: 144 bytes per 256 weights, super-block d and dmin float16 values kept sane."""
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
+    blocks = data.reshape(rows, -1, 144)
+    blocks[..., 0:4] = np.frombuffer(np.array(rng.uniform(0.001, 0.01, rows * cols // 256 * 2), np.float16)
+                                     .tobytes(), np.uint8).reshape(rows, -1, 4)
+    return data
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_block_linear_computes_with_the_file_s_own_weights(kind):
+    if kind == "Q8_0":
+        weights = (np.random.default_rng(0).standard_normal((40, 256)) * 0.3).astype(np.float32)
+        data = quantize(weights, GGMLQuantizationType.Q8_0)
+    else:
+        data = q4_k_data(40, 256)
+    blocks = decode(kind, data)
+    dense = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).copy())
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(2))
+    out = assert_rows_are_their_own(lambda rows: block_linear(rows, blocks.codes, blocks.d, blocks.m), x)
+    expected = x.double() @ dense.double().T
+    torch.testing.assert_close(out.double(), expected, atol=1e-4 * float(expected.abs().max()), rtol=1e-4)
