@@ -1,0 +1,96 @@
+"""The GPU path compiled for a CUDA GPU (`make test-gpu`): ponder's Triton kernels, the Triton layer loop
+and CUDA graph replay. Their CPU twins run in Triton's interpreter in `make test` (tests/runtime/gpu_path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.runtime.engine_helpers import engine_for, request, run
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+DEVICE = torch.device("cuda")
+
+
+def test_decode_attention_gives_a_query_the_same_bits_alone_and_in_a_batch():
+    from runtime.kernels.gpu.paged import decode_attention
+
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(40, 2, 2, 4, 16, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    queries = torch.randn(32, 16, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    tables = torch.randint(0, 40, (32, 8), generator=gen).to(DEVICE)
+    ctx = torch.randint(1, 129, (32,), generator=gen).to(DEVICE)
+    rows = torch.arange(32, device=DEVICE)
+    batch = torch.zeros(32, 16, 64, dtype=torch.bfloat16, device=DEVICE)
+    decode_attention(queries, rows, kv, tables, ctx, 1, 0.125, batch)
+    for i in (0, 7, 31):
+        alone = torch.zeros(1, 16, 64, dtype=torch.bfloat16, device=DEVICE)
+        decode_attention(queries[i:i + 1], rows[:1], kv, tables[i:i + 1], ctx[i:i + 1], 1, 0.125, alone)
+        assert torch.equal(alone[0], batch[i])
+    # against float64 attention over the query's own blocks
+    i, n = 7, int(ctx[7])
+    keys = kv[tables[i], 1, 0].permute(1, 0, 2, 3).reshape(4, -1, 64)[:, :n].double()
+    values = kv[tables[i], 1, 1].permute(1, 0, 2, 3).reshape(4, -1, 64)[:, :n].double()
+    q = queries[i].double().view(4, 4, 64)
+    weights = torch.softmax(torch.einsum("hrd,htd->hrt", q, keys) * 0.125, -1)
+    expected = torch.einsum("hrt,htd->hrd", weights, values).reshape(16, 64)
+    torch.testing.assert_close(batch[i].double(), expected, atol=0.02, rtol=0.02)
+
+
+def test_the_elementwise_kernels_stay_within_a_rounding_of_torch():
+    from runtime.kernels.gpu.elementwise import rms_norm, silu_mul
+
+    gen = torch.Generator().manual_seed(1)
+    x, res = (torch.randn(9, 576, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = torch.randn(576, generator=gen).to(DEVICE, torch.bfloat16)
+    out, summed = rms_norm(x, weight, 1e-5, residual=res)
+    assert torch.equal(summed, x + res)
+    wide = summed.float()
+    expected = weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    torch.testing.assert_close(out, expected, atol=0.07, rtol=0.016)
+    gate_up = torch.randn(9, 2 * 1536, generator=gen).to(DEVICE, torch.bfloat16)
+    torch.testing.assert_close(silu_mul(gate_up, 1536), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
+                               atol=0.03, rtol=0.016)
+
+
+def test_the_block_gemm_keeps_each_row_s_bits():
+    from runtime.kernels.gpu.linear import block_linear
+
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (96, 512), generator=gen, dtype=torch.uint8).to(DEVICE)
+    d, m = torch.rand(96, 16, generator=gen).to(DEVICE), torch.randn(96, 16, generator=gen).to(DEVICE)
+    x = torch.randn(40, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    batch = block_linear(x, codes, d, m)
+    for count in (1, 5, 17):
+        assert torch.equal(block_linear(x[:count], codes, d, m), batch[:count])
+    dense = d.repeat_interleave(32, 1) * codes.float() + m.repeat_interleave(32, 1)
+    torch.testing.assert_close(batch.float(), x.float() @ dense.T, atol=0.5, rtol=0.02)
+
+
+def test_the_triton_loop_gives_the_torch_loop_s_tokens_in_float32(tiny_llama):
+    requests = lambda: [request("greedy", [1, 5, 6, 7, 8, 9], max_tokens=12),  # noqa: E731
+                        request("sampled", [1, 40, 41], max_tokens=12, temperature=0.8, seed=3, n=3)]
+    triton_engine = engine_for(tiny_llama, device="cuda", dtype="float32")
+    assert triton_engine.runner.gpu_kernels and triton_engine.runner.decoder.gpu is not None
+    expected = run(triton_engine, requests())
+    torch_engine = engine_for(tiny_llama, device="cuda", dtype="float32")
+    torch_engine.runner.graphs = None
+    torch_engine.runner.gpu_kernels = False
+    torch_engine.runner.attention_kernel = None  # decode attention in torch's batched matmuls
+    torch_engine.runner.decoder.gpu = None  # (after the Triton run: a loaded model may be shared)
+    assert run(torch_engine, requests()) == expected
+
+
+def test_graph_replay_gives_the_eager_steps_bits(tiny_llama):
+    requests = lambda: [request("a", [1, 5, 6, 7], max_tokens=20, temperature=1.0, seed=1, logprobs=True),  # noqa: E731
+                        request("b", [1, 9] * 5, max_tokens=14, temperature=0.7, seed=2, n=4, logprobs=True)]
+    graphed = engine_for(tiny_llama, device="cuda", dtype="bfloat16")
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.graphs
+    replays = []
+    run_graphs = graphed.runner.graphs.run
+    graphed.runner.graphs.run = lambda scheduled: replays.append(len(scheduled)) or run_graphs(scheduled)
+    eager = engine_for(tiny_llama, device="cuda", dtype="bfloat16")
+    eager.runner.graphs = None
+    assert run(graphed, requests()) == run(eager, requests())
+    assert replays and max(replays) == 5
