@@ -52,3 +52,20 @@ def test_block_linear_computes_with_the_file_s_own_weights(kind):
     out = assert_rows_are_their_own(lambda rows: block_linear(rows, blocks.codes, blocks.d, blocks.m), x)
     expected = x.double() @ dense.double().T
     torch.testing.assert_close(out.double(), expected, atol=1e-4 * float(expected.abs().max()), rtol=1e-4)
+
+
+def test_a_block_layer_fuses_and_computes_with_its_dequantized_weights():
+    from runtime.model.decoder import fuse_linears
+    from runtime.model.gpu_blocks import GpuBlockLinear
+
+    gen = torch.Generator().manual_seed(3)
+    layers = [GpuBlockLinear(torch.randint(0, 16, (rows, 64), generator=gen, dtype=torch.uint8),
+                             torch.rand(rows, 2, generator=gen), torch.randn(rows, 2, generator=gen))
+              for rows in (32, 16)]
+    x = torch.randn(3, 64, generator=gen)
+    apart = [layer.rows(x) for layer in layers]
+    torch.testing.assert_close(apart[0], x @ layers[0].dequantized().T, atol=1e-4, rtol=1e-4)
+    fused = fuse_linears(layers)
+    assert isinstance(fused, GpuBlockLinear) and fused.weight.shape == (48, 64)
+    assert layers[1].weight.data_ptr() == fused.weight[32:].data_ptr()  # views: no memory added
+    assert torch.equal(fused.rows(x), torch.cat(apart, dim=1))
