@@ -171,7 +171,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
             keep = torch.arange(top.shape[-1], device=device)[None, :] < ks[:, None]
             kept = torch.where(keep, top.to(torch.float64), torch.zeros((), dtype=torch.float64, device=device))
             parts.append(-kept.sum(dim=-1) / ks)
-    host = torch.cat(parts).tolist()
+    host = _to_host(torch.cat(parts))
     n, w = len(states), len(wants)
     outputs = [SampleOutput(int(t)) for t in host[:n]]
     for j, row in enumerate(wants):
@@ -185,6 +185,17 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     for j, value in zip(confident, host[len(host) - len(confident):]):
         outputs[wants[j]].confidence = value
     return outputs
+
+
+def _to_host(values: torch.Tensor) -> list[float]:
+    """`values` as a list: on a CUDA device one copy into pinned host memory (torch's caching host
+    allocator keeps the pages from step to step), then a wait for that copy alone."""
+    if values.device.type != "cuda":
+        return values.tolist()
+    pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    pinned.copy_(values, non_blocking=True)
+    torch.cuda.current_stream(values.device).synchronize()
+    return pinned.tolist()
 
 
 @dataclass
