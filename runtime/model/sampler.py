@@ -189,7 +189,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
 
 def _to_host(values: torch.Tensor) -> list[float]:
     """`values` as a list: on a CUDA device one copy into pinned host memory (torch's caching host
-    allocator keeps the pages from step to step), then a wait for that copy alone."""
+    allocator keeps the pages from step to step), then a wait for the stream up to that copy."""
     if values.device.type != "cuda":
         return values.tolist()
     pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
