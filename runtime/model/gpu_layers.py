@@ -16,10 +16,15 @@ torch loop (runtime.model.decoder), decided per step.
 from __future__ import annotations
 
 import torch
+from torch import nn
+from transformers.activations import SiLUActivation
 
 from runtime.kernels.gpu.elementwise import rms_norm, rotary, silu_mul
 from runtime.kernels.gpu.paged import decode_attention, write_kv
 from runtime.model.attention import AttentionMetadata
+
+
+_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: what the SiLU * mul kernel computes
 
 
 class GpuLayers:
@@ -36,8 +41,6 @@ class GpuLayers:
     def build(cls, decoder) -> "GpuLayers | None":
         """None where a layer is not of the form the kernels compute: fused qkv and gate/up projections,
         SiLU (gate, up), an even head size."""
-        from runtime.model.decoder import _SILU
-
         if decoder.head_dim % 2 or decoder.int4:
             return None
         for layer in decoder.layers:
