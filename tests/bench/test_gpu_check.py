@@ -69,3 +69,19 @@ def test_the_decode_loop_gives_transformers_greedy_tokens(tiny_llama, monkeypatc
 def _prompts(vocab, streams, seed):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (6,), generator=generator).tolist() for _ in range(streams)]
+
+
+def test_random_4_bit_blocks_replace_every_linear_layer(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    from runtime.model.gpu_blocks import GpuBlockLinear
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    shapes = {name: tuple(m.weight.shape) for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    file_bytes = gpu.random_q4_blocks(model)
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, GpuBlockLinear)}
+    assert set(blocks) == set(shapes) and not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert file_bytes == sum(o * i * 9 // 16 for o, i in shapes.values())  # 4.5 bits a weight
+    layer = blocks["lm_head"]
+    assert layer.weight.dtype == torch.uint8 and int(layer.weight.max()) <= 15
+    assert layer.d.shape == (shapes["lm_head"][0], shapes["lm_head"][1] // 32) and torch.equal(layer.m, -7.5 * layer.d)
