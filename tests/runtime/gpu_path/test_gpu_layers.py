@@ -75,8 +75,12 @@ def test_the_static_buffer_decode_step_gives_the_eager_path_s_tokens(tiny_llama,
 
 
 def test_graphs_need_row_padding_and_the_triton_loop(tiny_llama):
+    from runtime.bootstrap import engine_paths
+
     engine = engine_for(tiny_llama, quantize="none", batch_invariant=False)
     assert not engine.runner.use_graphs(capture=False)  # no Triton kernels asked for
     engine.runner.use_gpu_kernels()
+    paths = engine_paths(engine)
+    assert (paths["layers"], paths["attention"]) == ("triton", "triton")  # as start-up logs them
     assert not engine.runner.use_graphs(capture=False)  # no row padding: batch invariance off
     assert engine.runner.graphs is None
