@@ -43,7 +43,7 @@ EIGHT_B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num
 PROMPT_TOKENS = 64
 STREAMS = (1, 16)
 NOT_BUILT = ["a GGUF's blocks kept on the GPU by the loader (quantize = auto still dequantizes there; the "
-             "4-bit figures here are random blocks in ponder's layout, a byte a code)",
+             "4-bit figures here are random blocks, two codes a byte, float32 scales)",
              "LBS against token-wise offload under one KV budget", "HeadInfer at ten times the GPU's KV budget",
              "FlashTTS: the search example's goodput with speculation on and off"]
 
@@ -175,8 +175,8 @@ def _sync(device: torch.device) -> None:
 
 def random_q4_blocks(model) -> int:
     """Every linear layer of `model` (the head too) replaced by random 4-bit blocks on its device, Q4_K's
-    form (codes 0..15, d and m per 32 inputs: runtime.model.gpu_blocks); returns the bytes the file's
-    Q4_K would hold of them (4.5 bits a weight)."""
+    form (codes 0..15 two a byte, d and m per 32 inputs: runtime.model.gpu_blocks); returns the bytes the
+    file's Q4_K would hold of them (4.5 bits a weight)."""
     from torch import nn
 
     from runtime.model.gpu_blocks import GpuBlockLinear
@@ -187,9 +187,9 @@ def random_q4_blocks(model) -> int:
             if type(child) is nn.Linear:
                 out, ins = child.weight.shape
                 device = child.weight.device
-                codes = torch.randint(0, 16, (out, ins), dtype=torch.uint8, device=device)
+                codes = torch.randint(0, 256, (out, ins // 2), dtype=torch.uint8, device=device)  # two a byte
                 d = torch.rand(out, ins // 32, device=device) * (0.04 / 15)
-                setattr(parent, attribute, GpuBlockLinear(codes, d, -7.5 * d))
+                setattr(parent, attribute, GpuBlockLinear(codes, d, -7.5 * d, packed=True))
                 file_bytes += out * ins * 9 // 16
     torch.cuda.empty_cache()
     return file_bytes
@@ -197,13 +197,14 @@ def random_q4_blocks(model) -> int:
 
 def q4_figures(steps: int, bandwidth: float, report: dict) -> None:
     """The 8B-shaped model from 4-bit blocks: its limit at the file's 4.5 bits a weight (the issue's
-    mark), and at the bytes ponder's layout reads (a byte a code, float32 scales) beside it."""
+    mark), and at the bytes the kernel reads (two codes a byte, float32 scales) beside it."""
     from bench.decode import step_weight_bytes
+    from runtime.model.gpu_blocks import GpuBlockLinear
 
     model = random_8b(torch.device("cuda"))
     file_bytes = random_q4_blocks(model)
     layout = step_weight_bytes(model)  # (before the lean decoder fuses the layers)
-    rest = layout - sum(m.nbytes for m in model.modules() if hasattr(m, "nbytes"))
+    rest = layout - sum(m.nbytes for m in model.modules() if isinstance(m, GpuBlockLinear))
     figures("llama_8b_q4_blocks", model, steps, bandwidth, report, weights=file_bytes + rest)
     entry = report["models"]["llama_8b_q4_blocks"]
     entry["layout_weight_bytes"] = layout

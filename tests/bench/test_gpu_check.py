@@ -83,5 +83,5 @@ def test_random_4_bit_blocks_replace_every_linear_layer(tiny_llama):
     assert set(blocks) == set(shapes) and not any(type(m) is torch.nn.Linear for m in model.modules())
     assert file_bytes == sum(o * i * 9 // 16 for o, i in shapes.values())  # 4.5 bits a weight
     layer = blocks["lm_head"]
-    assert layer.weight.dtype == torch.uint8 and int(layer.weight.max()) <= 15
+    assert layer.weight.dtype == torch.uint8 and layer.packed and layer.weight.shape[1] * 2 == shapes["lm_head"][1]
     assert layer.d.shape == (shapes["lm_head"][0], shapes["lm_head"][1] // 32) and torch.equal(layer.m, -7.5 * layer.d)

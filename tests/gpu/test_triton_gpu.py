@@ -55,7 +55,7 @@ def test_the_elementwise_kernels_stay_within_a_rounding_of_torch():
 
 
 def test_the_block_gemm_keeps_each_row_s_bits():
-    from runtime.kernels.gpu.linear import block_linear
+    from runtime.kernels.gpu.linear import block_linear, pack_nibbles
 
     gen = torch.Generator().manual_seed(2)
     codes = torch.randint(0, 16, (96, 512), generator=gen, dtype=torch.uint8).to(DEVICE)
@@ -64,6 +64,8 @@ def test_the_block_gemm_keeps_each_row_s_bits():
     batch = block_linear(x, codes, d, m)
     for count in (1, 5, 17):
         assert torch.equal(block_linear(x[:count], codes, d, m), batch[:count])
+    packed = pack_nibbles(codes)  # two codes a byte: the same arithmetic, the same bits
+    assert torch.equal(block_linear(x, packed, d, m, packed=True), batch)
     dense = d.repeat_interleave(32, 1) * codes.float() + m.repeat_interleave(32, 1)
     torch.testing.assert_close(batch.float(), x.float() @ dense.T, atol=0.5, rtol=0.02)
 

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from runtime.kernels.gpu.linear import block_linear, linear
+from runtime.kernels.gpu.linear import block_linear, linear, pack_nibbles
 from runtime.model.gguf_blocks import decode
 
 
@@ -52,6 +52,10 @@ def test_block_linear_computes_with_the_file_s_own_weights(kind):
     out = assert_rows_are_their_own(lambda rows: block_linear(rows, blocks.codes, blocks.d, blocks.m), x)
     expected = x.double() @ dense.double().T
     torch.testing.assert_close(out.double(), expected, atol=1e-4 * float(expected.abs().max()), rtol=1e-4)
+    if kind == "Q4_K":  # two codes a byte: the same weights, the same arithmetic, the same bits
+        packed = pack_nibbles(blocks.codes)
+        assert packed.shape == (40, 128)
+        assert torch.equal(block_linear(x, packed, blocks.d, blocks.m, packed=True), out)
 
 
 def test_a_block_layer_fuses_and_computes_with_its_dequantized_weights():
@@ -69,3 +73,6 @@ def test_a_block_layer_fuses_and_computes_with_its_dequantized_weights():
     assert isinstance(fused, GpuBlockLinear) and fused.weight.shape == (48, 64)
     assert layers[1].weight.data_ptr() == fused.weight[32:].data_ptr()  # views: no memory added
     assert torch.equal(fused.rows(x), torch.cat(apart, dim=1))
+    packed = GpuBlockLinear(pack_nibbles(layers[0].weight), layers[0].d, layers[0].m, packed=True)
+    assert packed.in_features == 64 and torch.equal(packed.dequantized(), layers[0].dequantized())
+    assert torch.equal(packed.rows(x), apart[0])
