@@ -79,7 +79,8 @@ def mix_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, c
                 act: nn.Module) -> torch.Tensor:
     """Sum over each row's experts of weight * down(act(gate) * up), rows grouped by expert: one call
     of each expert hit, on its rows in (top-k position, token) order (transformers' `torch.where`
-    order), the experts added in ascending order into zeros, as transformers' reference loop does."""
+    order), the experts added in ascending order into zeros, as transformers' reference loop does
+    (the same float additions as its `index_add_`)."""
     num_tokens, top_k = indices.shape
     flat = indices.t().reshape(-1)  # entry p * T + t: token t's p-th expert
     order = torch.argsort(flat, stable=True)
@@ -96,7 +97,10 @@ def mix_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, c
         gate_up, down = calls[expert]
         gate, up = gate_up(gathered[start:end]).chunk(2, dim=-1)
         h = down(act(gate) * up) * entry_weights[start:end]
-        out.index_add_(0, tokens[start:end], h.to(out.dtype))
+        # index_add_'s out[t] + h, as an indexed read and write: an expert's tokens are distinct, and
+        # torch's deterministic index_add_ on a CPU (batch invariance sets it) costs milliseconds a call
+        rows = tokens[start:end]
+        out[rows] = out[rows] + h.to(out.dtype)
         start = end
     return out
 
