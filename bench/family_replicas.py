@@ -5,7 +5,8 @@
 Writes OUT_DIR/<family>: a random-weight (seeded) checkpoint of SmolLM2-135M's sizes (576 wide, 30
 layers, 9 query heads and 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embedding) in the family's
 own transformers class (`qwen3`: per-head q/k norms, head_dim 64 given explicitly; `smollm3`: every
-fourth layer without rotary), saved as safetensors in `--dtype`, with SmolLM2's tokenizer read from the
+fourth layer without rotary; `qwen3_moe`: Qwen3's attention with every MLP routed over 8 experts, 2 a
+token, each 768 wide, so a token's active MLP is SmolLM2's 1536), saved as safetensors in `--dtype`, with SmolLM2's tokenizer read from the
 embedded model's GGUF. Time them with `ponder bench decode --model OUT_DIR/<family>`; prints what it
 wrote as JSON and a table.
 """
@@ -22,7 +23,8 @@ from bench.report import emit
 SIZES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
              rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = ("llama", "qwen3", "smollm3")
+FAMILIES = ("llama", "qwen3", "smollm3", "qwen3_moe")
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True)
 
 
 def replica(family: str):
@@ -35,6 +37,8 @@ def replica(family: str):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**SIZES))
     elif family == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**SIZES, head_dim=64))
+    elif family == "qwen3_moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**SIZES, head_dim=64, **EXPERTS))
     elif family == "smollm3":
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**SIZES))
     else:

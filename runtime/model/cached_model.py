@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.model.experts import KernelExperts
 from runtime.model.float_layers import FloatLinear, float_layers
-from runtime.model.loader import CheckpointMismatch, ModelSource, file_head_dim, load_causal_lm
+from runtime.model.loader import CheckpointMismatch, ModelSource, file_expert_width, file_head_dim, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
@@ -34,7 +35,8 @@ _LAYOUT = "layout.json"
 _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
 _CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
-         "model/float_layers.py", "model/cached_model.py", "startup_cache.py")
+         "model/float_layers.py", "model/cached_model.py", "model/experts.py", "model/gguf_experts.py",
+         "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -83,7 +85,11 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
         quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)
         if setting == "auto" and not source.gguf_file and device.type == "cpu":
             quantized = float_layers(model, setting)
-    if entry is not None and quantized.mode in ("int4", "float") and entry.write(lambda directory: write_model(directory, model, quantized)):
+    # (a model with routed experts in kernel layers, runtime.model.experts, is not cached: its skeleton
+    # from the config holds transformers' stacked experts, which the entry's tensors would not fill)
+    holds_experts = any(isinstance(module, KernelExperts) for module in model.modules())
+    if entry is not None and quantized.mode in ("int4", "float") and not holds_experts and \
+            entry.write(lambda directory: write_model(directory, model, quantized)):
         log.info("model saved to the start-up cache %s", entry.path)
     return model, quantized
 
@@ -105,6 +111,9 @@ def gguf_config(source: ModelSource, trust_remote_code: bool = False):
     head_dim = file_head_dim(source.path)
     if head_dim is not None and hasattr(config, "head_dim"):
         config.head_dim = head_dim
+    expert_width = file_expert_width(source.path)
+    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = expert_width
     entry.write(config.save_pretrained)
     return config
 

@@ -1,4 +1,4 @@
-"""A lean forward pass for llama-family decoders (llama, qwen2, qwen3, smollm3) over the paged KV cache.
+"""A lean forward pass for llama-family decoders (llama, qwen2, qwen3, smollm3, qwen3_moe) over the paged KV cache.
 
 transformers' modules spend most of a small model's decode step on Python and on many small
 operators: three projections where one matmul would do, rotary embeddings applied to queries and
@@ -27,7 +27,9 @@ same bits, tested): where every layer is int4, and where every projection runs i
 Qwen3's per-head RMS norms on queries and keys (over head_dim, which need not be hidden / heads) run
 between the qkv projection and the rotary, as transformers runs them; SmolLM3's NoPE layers skip the
 rotary; a layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel
-does the same, in the same operators.
+does the same, in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts'
+`RoutedMLP` (transformers' reference loop's arithmetic, rows grouped by expert); a model with one has
+no stack kernel, its steps run the Python loop.
 
 A model it does not know (another architecture, a projection it cannot fuse) is run by transformers'
 forward; `LeanDecoder.build` says which by returning None.
@@ -44,10 +46,11 @@ from transformers.activations import SiLUActivation
 
 from runtime.kernels.cpu_kernels import float_isa
 from runtime.model.attention import AttentionMetadata, attend
+from runtime.model.experts import RoutedMLP
 from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "qwen3_moe")
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes
 
 
@@ -132,8 +135,8 @@ class _Layer:
     qkv: Projections
     o_proj: object  # rows_call of the layer
     post_norm: _Norm
-    gate_up: Projections
-    act: nn.Module
+    gate_up: Projections | None  # None (and act, down too) where the MLP is routed over experts (`moe`)
+    act: nn.Module | None
     down: object
     # int4 or float (see `LeanDecoder.int4`, `LeanDecoder.floats`): the o and down layers, which the
     # stack kernel calls (an int4 one also adds the residual; the fused qkv and gate/up layers, which
@@ -146,6 +149,7 @@ class _Layer:
     k_norm: _Norm | None = None
     rotary: bool = True
     window: int | None = None
+    moe: RoutedMLP | None = None
 
     def queries_and_keys(self, qk: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`qk` [T, H + KVH, D] (the qkv projection's queries then keys) normed per head and rotated as
@@ -174,17 +178,21 @@ class LeanDecoder:
         self.layers = []
         for layer in base.layers[:config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
+            moe = RoutedMLP(mlp) if RoutedMLP.takes(mlp) else None
             self.layers.append(_Layer(
                 attn.layer_idx, attn.scaling,
                 _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
                 Projections([attn.q_proj, attn.k_proj, attn.v_proj]), rows_call(attn.o_proj),
                 _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn, rows_call(mlp.down_proj),
+                *((None, None, None) if moe else (Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn,
+                                                  rows_call(mlp.down_proj))),
                 q_norm=head_norm(attn, "q_norm"), k_norm=head_norm(attn, "k_norm"),
-                rotary=bool(getattr(attn, "use_rope", True)), window=getattr(attn, "sliding_window", None) or None))
+                rotary=bool(getattr(attn, "use_rope", True)), window=getattr(attn, "sliding_window", None) or None,
+                moe=moe))
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
         # also apply the norms and add the residuals (see the module docstring).
-        sources = [(layer.self_attn.o_proj, layer.mlp.down_proj) for layer in base.layers[:config.num_hidden_layers]]
+        sources = [(layer.self_attn.o_proj, getattr(layer.mlp, "down_proj", None))
+                   for layer in base.layers[:config.num_hidden_layers]]
         self.int4 = self.kernel_layers(Int4Linear, sources, (torch.float32,))
         # With ponder's float kernel throughout, the Python loop stays the float one (its own norms
         # and adds), and a step the decode kernel wholly attends is one stack-kernel call too (float32
@@ -212,8 +220,9 @@ class LeanDecoder:
         """Whether every layer's projections are `kind` (qkv and gate/up fused, o and down without a
         bias) and the activations of one of `dtypes`."""
         return self.embed.weight.dtype in dtypes and all(
-            isinstance(layer.qkv.fused, kind) and isinstance(layer.gate_up.fused, kind)
-            and all(isinstance(l, kind) and l.bias is None for l in pair)
+            isinstance(layer.qkv.fused, kind) and isinstance(pair[0], kind) and pair[0].bias is None and (
+                layer.moe.all_kernel(kind) if layer.moe else
+                isinstance(layer.gate_up.fused, kind) and isinstance(pair[1], kind) and pair[1].bias is None)
             for layer, pair in zip(self.layers, sources))
 
     @classmethod
@@ -241,7 +250,7 @@ class LeanDecoder:
                 return None
             if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling")):
                 return None
-            if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            if not RoutedMLP.takes(mlp) and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
                 return None
         decoder = cls(model)
         model._ponder_lean_decoder = decoder
@@ -275,6 +284,9 @@ class LeanDecoder:
                          layer.scaling, window=layer.window)
             hidden = residual + layer.o_proj(out.view(num_tokens, heads * dim))
             residual = hidden
+            if layer.moe is not None:
+                hidden = residual + layer.moe(layer.post_norm(hidden))
+                continue
             gate, up = layer.gate_up(layer.post_norm(hidden))
             hidden = residual + layer.down(layer.act(gate) * up)
         return self.norm(hidden) if normed else hidden
@@ -296,6 +308,9 @@ class LeanDecoder:
             v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling, window=layer.window)
             hidden = layer.o_module.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
+            if layer.moe is not None:
+                hidden = hidden + layer.moe(layer.post_norm(hidden))
+                continue
             norm = layer.post_norm
             gate_up = layer.gate_up.fused.fused_rows(hidden, norm.weight, norm.eps)
             if layer.gate_up.fused.bias is not None:
@@ -347,7 +362,7 @@ class LayerStack:
         from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
 
         dtype = decoder.embed.weight.dtype  # the activations'
-        if any(layer.index != i or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
+        if any(layer.index != i or layer.moe is not None or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
                or layer.input_norm.weight.dtype != dtype or layer.post_norm.weight.dtype != dtype
                or any(n is not None and n.weight.dtype != dtype for n in (layer.q_norm, layer.k_norm))
                or (layer.q_norm is not None and layer.q_norm.eps != layer.k_norm.eps)

@@ -33,6 +33,7 @@ from torch import nn
 from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
 from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
+from runtime.model.gguf_experts import ExpertTensors
 from runtime.model.loader import CheckpointMismatch, ModelSource
 from runtime.model.quantize import Int4Linear, Quantized, blocks_detail
 
@@ -95,6 +96,19 @@ def _float_weight(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(shape))
 
 
+def _expert_layer(kind: str, raw: np.ndarray, shape: tuple[int, int]):
+    """One expert's layer of a stacked tensor: its blocks, or its floats in ponder's float kernel (a type
+    no kernel runs dequantized to float32, an expert at a time)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if kind in SUPPORTED:
+        return _int_layer(kind, raw, shape)
+    if kind in FLOAT_KINDS:
+        return FloatLinear.from_weight(_float_weight(kind, raw, shape))
+    return FloatLinear.from_weight(torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)))
+
+
 def _float_kernel_runs() -> bool:
     try:
         float_kernel()
@@ -153,11 +167,24 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     floats = 0
     float_kernel_runs = _float_kernel_runs()
     biases: dict[str, torch.Tensor] = {}
+    experts = ExpertTensors(model)  # routed experts' stacked tensors, one kernel layer an expert
     with open(source.path, "rb") as file:
         for tensor in reader.tensors:
             target = names.get(tensor.name)
-            if target is None:
+            # (transformers' map names a stacked experts tensor without its `.weight`)
+            block = experts.owner(tensor.name, target or names.get(tensor.name.removesuffix(".weight"), ""))
+            if block is None and target is None:
                 continue  # as transformers: a tensor no parameter maps to is not read
+            if block is not None:
+                kind = tensor.tensor_type.name
+                kinds[kind] = kinds.get(kind, 0) + 1
+                experts.take(block, tensor.name, _read(file, tensor), lambda raw, shape: _expert_layer(kind, raw, shape))
+                if kind in SUPPORTED or kind in FLOAT_KINDS:  # (a stacked tensor counted as one layer)
+                    counts = kept if kind in SUPPORTED else in_float_kernel
+                    counts[kind] = counts.get(kind, 0) + 1
+                else:
+                    floats += 1
+                continue
             module_name, _, suffix = target.rpartition(".")
             module = modules.get(module_name)
             kind = tensor.tensor_type.name
@@ -196,6 +223,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                 biases[module_name] = value  # the layer may become an int layer later in the file
             else:
                 _set_tensor(model, target, value)
+    experts.finish()
     for name, bias in biases.items():
         layer = model.get_submodule(name)
         if isinstance(layer, (Int4Linear, FloatLinear)):

@@ -253,6 +253,21 @@ def file_head_dim(path: str) -> int | None:
     return None if field is None else int(field.contents())
 
 
+def file_expert_width(path: str) -> int | None:
+    """The routed experts' intermediate size the GGUF's own metadata gives
+    (`{arch}.expert_feed_forward_length`, as llama.cpp reads it; None where the file has none).
+    transformers' GGUF config mapping ignores it, so a Qwen3-MoE file would otherwise take
+    Qwen3MoeConfig's default of 768 whatever the file holds."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = reader.fields.get("general.architecture")
+    if arch is None:
+        return None
+    field = reader.fields.get(f"{arch.contents()}.expert_feed_forward_length")
+    return None if field is None else int(field.contents())
+
+
 def check_causal_lm(source: ModelSource, trust_remote_code: bool = False) -> None:
     """`load_causal_lm`'s strict check, weights unread; a GGUF file is checked when it loads instead
     (transformers dequantizes every tensor to map its names)."""

@@ -157,15 +157,20 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
-        """Each group's 16 codes spread evenly from its least to its largest weight (d and m rounded
-        to float16 first, and the codes taken against the rounded values)."""
-        weight = linear.weight.detach().float()
-        groups = weight.reshape(linear.out_features, -1, INT4_GROUP_SIZE)
+        """`from_weight` of the layer's weight and bias."""
+        return cls.from_weight(linear.weight, linear.bias)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """`weight` [out, in] in int4: each group's 16 codes spread evenly from its least to its largest
+        weight (d and m rounded to float16 first, and the codes taken against the rounded values)."""
+        weight = weight.detach().float()
+        groups = weight.reshape(weight.shape[0], -1, INT4_GROUP_SIZE)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         d = ((high - low) / 15).clamp(min=_TINY_HALF).half().float()
         m = low.half().float()
         codes = torch.round((groups - m[..., None]) / d[..., None]).clamp(0, 15)
-        return cls(codes.reshape(weight.shape), d, m, linear.bias)
+        return cls(codes.reshape(weight.shape), d, m, bias)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x.float(), self.weight, self.d, self.m, self.out_features).to(x.dtype)
@@ -316,7 +321,12 @@ def quantize_model(model: nn.Module, mode: str) -> int:
     for _, parent, attribute, layer in layers:
         setattr(parent, attribute, _MODULES[mode](layer))
     _untie(model)
-    return len(layers)
+    held = 0
+    if mode == "int4":  # routed experts' stacked weights, one int4 layer an expert (runtime.model.experts)
+        from runtime.model.experts import hold_experts
+
+        held = hold_experts(model, "int4")
+    return len(layers) + held
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ def executed_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     decoder = LeanDecoder.build(model)
     fused = [] if decoder is None else [
         projections.fused for layer in decoder.layers for projections in (layer.qkv, layer.gate_up)
-        if isinstance(projections.fused, torch.nn.Linear)]
+        if projections is not None and isinstance(projections.fused, torch.nn.Linear)]
     parts = {layer.weight.untyped_storage().data_ptr() for layer in fused}
     return [module for module in model.modules() if isinstance(module, torch.nn.Linear)
             and module.weight.untyped_storage().data_ptr() not in parts] + fused

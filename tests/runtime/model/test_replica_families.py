@@ -22,7 +22,9 @@ LONG = [{"role": "user", "content": "Tom has 5 apples and buys 3 more. Janet has
 
 # Families whose experts transformers computes over the tokens routed to each: batch invariance is
 # refused for them (runtime.model.row_padding.routed_experts), so they are served with it off.
-ROUTED_EXPERTS = {"qwen3_moe": "Qwen3MoeExperts", "gpt_oss": "GptOssExperts"}
+# (Qwen3-MoE's experts run in ponder's kernels, row by row, under the default quantize: served with it,
+# runtime.model.experts; refused under quantize = "none".)
+ROUTED_EXPERTS = {"gpt_oss": "GptOssExperts"}
 
 
 def invariance(family: str, requested: bool) -> bool:
@@ -87,9 +89,11 @@ def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
 
 
 @pytest.mark.parametrize("family, paths", [
-    # transformers' forward (no lean decoder for these), its projections in ponder's float kernel
-    ("qwen3_moe", {"family": "qwen3_moe", "layers": "transformers", "linear": "float_kernel",
+    # the lean decoder's Python loop (routed experts, no stack kernel), every projection and expert
+    # in ponder's float kernel
+    ("qwen3_moe", {"family": "qwen3_moe", "layers": "lean", "linear": "float_kernel",
                    "attention": "cpu_kernel"}),
+    # transformers' forward (no lean decoder for these), its projections in ponder's float kernel
     # its sinks are applied by ponder's CPU decode kernel too
     ("gpt_oss", {"family": "gpt_oss", "layers": "transformers", "linear": "float_kernel",
                  "attention": "cpu_kernel"}),
@@ -143,20 +147,21 @@ def test_gemma3n_text_is_served_not_refused(tmp_path):
     assert served(directory, [prompt]) == [hf_greedy(reference, prompt, MAX_TOKENS)]
 
 
-@pytest.mark.parametrize("family", sorted(ROUTED_EXPERTS))
-def test_batch_invariance_is_refused_for_routed_experts(family, tmp_path, caplog):
+@pytest.mark.parametrize("family, quantize", [("gpt_oss", "auto"), ("qwen3_moe", "none")])
+def test_batch_invariance_is_refused_for_routed_experts(family, quantize, tmp_path, caplog):
     """An expert's matmul runs over the tokens a step routes to it, a row count no padding controls (its
     bits change with it on a CPU): `batch_invariant = true` refuses to start, auto serves without it and
-    says so."""
+    says so (Qwen3-MoE's experts in torch's matmuls, `quantize = "none"`, too)."""
     from runtime.model.row_padding import InvarianceUnavailable
 
     directory = write_family(family, tmp_path / family)
-    with pytest.raises(InvarianceUnavailable, match=rf"^the routed experts \({ROUTED_EXPERTS[family]}\) compute "
+    experts = {"gpt_oss": "GptOssExperts", "qwen3_moe": "Qwen3MoeExperts"}[family]
+    with pytest.raises(InvarianceUnavailable, match=rf"^the routed experts \({experts}\) compute "
                                                      "each expert's tokens as one matmul"):
-        engine_for(directory, batch_invariant=True)
+        engine_for(directory, batch_invariant=True, quantize=quantize)
     with caplog.at_level("WARNING", logger="ponder.runtime"):
-        engine_for(directory, batch_invariant="auto")
-    assert any(m.startswith(f"batch invariance is off: the routed experts ({ROUTED_EXPERTS[family]})")
+        engine_for(directory, batch_invariant="auto", quantize=quantize)
+    assert any(m.startswith(f"batch invariance is off: the routed experts ({experts})")
                for m in caplog.messages)
 
 
