@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.float_layers import FloatLinear, float_layers
 from runtime.model.loader import CheckpointMismatch, ModelSource, file_head_dim, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
@@ -34,7 +35,7 @@ _LAYOUT = "layout.json"
 _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
 _CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
-         "model/float_layers.py", "model/cached_model.py", "startup_cache.py")
+         "model/float_layers.py", "model/block_embedding.py", "model/cached_model.py", "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -124,6 +125,11 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     floats = {name: {"in_features": module.in_features, "out_features": module.out_features,
                      "dtype": str(module.weight.dtype).removeprefix("torch."), "bias": module.bias is not None}
               for name, module in model.named_modules() if isinstance(module, FloatLinear)}
+    modules = dict(model.named_modules())
+    embeddings = {name: {"kind": m.kind, "shape": list(m.blocks.shape), "dim": m.embedding_dim}
+                  for name, m in modules.items() if isinstance(m, BlockEmbedding)}
+    embeddings.update({name: {"head": next(n for n, h in modules.items() if h is m.head)}
+                       for name, m in modules.items() if isinstance(m, HeadRowsEmbedding)})
     tensors = {name: tensor.detach().contiguous() for name, tensor in _tensors(model).items()}
     shared = {}
     for name, tensor in tensors.items():  # safetensors stores no tensor twice: later names point to the first
@@ -133,7 +139,7 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     model.config.save_pretrained(directory / _CONFIG)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory / _CONFIG)
-    layout = {"int4": int4, "float": floats, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
+    layout = {"int4": int4, "float": floats, "embeddings": embeddings, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
                                                               quantized.detail, list(quantized.block_types)]}
     (directory / _LAYOUT).write_text(json.dumps(layout))
 
@@ -161,6 +167,14 @@ def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
         bias = nn.Parameter(torch.empty(spec["out_features"], device="meta")) if spec["bias"] else None
         weight = torch.empty(spec["out_features"], spec["in_features"], dtype=getattr(torch, spec["dtype"]), device="meta")
         placeholder = FloatLinear.from_weight(weight, bias)
+        setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
+    for name, spec in layout.get("embeddings", {}).items():  # kept in the GGUF's blocks
+        parent_name, _, attribute = name.rpartition(".")
+        if "head" in spec:
+            placeholder = HeadRowsEmbedding(model.get_submodule(spec["head"]), dtype)  # its int4 placeholder
+        else:
+            blocks = torch.empty(spec["shape"], dtype=torch.uint8, device="meta")
+            placeholder = BlockEmbedding(spec["kind"], blocks, spec["dim"], dtype)
         setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
     tensors = load_tensors(directory / _TENSORS)
     for name, first in layout["aliases"].items():

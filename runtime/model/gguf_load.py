@@ -11,9 +11,11 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
   transformers' tensor processor puts them (llama's q/k);
 - a linear layer's F32, F16 or BF16 weight runs in ponder's float kernel (runtime.model.float_layers)
   in the file's own type, so an F16 file is served in the memory it takes, not widened to float32;
-- every other tensor (norms, the embedding, a linear weight of another type) is dequantized by
-  `gguf.dequantize` and passed through the same processor, as transformers loads it;
-- a head tied to the embedding keeps the embedding's blocks (the embedding, a row lookup, its floats).
+- a quantized token embedding keeps its blocks, its rows dequantized on lookup
+  (runtime.model.block_embedding): the file's bytes as they are, or, where the head is tied to it and
+  of a type the kernel runs, the head's int layer made of those blocks, from which it reads its rows;
+- every other tensor (norms, a float embedding, a linear weight of another type) is dequantized by
+  `gguf.dequantize` and passed through the same processor, as transformers loads it.
 
 Peak memory is the served model plus one tensor in flight. Strict as runtime.model.loader's loading:
 every parameter must come from the file (`CheckpointMismatch` otherwise); non-persistent buffers
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
+from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
 from runtime.model.loader import CheckpointMismatch, ModelSource
@@ -115,6 +118,18 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
                                                  requires_grad=False)
 
 
+def _is_blocks(tensor) -> bool:
+    """Whether the tensor is quantized (blocks of several values), not plain floats or integers."""
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[tensor.tensor_type][0] > 1
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attribute, module)
+
+
 def _skeleton(config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -146,6 +161,8 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)
     embedding = model.get_input_embeddings()
     embed_name = next(n for n, m in modules.items() if m is embedding)
+    # (a subclass may do more than look rows up, e.g. Gemma's scale: it keeps its float rows)
+    keeps_blocks = type(embedding) is nn.Embedding
     head_name = next((n for n, m in modules.items() if m is head), None)
     kinds: dict[str, int] = {}
     kept: dict[str, int] = {}
@@ -186,9 +203,19 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                     in_float_kernel[kind] = in_float_kernel.get(kind, 0) + 1
                 setattr(model.get_submodule(parent_name), attribute, served)
                 if is_linear:
-                    continue  # (the embedding standing for the head goes on to its float rows below)
+                    continue
+                if kind in SUPPORTED and keeps_blocks:  # the embedding reads its rows from the head's blocks
+                    _replace(model, embed_name, HeadRowsEmbedding(served, dtype))
+                    continue
+                # (else the embedding standing for the head goes on to its float rows below)
             elif is_linear or stands_for_head:
                 floats += 1
+            elif module is embedding and suffix == "weight" and _is_blocks(tensor) and keeps_blocks:
+                if shape != (embedding.num_embeddings, embedding.embedding_dim):
+                    raise CheckpointMismatch(f"{source.path}: {tensor.name} is {shape}, {embed_name} wants "
+                                             f"{(embedding.num_embeddings, embedding.embedding_dim)}")
+                _replace(model, embed_name, BlockEmbedding(kind, torch.from_numpy(raw), shape[1], dtype))
+                continue
             weights = processor.process(weights=dequantize(raw, tensor.tensor_type), name=tensor.name,
                                         tensor_key_mapping=names, parsed_parameters={}).weights
             value = torch.from_numpy(np.ascontiguousarray(weights))
