@@ -24,7 +24,7 @@ from torch import nn
 
 from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.float_layers import FloatLinear, float_layers
-from runtime.model.loader import CheckpointMismatch, ModelSource, file_head_dim, load_causal_lm
+from runtime.model.loader import CheckpointMismatch, ModelSource, gguf_model_config, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
@@ -35,7 +35,7 @@ _LAYOUT = "layout.json"
 _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
 _CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
-         "model/float_layers.py", "model/block_embedding.py", "model/cached_model.py", "startup_cache.py")
+         "model/float_layers.py", "model/block_embedding.py", "model/gguf_config.py", "model/cached_model.py", "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -90,22 +90,21 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
 
 
 def gguf_config(source: ModelSource, trust_remote_code: bool = False):
-    """A GGUF's config as transformers reads it, from the start-up cache once read: transformers parses
-    every metadata field of the file for it, the vocabulary and merges included (seconds; 20 s on a
-    loaded 2-core machine), where the saved config.json loads in milliseconds. For the start-up
-    settings check (runtime.preflight), which needs the config only."""
+    """A GGUF's config (runtime.model.loader.gguf_model_config: from the file's own metadata where
+    ponder reads its architecture, else as transformers reads it), from the start-up cache once read:
+    reading it parses metadata fields of the file (transformers' reading every one, the vocabulary and
+    merges included: seconds; 20 s on a loaded 2-core machine), where the saved config.json loads in
+    milliseconds. For the start-up settings check (runtime.preflight), which needs the config only."""
     from transformers import AutoConfig
 
     entry = Entry("config", {"model": file_identity(source.path), "trust_remote_code": trust_remote_code,
-                             "code": sources_hash(runtime_sources("model/cached_model.py", "startup_cache.py"))})
+                             "code": sources_hash(runtime_sources("model/cached_model.py", "model/gguf_config.py",
+                                                                  "model/loader.py", "startup_cache.py"))})
     cached = entry.read(lambda directory: AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code))
     if cached is not None:
         cached.name_or_path = source.directory
         return cached
-    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code)
-    head_dim = file_head_dim(source.path)
-    if head_dim is not None and hasattr(config, "head_dim"):
-        config.head_dim = head_dim
+    config = gguf_model_config(source, trust_remote_code)
     entry.write(config.save_pretrained)
     return config
 
