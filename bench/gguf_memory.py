@@ -17,8 +17,10 @@ runs in a fresh process that imports everything loading needs first, resets Linu
 (VmHWM) and loads with `quantize = auto` on the CPU (no KV pool): once from the file (the first start,
 which also writes the start-up cache) and once from that cache. Reported: the file's bytes, what the
 served tensors hold, and per load the peak resident memory the load added, as bytes and as a multiple
-of the file. The imports done before the baseline are not counted; the modeling code's own
-allocations on the way (about 140 MB, whatever the model's size) are.
+of the file. The baseline is the runtime ready to load: every import loading needs done first,
+transformers' auto classes and the file's modeling module included (about 130 MB of Python code,
+whatever the model's size, reported as `code_bytes`); what the modeling code allocates on the way
+is counted.
 """
 
 from __future__ import annotations
@@ -41,15 +43,22 @@ SMOLLM2_VOCAB = 49152
 _K_SCALES = {"Q4_K": (0, 2), "Q6_K": (208,)}
 
 MEASURE = """
-import json, sys, torch
+import importlib, json, sys, torch
+
+def status(field):  # kB
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
+
 from runtime.kernels.cpu_kernels import q4_kernel
 from runtime.model.cached_model import load_quantized_model
 from runtime.model.loader import resolve_model
 import transformers, gguf  # every import loading needs, before the baseline
+started = status("VmRSS:")
+from transformers import AutoConfig, AutoModelForCausalLM  # the modeling code (code, whatever the model's size)
+from runtime.model.gguf_config import MODEL_TYPES, Metadata
+model_type = MODEL_TYPES.get(Metadata(sys.argv[1]).architecture)
+if model_type is not None:
+    importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 q4_kernel()
-
-def status(field):  # kB
-    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
 
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak resident size (VmHWM) starts again from the current one
@@ -59,7 +68,7 @@ model, quantized = load_quantized_model(source, torch.device("cpu"), torch.float
 after = status("VmHWM:")
 held = sum(t.numel() * t.element_size() for t in {id(t): t for t in
            [*model.parameters(), *model.buffers()]}.values())
-print(json.dumps({"before": before * 1024, "peak": after * 1024, "held": held, "detail": quantized.describe()}))
+print(json.dumps({"code": (before - started) * 1024, "before": before * 1024, "peak": after * 1024, "held": held, "detail": quantized.describe()}))
 """
 
 
@@ -148,14 +157,15 @@ def run(layers: int, directory: Path, shape: str = "q4_1", model: Path | None = 
     loads = [{"from": origin, "added_bytes": r["peak"] - r["before"], "of_file": round((r["peak"] - r["before"]) / size, 3),
               "detail": r["detail"]} for origin, r in zip(("file", "start-up cache"), runs)]
     name = str(model) if model is not None else f"a 7B-shaped GGUF ({shape}) with {layers} layers"
-    return {"file": name, "layers": layers, "shape": shape, "file_bytes": size, "held_bytes": runs[0]["held"],
-            "loads": loads}
+    return {"file": name, "layers": None if model else layers, "shape": None if model else shape, "file_bytes": size, "held_bytes": runs[0]["held"],
+            "code_bytes": runs[0]["code"], "loads": loads}
 
 
 def table(results: dict) -> str:
     gb = 1e9
     body = [[load["from"], f"{load['added_bytes'] / gb:.2f}", f"{load['of_file']:.2f}x"] for load in results["loads"]]
-    return "\n".join([f"gguf-memory: {results['file']}, {results['file_bytes'] / gb:.2f} GB; "
+    return "\n".join([f"gguf-memory: {results['file']}, {results['file_bytes'] / gb:.2f} GB; modeling code imported before "
+                      f"the baseline {results['code_bytes'] / gb:.2f} GB; "
                       f"served tensors {results['held_bytes'] / gb:.2f} GB",
                       *columns(["load from", "peak added GB", "of the file"], body, 16)])
 
