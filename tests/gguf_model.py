@@ -34,12 +34,13 @@ def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.0
 
 def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: dict[str, str] | None = None,
                     hidden: int = HIDDEN, ffn: int = FFN, embedding: str = "Q8_0", arch: str = "llama",
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, head: str | None = None) -> Path:
     """`directory`/tiny.gguf with every projection stored as `kind`, but those named in `kinds` (e.g.
     {"attn_v": "Q8_0", "ffn_down": "F16"}), as llama-quantize mixes them (K-quants need `hidden` and
     `ffn` multiples of 256), and the embedding (the tied head) as `embedding`. `arch="qwen3"` writes
     Qwen3's q/k norms (attn_q_norm, attn_k_norm) and its head size as llama.cpp's converter does
-    (`attention.key_length` / `value_length`, `head_dim` wide, default hidden / heads)."""
+    (`attention.key_length` / `value_length`, `head_dim` wide, default hidden / heads). `head` (a type)
+    writes a head of its own (`output.weight`) instead of the tied one."""
     HIDDEN, FFN = hidden, ffn  # noqa: N806 - the module's sizes, overridden
     rng = np.random.default_rng(seed)
     path = directory / "tiny.gguf"
@@ -78,6 +79,8 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
 
     blocks("token_embd.weight", (VOCAB, HIDDEN), GGMLQuantizationType[embedding])
     floats("output_norm.weight")
+    if head is not None:
+        blocks("output.weight", (VOCAB, HIDDEN), GGMLQuantizationType[head])
     for i in range(LAYERS):
         floats(f"blk.{i}.attn_norm.weight")
         floats(f"blk.{i}.ffn_norm.weight")

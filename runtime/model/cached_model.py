@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.experts import KernelExperts
 from runtime.model.float_layers import FloatLinear, float_layers
-from runtime.model.loader import CheckpointMismatch, ModelSource, file_expert_width, file_head_dim, load_causal_lm
+from runtime.model.loader import CheckpointMismatch, ModelSource, gguf_model_config, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
 
@@ -35,8 +36,8 @@ _LAYOUT = "layout.json"
 _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
 _CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
-         "model/float_layers.py", "model/cached_model.py", "model/experts.py", "model/gguf_experts.py",
-         "startup_cache.py")
+         "model/float_layers.py", "model/block_embedding.py", "model/gguf_config.py", "model/cached_model.py",
+         "model/experts.py", "model/gguf_experts.py", "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -95,25 +96,21 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
 
 
 def gguf_config(source: ModelSource, trust_remote_code: bool = False):
-    """A GGUF's config as transformers reads it, from the start-up cache once read: transformers parses
-    every metadata field of the file for it, the vocabulary and merges included (seconds; 20 s on a
-    loaded 2-core machine), where the saved config.json loads in milliseconds. For the start-up
-    settings check (runtime.preflight), which needs the config only."""
+    """A GGUF's config (runtime.model.loader.gguf_model_config: from the file's own metadata where
+    ponder reads its architecture, else as transformers reads it), from the start-up cache once read:
+    reading it parses metadata fields of the file (transformers' reading every one, the vocabulary and
+    merges included: seconds; 20 s on a loaded 2-core machine), where the saved config.json loads in
+    milliseconds. For the start-up settings check (runtime.preflight), which needs the config only."""
     from transformers import AutoConfig
 
     entry = Entry("config", {"model": file_identity(source.path), "trust_remote_code": trust_remote_code,
-                             "code": sources_hash(runtime_sources("model/cached_model.py", "startup_cache.py"))})
+                             "code": sources_hash(runtime_sources("model/cached_model.py", "model/gguf_config.py",
+                                                                  "model/loader.py", "startup_cache.py"))})
     cached = entry.read(lambda directory: AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code))
     if cached is not None:
         cached.name_or_path = source.directory
         return cached
-    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code)
-    head_dim = file_head_dim(source.path)
-    if head_dim is not None and hasattr(config, "head_dim"):
-        config.head_dim = head_dim
-    expert_width = file_expert_width(source.path)
-    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
-        config.moe_intermediate_size = expert_width
+    config = gguf_model_config(source, trust_remote_code)
     entry.write(config.save_pretrained)
     return config
 
@@ -133,6 +130,11 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     floats = {name: {"in_features": module.in_features, "out_features": module.out_features,
                      "dtype": str(module.weight.dtype).removeprefix("torch."), "bias": module.bias is not None}
               for name, module in model.named_modules() if isinstance(module, FloatLinear)}
+    modules = dict(model.named_modules())
+    embeddings = {name: {"kind": m.kind, "shape": list(m.blocks.shape), "dim": m.embedding_dim}
+                  for name, m in modules.items() if isinstance(m, BlockEmbedding)}
+    embeddings.update({name: {"head": next(n for n, h in modules.items() if h is m.head)}
+                       for name, m in modules.items() if isinstance(m, HeadRowsEmbedding)})
     tensors = {name: tensor.detach().contiguous() for name, tensor in _tensors(model).items()}
     shared = {}
     for name, tensor in tensors.items():  # safetensors stores no tensor twice: later names point to the first
@@ -142,7 +144,7 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
     model.config.save_pretrained(directory / _CONFIG)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory / _CONFIG)
-    layout = {"int4": int4, "float": floats, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
+    layout = {"int4": int4, "float": floats, "embeddings": embeddings, "aliases": aliases, "name_or_path": model.config.name_or_path, "quantized": [quantized.setting, quantized.mode, quantized.layers,
                                                               quantized.detail, list(quantized.block_types)]}
     (directory / _LAYOUT).write_text(json.dumps(layout))
 
@@ -170,6 +172,14 @@ def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
         bias = nn.Parameter(torch.empty(spec["out_features"], device="meta")) if spec["bias"] else None
         weight = torch.empty(spec["out_features"], spec["in_features"], dtype=getattr(torch, spec["dtype"]), device="meta")
         placeholder = FloatLinear.from_weight(weight, bias)
+        setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
+    for name, spec in layout.get("embeddings", {}).items():  # kept in the GGUF's blocks
+        parent_name, _, attribute = name.rpartition(".")
+        if "head" in spec:
+            placeholder = HeadRowsEmbedding(model.get_submodule(spec["head"]), dtype)  # its int4 placeholder
+        else:
+            blocks = torch.empty(spec["shape"], dtype=torch.uint8, device="meta")
+            placeholder = BlockEmbedding(spec["kind"], blocks, spec["dim"], dtype)
         setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
     tensors = load_tensors(directory / _TENSORS)
     for name, first in layout["aliases"].items():

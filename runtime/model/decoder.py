@@ -46,6 +46,7 @@ from transformers.activations import SiLUActivation
 
 from runtime.kernels.cpu_kernels import float_isa
 from runtime.model.attention import AttentionMetadata, attend
+from runtime.model.block_embedding import embedding_dtype
 from runtime.model.experts import RoutedMLP
 from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
@@ -219,7 +220,7 @@ class LeanDecoder:
     def kernel_layers(self, kind: type, sources: list[tuple[nn.Module, nn.Module]], dtypes: tuple) -> bool:
         """Whether every layer's projections are `kind` (qkv and gate/up fused, o and down without a
         bias) and the activations of one of `dtypes`."""
-        return self.embed.weight.dtype in dtypes and all(
+        return embedding_dtype(self.embed) in dtypes and all(
             isinstance(layer.qkv.fused, kind) and isinstance(pair[0], kind) and pair[0].bias is None and (
                 layer.moe.all_kernel(kind) if layer.moe else
                 isinstance(layer.gate_up.fused, kind) and isinstance(pair[1], kind) and pair[1].bias is None)
@@ -260,7 +261,7 @@ class LeanDecoder:
                       meta: AttentionMetadata, normed: bool = True) -> torch.Tensor:
         """The final norm's output `[T, hidden]` for `input_ids` `[1, T]` at `positions` `[1, T]`
         (the residual stream before it with `normed=False`)."""
-        hidden = F.embedding(input_ids[0], self.embed.weight)
+        hidden = self.embed(input_ids[0])  # (a GGUF's may keep its blocks: runtime.model.block_embedding)
         cos, sin = self.rotary(hidden, position_ids=positions)
         half = self.head_dim // 2
         # transformers rotates x as x * cos + cat(-x2, x1) * sin; cat(x2, x1) * cat(-sin1, sin2) is the
@@ -338,7 +339,7 @@ class LayerStack:
 
     def __init__(self, decoder: LeanDecoder, kernel) -> None:
         self.kernel = kernel
-        self.dtype = decoder.embed.weight.dtype  # the activations' (float32, or bfloat16 with float layers)
+        self.dtype = embedding_dtype(decoder.embed)  # the activations' (float32, or bfloat16 with float layers)
         self.heads, self.kv_heads = decoder.num_heads, decoder.num_kv_heads
         empty = torch.empty(0)
         self.weights: list[torch.Tensor] = []
@@ -361,7 +362,7 @@ class LayerStack:
     def build(cls, decoder: LeanDecoder) -> "LayerStack | None":
         from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
 
-        dtype = decoder.embed.weight.dtype  # the activations'
+        dtype = embedding_dtype(decoder.embed)  # the activations'
         if any(layer.index != i or layer.moe is not None or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
                or layer.input_norm.weight.dtype != dtype or layer.post_norm.weight.dtype != dtype
                or any(n is not None and n.weight.dtype != dtype for n in (layer.q_norm, layer.k_norm))

@@ -11,9 +11,11 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
   transformers' tensor processor puts them (llama's q/k);
 - a linear layer's F32, F16 or BF16 weight runs in ponder's float kernel (runtime.model.float_layers)
   in the file's own type, so an F16 file is served in the memory it takes, not widened to float32;
-- every other tensor (norms, the embedding, a linear weight of another type) is dequantized by
-  `gguf.dequantize` and passed through the same processor, as transformers loads it;
-- a head tied to the embedding keeps the embedding's blocks (the embedding, a row lookup, its floats).
+- a quantized token embedding keeps its blocks, its rows dequantized on lookup
+  (runtime.model.block_embedding): the file's bytes as they are, or, where the head is tied to it and
+  of a type the kernel runs, the head's int layer made of those blocks, from which it reads its rows;
+- every other tensor (norms, a float embedding, a linear weight of another type) is dequantized by
+  `gguf.dequantize` and passed through the same processor, as transformers loads it.
 
 Peak memory is the served model plus one tensor in flight. Strict as runtime.model.loader's loading:
 every parameter must come from the file (`CheckpointMismatch` otherwise); non-persistent buffers
@@ -25,12 +27,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
+from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
 from runtime.model.gguf_experts import ExpertTensors
@@ -56,26 +61,42 @@ def _fix_mmap_threshold() -> None:
         pass
 
 
-def _read(file, tensor) -> np.ndarray:
-    """The tensor's bytes as gguf's reader shapes them, read from the file (not from its mapping)."""
-    raw = np.empty(tensor.data.shape, tensor.data.dtype)
-    file.seek(tensor.data_offset)
+@dataclass(frozen=True)
+class _Tensor:
+    """Where a tensor is in the file and how gguf's reader shapes its bytes."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple
+    data_offset: int
+    data_shape: tuple
+    data_dtype: np.dtype
+
+
+def _read(file, tensor: _Tensor, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """The tensor's bytes as gguf's reader shapes them (rows `start` to `stop` only, if given), read
+    from the file (not from its mapping)."""
+    rows = tensor.data_shape[0] if stop is None else stop - start
+    raw = np.empty((rows, *tensor.data_shape[1:]), tensor.data_dtype)
+    row_bytes = raw[:1].nbytes if len(tensor.data_shape) > 1 else raw.itemsize
+    file.seek(tensor.data_offset + start * row_bytes)
     if file.readinto(memoryview(raw.reshape(-1).view(np.uint8))) != raw.nbytes:
         raise CheckpointMismatch(f"{tensor.name} is cut short in the file")
     return raw
 
 
-_SLAB_ROWS = 512  # rows decoded and packed at a time: a multiple of the kernel's 8 columns
+_SLAB_WEIGHTS = 1 << 20  # weights decoded and packed at a time (in rows of a multiple of the kernel's 8 columns)
 
 
-def _int_layer(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Int4Linear:
-    """An int layer of `raw` [out, bytes] blocks, decoded and packed a slab of rows at a time into its
-    buffers (the codes as bytes and their layout's copies would otherwise hold several times the
-    tensor's size at once)."""
+def _int_layer(kind: str, rows: Callable[[int, int], np.ndarray], shape: tuple[int, int]) -> Int4Linear:
+    """An int layer of the [out, bytes] blocks `rows(start, stop)` gives, decoded and packed a slab of
+    rows at a time into its buffers (the whole tensor's bytes, codes and their layout's copies would
+    otherwise be held at once beside the model loaded so far)."""
     out_features, in_features = shape
+    slab_rows = max(8, _SLAB_WEIGHTS // in_features // 8 * 8)
     weight = d = m = None
-    for start in range(0, out_features, _SLAB_ROWS):
-        slab = Int4Linear.from_blocks(decode(kind, raw[start:start + _SLAB_ROWS]))
+    for start in range(0, out_features, slab_rows):
+        slab = Int4Linear.from_blocks(decode(kind, rows(start, min(start + slab_rows, out_features))))
         if weight is None:
             blocks = -(-out_features // 8)
             weight = slab.weight.new_empty((blocks, *slab.weight.shape[1:]))
@@ -103,7 +124,7 @@ def _expert_layer(kind: str, raw: np.ndarray, shape: tuple[int, int]):
     from gguf.quants import dequantize
 
     if kind in SUPPORTED:
-        return _int_layer(kind, raw, shape)
+        return _int_layer(kind, lambda start, stop: raw[start:stop], shape)
     if kind in FLOAT_KINDS:
         return FloatLinear.from_weight(_float_weight(kind, raw, shape))
     return FloatLinear.from_weight(torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)))
@@ -127,6 +148,18 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise CheckpointMismatch(f"{name} is {tuple(value.shape)} in the file, the model wants {tuple(old.shape)}")
     parent._parameters[attribute] = nn.Parameter(value.to(old.dtype if old is not None else value.dtype),
                                                  requires_grad=False)
+
+
+def _is_blocks(tensor) -> bool:
+    """Whether the tensor is quantized (blocks of several values), not plain floats or integers."""
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[tensor.tensor_type][0] > 1
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attribute, module)
 
 
 def _skeleton(config, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool) -> nn.Module:
@@ -155,11 +188,18 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     _fix_mmap_threshold()
     model = _skeleton(config, dtype, attn_implementation, trust_remote_code)
     reader, processor, names = open_gguf(model, source.path)
+    # The reader parses every metadata field into arrays (128 MB for SmolLM2's 49152 tokens): only the
+    # tensors' places are kept while they load.
+    tensors = [_Tensor(t.name, t.tensor_type, tuple(t.shape), t.data_offset, t.data.shape, t.data.dtype)
+               for t in reader.tensors]
+    del reader
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
     tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)
     embedding = model.get_input_embeddings()
     embed_name = next(n for n, m in modules.items() if m is embedding)
+    # (a subclass may do more than look rows up, e.g. Gemma's scale: it keeps its float rows)
+    keeps_blocks = type(embedding) is nn.Embedding
     head_name = next((n for n, m in modules.items() if m is head), None)
     kinds: dict[str, int] = {}
     kept: dict[str, int] = {}
@@ -169,7 +209,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     biases: dict[str, torch.Tensor] = {}
     experts = ExpertTensors(model)  # routed experts' stacked tensors, one kernel layer an expert
     with open(source.path, "rb") as file:
-        for tensor in reader.tensors:
+        for tensor in tensors:
             target = names.get(tensor.name)
             # (transformers' map names a stacked experts tensor without its `.weight`)
             block = experts.owner(tensor.name, target or names.get(tensor.name.removesuffix(".weight"), ""))
@@ -192,7 +232,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
             stands_for_head = tied and module is embedding and suffix == "weight"
             if is_linear or stands_for_head:
                 kinds[kind] = kinds.get(kind, 0) + 1
-            raw = _read(file, tensor)
+            raw = None  # read when it is known how: a slab of rows at a time into an int layer
             shape = tuple(int(n) for n in reversed(tensor.shape))
             as_float = kind in FLOAT_KINDS and float_kernel_runs and len(shape) == 2 and shape[1] % 16 == 0
             if (is_linear or stands_for_head) and (kind in SUPPORTED or as_float):
@@ -202,20 +242,35 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                     raise CheckpointMismatch(f"{source.path}: {tensor.name} is {shape}, "
                                              f"{layer_name} wants {(layer.out_features, layer.in_features)}")
                 order = row_order(processor, tensor.name, shape[0], names).numpy()
-                if not np.array_equal(order, np.arange(shape[0])):
-                    raw = raw[order]
+                in_order = np.array_equal(order, np.arange(shape[0]))
                 parent_name, _, attribute = layer_name.rpartition(".")
-                if kind in SUPPORTED:
-                    served = _int_layer(kind, raw, shape)
+                if kind in SUPPORTED and in_order:
+                    served = _int_layer(kind, functools.partial(_read, file, tensor), shape)
+                    kept[kind] = kept.get(kind, 0) + 1
+                elif kind in SUPPORTED:
+                    reordered = _read(file, tensor)[order]
+                    served = _int_layer(kind, lambda start, stop: reordered[start:stop], shape)
                     kept[kind] = kept.get(kind, 0) + 1
                 else:
+                    raw = _read(file, tensor) if in_order else _read(file, tensor)[order]
                     served = FloatLinear.from_weight(_float_weight(kind, raw, shape))
                     in_float_kernel[kind] = in_float_kernel.get(kind, 0) + 1
                 setattr(model.get_submodule(parent_name), attribute, served)
                 if is_linear:
-                    continue  # (the embedding standing for the head goes on to its float rows below)
+                    continue
+                if kind in SUPPORTED and keeps_blocks:  # the embedding reads its rows from the head's blocks
+                    _replace(model, embed_name, HeadRowsEmbedding(served, dtype))
+                    continue
+                # (else the embedding standing for the head goes on to its float rows below)
             elif is_linear or stands_for_head:
                 floats += 1
+            elif module is embedding and suffix == "weight" and _is_blocks(tensor) and keeps_blocks:
+                if shape != (embedding.num_embeddings, embedding.embedding_dim):
+                    raise CheckpointMismatch(f"{source.path}: {tensor.name} is {shape}, {embed_name} wants "
+                                             f"{(embedding.num_embeddings, embedding.embedding_dim)}")
+                _replace(model, embed_name, BlockEmbedding(kind, torch.from_numpy(_read(file, tensor)), shape[1], dtype))
+                continue
+            raw = _read(file, tensor) if raw is None else raw
             weights = processor.process(weights=dequantize(raw, tensor.tensor_type), name=tensor.name,
                                         tensor_key_mapping=names, parsed_parameters={}).weights
             value = torch.from_numpy(np.ascontiguousarray(weights))

@@ -225,47 +225,35 @@ def load_causal_lm(source: ModelSource, device: torch.device, dtype: torch.dtype
 
     kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {"use_safetensors": True}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    head_dim = file_head_dim(source.path) if source.gguf_file else None
-    if head_dim is not None:  # the file's own head size (see file_head_dim)
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file,
-                                            trust_remote_code=trust_remote_code)
-        if hasattr(config, "head_dim"):
-            config.head_dim = head_dim
-            kwargs["config"] = config
+    if source.gguf_file:  # the file's own shapes (see gguf_model_config)
+        kwargs["config"] = gguf_model_config(source, trust_remote_code)
     model = load_strictly(AutoModelForCausalLM, source.directory, label=source.path, dtype=dtype,
                           attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, **kwargs)
     return model.to(device=device, dtype=dtype).eval()
 
 
-def file_head_dim(path: str) -> int | None:
-    """The head size the GGUF's own metadata gives (`{arch}.attention.key_length`, as llama.cpp reads
-    it; None where the file has none). transformers' GGUF config mapping ignores it, so a Qwen3 file
-    would otherwise take Qwen3Config's default of 128 whatever the file holds."""
-    from gguf import GGUFReader
+def gguf_model_config(source: ModelSource, trust_remote_code: bool = False):
+    """A GGUF's config: built from the file's own metadata as llama.cpp reads it where ponder reads its
+    architecture (runtime.model.gguf_config), else transformers' GGUF config mapping with the head size
+    the file gives (`{arch}.attention.key_length`, which that mapping ignores for most families)."""
+    from transformers import AutoConfig
 
-    reader = GGUFReader(path)
-    arch = reader.fields.get("general.architecture")
-    if arch is None:
-        return None
-    field = reader.fields.get(f"{arch.contents()}.attention.key_length")
-    return None if field is None else int(field.contents())
+    from runtime.model.gguf_config import config_from_gguf, read_field
 
-
-def file_expert_width(path: str) -> int | None:
-    """The routed experts' intermediate size the GGUF's own metadata gives
-    (`{arch}.expert_feed_forward_length`, as llama.cpp reads it; None where the file has none).
-    transformers' GGUF config mapping ignores it, so a Qwen3-MoE file would otherwise take
-    Qwen3MoeConfig's default of 768 whatever the file holds."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.fields.get("general.architecture")
-    if arch is None:
-        return None
-    field = reader.fields.get(f"{arch.contents()}.expert_feed_forward_length")
-    return None if field is None else int(field.contents())
+    config = config_from_gguf(source.path, source.directory)
+    if config is not None:
+        return config
+    config = AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file, trust_remote_code=trust_remote_code)
+    architecture = read_field(source.path, "general.architecture")
+    head_dim = None if architecture is None else read_field(source.path, f"{architecture}.attention.key_length")
+    if head_dim is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(head_dim)
+    # the routed experts' width (`{arch}.expert_feed_forward_length`): the mapping ignores it, so a
+    # Qwen3-MoE file would otherwise take Qwen3MoeConfig's default of 768 whatever the file holds
+    expert_width = None if architecture is None else read_field(source.path, f"{architecture}.expert_feed_forward_length")
+    if expert_width is not None and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(expert_width)
+    return config
 
 
 def check_causal_lm(source: ModelSource, trust_remote_code: bool = False) -> None:

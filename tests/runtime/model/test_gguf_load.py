@@ -3,6 +3,8 @@ transformers' float load followed by `apply_quantize`, bit for bit, and in the m
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from runtime.kernels.cpu_kernels import q4_unavailable
 from runtime.model.cached_model import _tensors, gguf_config
 from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.loader import CheckpointMismatch, load_causal_lm, resolve_model
+from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, apply_quantize
 from tests.gguf_model import write_tiny_gguf
@@ -40,13 +43,23 @@ def test_the_streamed_model_is_transformers_model_with_its_blocks_kept_bit_for_b
                                                                       ffn=2 * hidden))
     assert quantized == expected and quantized.mode == "int4" and quantized.layers == 15
     a, b = _tensors(reference), _tensors(model)
-    assert a.keys() == b.keys()
-    for name in a:
+    # The embedding reads its rows from the tied head's blocks: it holds no tensor of its own, and every
+    # row it gives is transformers' float row.
+    assert a.keys() - b.keys() == {"model.embed_tokens.weight"} and b.keys() <= a.keys()
+    for name in b:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-    assert [type(m).__name__ for m in model.modules()] == [type(m).__name__ for m in reference.modules()]
+    assert isinstance(model.model.embed_tokens, HeadRowsEmbedding) and model.model.embed_tokens.head is model.lm_head
+    every_row = torch.arange(model.config.vocab_size)
+    assert_same_bits(model.model.embed_tokens(every_row), reference.model.embed_tokens.weight)
+    assert [type(m).__name__ for m in model.modules() if m is not model.model.embed_tokens] == \
+        [type(m).__name__ for m in reference.modules() if m is not reference.model.embed_tokens]
     ids = torch.tensor([[1, 5, 6, 7, 8]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def assert_serves_generate_s_tokens(engine, path) -> None:
@@ -164,11 +177,9 @@ def test_a_file_that_does_not_load_tensor_by_tensor_loads_through_transformers(t
         assert torch.equal(model(ids).logits, streamed(ids).logits)
 
 
-# 7B-class shapes (llama 2 7B's hidden and intermediate sizes and heads), four layers; a small vocabulary
-# (the embedding stays float32 for its row lookup: 32000 x 4096 of it would be 0.5 GB beside these four
-# layers' 0.5 GB of blocks, where a 7B's 32 layers make it an eighth of the file).
+# 7B-class shapes (llama 2 7B's hidden and intermediate sizes and heads), four layers, a small vocabulary.
 LAYERS = 4
-CODE_ALLOWANCE = 256 * 2 ** 20  # the modeling code imported and the config parsed on the way: not the model's
+CODE_ALLOWANCE = 256 * 2 ** 20  # what the modeling code allocates on the way: not the model's
 
 
 def test_a_7b_shaped_gguf_loads_within_1_3x_its_file_size(tmp_path):
@@ -182,7 +193,7 @@ def test_a_7b_shaped_gguf_loads_within_1_3x_its_file_size(tmp_path):
         # Peak resident memory the load added (Linux's VmHWM, reset before loading), against the file
         # (no KV pool is made here), beside a fixed allowance that does not grow with the model.
         assert run["peak"] - run["before"] < 1.3 * size + CODE_ALLOWANCE, (run, size)
-        assert run["held"] < 1.1 * size  # the served tensors: the file's blocks, float norms and embedding
+        assert run["held"] < size  # the served tensors: the file's blocks (the embedding's too) and float norms
 
 
 @pytest.mark.parametrize("head_dim", [16, 32])  # hidden / heads, and a head size of its own (not Qwen3's 128)
@@ -197,3 +208,48 @@ def test_a_qwen3_file_takes_its_head_size_from_the_file_and_runs_the_int_stack(t
         "model.quantize = auto: int4 (15 layers keep the GGUF's blocks (14 Q4_1, 1 Q8_0); "
         "linear tensors in the file: 14 Q4_1, 1 Q8_0)")
     assert_serves_generate_s_tokens(engine, path)
+
+
+@pytest.mark.parametrize("embedding", ["Q6_K", "Q4_0", "IQ2_XXS"])  # the last a type no kernel of ponder's runs
+def test_an_embedding_of_its_own_keeps_the_file_s_bytes_and_serves_the_tokens_generate_gives(tmp_path, embedding):
+    from gguf import GGUFReader
+
+    path = write_tiny_gguf(tmp_path, "Q4_1", embedding=embedding, head="Q8_0", hidden=256, ffn=512)
+    reference, expected, model, quantized = both_ways(path)
+    assert quantized == expected
+    embed = model.model.embed_tokens
+    assert isinstance(embed, BlockEmbedding) and embed.kind == embedding
+    stored = next(t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
+    assert embed.blocks.nbytes == int(stored.n_bytes)  # no float copy: the file's bytes, exactly
+    assert np.array_equal(embed.blocks.numpy(), stored.data)
+    every_row = torch.arange(model.config.vocab_size)
+    assert_same_bits(embed(every_row), reference.model.embed_tokens.weight)  # transformers' float rows
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert_serves_generate_s_tokens(engine_for(path, batch_invariant=False), path)
+
+
+@pytest.mark.parametrize("head", [None, "Q8_0"])  # the embedding read from the tied head's blocks, or its own
+def test_an_embedding_in_blocks_comes_back_from_the_start_up_cache_as_it_was(tmp_path, monkeypatch, caplog, head):
+    import logging
+
+    from runtime import startup_cache
+    from runtime.model import cached_model
+
+    monkeypatch.setattr(startup_cache, "cache_root", lambda: tmp_path / "cache")
+    caplog.set_level(logging.INFO, logger="runtime.model.cached_model")
+    path = write_tiny_gguf(tmp_path, "Q4_1", embedding="Q6_K", head=head, hidden=256, ffn=512)
+    loads = [cached_model.load_quantized_model(resolve_model(str(path)), torch.device("cpu"), torch.float32, "sdpa",
+                                               "auto")[0] for _ in range(2)]  # from the file, then from the cache
+    assert caplog.text.count("model loaded from the start-up cache") == 1
+    first, cached = (m.model.embed_tokens for m in loads)
+    assert type(first) is type(cached) is (HeadRowsEmbedding if head is None else BlockEmbedding)
+    if head is None:
+        assert cached.head is loads[1].lm_head
+    else:
+        assert torch.equal(first.blocks, cached.blocks)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 95]])
+    assert_same_bits(first(ids), cached(ids))
+    with torch.no_grad():
+        assert torch.equal(loads[0](ids).logits, loads[1](ids).logits)
