@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
-from runtime.model.experts import KernelExperts
+from runtime.model.experts import KernelExperts, with_routed_experts
 from runtime.model.float_layers import FloatLinear, float_layers
 from runtime.model.loader import CheckpointMismatch, ModelSource, gguf_model_config, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
@@ -86,6 +86,7 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
         quantized = apply_quantize(model, setting, source.path if source.gguf_file else None)
         if setting == "auto" and not source.gguf_file and device.type == "cpu":
             quantized = float_layers(model, setting)
+        quantized = with_routed_experts(model, quantized)  # (runtime.model.experts)
     # (a model with routed experts in kernel layers, runtime.model.experts, is not cached: its skeleton
     # from the config holds transformers' stacked experts, which the entry's tensors would not fill)
     holds_experts = any(isinstance(module, KernelExperts) for module in model.modules())

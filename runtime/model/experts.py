@@ -25,12 +25,14 @@ transformers' signature, so transformers' forward still runs them).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime.model.float_layers import FloatLinear, narrowest, takes_weight
-from runtime.model.quantize import INT4_GROUP_SIZE, Int4Linear, QuantizedLinear
+from runtime.model.quantize import INT4_GROUP_SIZE, Int4Linear, Quantized, QuantizedLinear
 
 # The transformers classes whose routing `RoutedMLP` computes: softmax over every expert in float32,
 # top-k, the k weights renormalised where `norm_topk_prob`, then cast to the logits' dtype.
@@ -169,3 +171,16 @@ def hold_experts(model: nn.Module, mode: str) -> int:
                                    router.norm_topk_prob)
         held += 2 * experts.num_experts
     return held
+
+
+def with_routed_experts(model: nn.Module, quantized: Quantized) -> Quantized:
+    """After the linear layers became int4 or float kernel layers (`quantized`), the routed experts'
+    stacked weights become kernel layers too, one an expert (`hold_experts`); what the setting became
+    then counts and names them."""
+    if quantized.mode not in ("int4", "float"):
+        return quantized
+    held = hold_experts(model, quantized.mode)
+    if not held:
+        return quantized
+    return replace(quantized, layers=quantized.layers + held,
+                   detail=f"{quantized.detail}; {held} routed experts' layers in ponder's kernels")

@@ -101,12 +101,7 @@ def float_layers(model: nn.Module, setting: str = "auto") -> Quantized:
         if float_layer.weight.dtype != layer.weight.dtype:
             name += f" (float32 weights of {name} values, kept as {name})"
         kept[name] = kept.get(name, 0) + 1
-    from runtime.model.experts import hold_experts
-
-    held = hold_experts(model, "float")  # routed experts' stacked weights, one float layer an expert
-    if held:
-        kept["routed experts' layers"] = held
     rest = len(layers) - len(taken)
-    detail = f"{len(taken) + held} layers in ponder's float kernel ({', '.join(f'{n} {k}' for k, n in sorted(kept.items()))})" + (
+    detail = f"{len(taken)} layers in ponder's float kernel ({', '.join(f'{n} {k}' for k, n in sorted(kept.items()))})" + (
         f", {rest} in torch's matmul (in_features not a multiple of 16)" if rest else "")
-    return Quantized(setting, "float", len(taken) + held, detail)
+    return Quantized(setting, "float", len(taken), detail)

@@ -321,12 +321,7 @@ def quantize_model(model: nn.Module, mode: str) -> int:
     for _, parent, attribute, layer in layers:
         setattr(parent, attribute, _MODULES[mode](layer))
     _untie(model)
-    held = 0
-    if mode == "int4":  # routed experts' stacked weights, one int4 layer an expert (runtime.model.experts)
-        from runtime.model.experts import hold_experts
-
-        held = hold_experts(model, "int4")
-    return len(layers) + held
+    return len(layers)
 
 
 @dataclass(frozen=True)
