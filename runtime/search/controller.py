@@ -514,6 +514,10 @@ class SearchController(SearchOutput):
     def on_next_score(self, path: SearchPath, unit: str, score: float) -> None:
         path.next_score = (unit, float(score))
 
+    def cancel(self) -> None:
+        """Aborted: a score still on its way is not taken, and nothing more is asked."""
+        self.is_finished = True
+
     def sequences(self) -> list[Sequence]:
         """Every sequence the search still holds (for aborts)."""
         seqs = [p.seq for p in self.generating] + [p.seq for p in self.stepped if not p.is_done]
