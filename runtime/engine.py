@@ -19,10 +19,10 @@ from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.model.quantize import Quantized
 from runtime.model.recurrent import recurrent_states
-from runtime.requests.admission import admit, check_granularity
+from runtime.requests.admission import admit, check_granularity, thinking_start
 from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
-from runtime.grammar.thinking import ThinkingMarkers, ThinkingStart
+from runtime.grammar.thinking import ThinkingMarkers
 from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RewardRequest, RuntimeStats
 from runtime.model.row_padding import padding_for
 from runtime.wire.reasoning import opens_thinking, reasoning_format_of
@@ -122,7 +122,6 @@ class Engine:
         self.thinking_markers = ThinkingMarkers.of(tokenizer, self.reasoning_format, self.gate.grammars.num_words
                                                    or (self.vocab_size + 31) // 32)
         self.outbox: list[FromRuntime] = []
-        self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
                       "search_steps": 0, "preemptions": 0, "speculative_tokens": {}}
 
@@ -171,11 +170,8 @@ class Engine:
                                     self.config, self.kv, self.streamed, verifiers=self.scorers)
             is_open = request.messages is not None and opens_thinking(
                 self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format)
-            thinking = self._thinking_of(request, is_open)
-            if grammar is not None and is_open and self.thinking_markers is None:
-                raise InvalidRequest("the grammar would hold the thinking too: this model's thinking tags are not "
-                                     "one token each; send chat_template_kwargs: {\"enable_thinking\": false}",
-                                     "chat_template_kwargs")
+            thinking = thinking_start(request, is_open, self.reasoning_format, self.thinking_markers,
+                                      grammar is not None)
             if request.search is not None:
                 self.work.add_search(request, ids, max_tokens, grammar, answer_form_of(request, self.gate.tool_format),
                                      thinking)
@@ -190,20 +186,8 @@ class Engine:
         self.stats["tokens_prompt"] += len(ids)
         return [Accepted(request_id=request.request_id, prompt_tokens=len(ids), opens_thinking=is_open)]
 
-    def _thinking_of(self, request: GenerateRequest, is_open: bool) -> ThinkingStart | None:
-        """How a chat request's outputs begin on a thinking model, else None; a budget the model cannot be
-        held to is a 400."""
-        budget = request.sampling.thinking_token_budget
-        if budget is not None and (self.thinking_markers is None or request.messages is None):
-            why = "this model's output (it does not think in its text, in one-token tags)" \
-                if request.messages is not None else "a completion"
-            raise InvalidRequest(f"a thinking budget cannot be applied to {why}", "thinking_token_budget")
-        if request.messages is None or self.reasoning_format == "none":
-            return None
-        return ThinkingStart(self.reasoning_format, is_open, self.thinking_markers)
-
     def add_rewards(self, request: RewardRequest) -> list[FromRuntime]:
-        """Score given responses with a search's verifier: the Rewarded comes from the step that reads the last score."""
+        """Score given responses with a search's verifier (the step's work): a later step sends the Rewarded."""
         return self.work.add_rewards(request)
 
     def abort(self, request_id: str) -> None:
@@ -286,9 +270,6 @@ class Engine:
             self.kv_caps = self.kv_split.rechoose(live, context, verifier_input or context + max(step_tokens))
             self.kv_split.apply(self.kv_caps, self.verifier_stores)
         return self.planner.plan(seqs, step_tokens)
-
-    def observe_verifier(self, seconds: float) -> None:
-        self.verifier_samples.append(seconds)
 
     def search_finished(self, controller: SearchController) -> None:
         self.work.forget(controller)
@@ -389,25 +370,20 @@ class Engine:
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
                        **(self.residency.block_counts() if self.residency else {})},
             kv_transfer_bytes=self.transfer_bytes(),
-            prefetch_stall_seconds=self.transfer_stall_seconds(),
+            prefetch_stall_seconds=self.residency.stall_seconds() if self.residency is not None else 0.0,
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_cached=self.plain.tokens_cached,
             **{key: self.stats[key] for key in ("tokens_prompt", "tokens_generated", "search_paths", "search_steps")},
             search_requests=dict(self.stats["search_requests"]),
             speculative_tokens=dict(self.stats["speculative_tokens"]),
-            verifier_seconds=tuple(self.verifier_samples),
+            verifier_seconds=self.work.take_verifier_seconds(),
         )
-        self.verifier_samples = []
         return stats
 
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
         return self.residency.bytes_moved() if self.residency is not None else {}
-
-    def transfer_stall_seconds(self) -> float:
-        """Seconds the engine loop was blocked on transfers between tiers."""
-        return self.residency.stall_seconds() if self.residency is not None else 0.0
 
     def check_integrity(self) -> None:
         """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""

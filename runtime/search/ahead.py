@@ -62,7 +62,7 @@ class Rollouts:
             if path.sampling.constraint is not None:  # the look-ahead keeps to the grammar from the step's end
                 sampling.constraint = path.sampling.constraint.fork(path.step_end - len(search.prompt_ids))
             run = Lookahead(path, seq, sampling, len(seq.token_ids), search.search.lookahead, len(seq.token_ids))
-            seq.owner = run
+            seq.own(run)
             self.runs.add(run)
             search.plan.resume(seq)
 

@@ -560,7 +560,7 @@ class Speculation:
         seq = self.search.plan.fork(parent.seq, at)
         branch = Branch(self, parent.child_seed_key(ordinal, at), at, seq,
                         self.search.child_sampling(parent, ordinal, at), -key[1], [StepAhead(at, step)])
-        seq.owner = branch
+        seq.own(branch)
         self.projection = None
         self.branches.setdefault(parent, {})[(at, ordinal)] = branch
         self.running[branch] = key

@@ -40,6 +40,7 @@ class StepWork:
         self.searches: dict[str, SearchController] = {}
         self.rewards: dict[str, RewardScoring] = {}  # given responses being scored
         self.scoring: dict[str, list[Sequence]] = {}  # request id -> its judge questions
+        self.verifier_seconds: list[float] = []  # how long each verification took, since last taken
         self.ended: list[SearchController] = []  # searches whose running group this step's tokens ended
         self.scorers, self.verifier_stores = build_scorers(self)
 
@@ -214,7 +215,12 @@ class StepWork:
         self.host.release_sequence(seq)
 
     def observe_verifier(self, seconds: float) -> None:
-        self.host.observe_verifier(seconds)
+        self.verifier_seconds.append(seconds)
+
+    def take_verifier_seconds(self) -> tuple[float, ...]:
+        """The verifications' seconds since the last take (each handed out once)."""
+        taken, self.verifier_seconds = tuple(self.verifier_seconds), []
+        return taken
 
     def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:
         self.host.fail_request(request_id, message, status, code)
