@@ -15,6 +15,8 @@ from scheduler.sequence import Sequence
 
 
 class StepsHost(SearchHost, Protocol):
+    def has_waiting(self) -> bool: ...  # whether other work waits for slots (speculation gives its back)
+
     def fork_sequence(self, parent: Sequence, child: Sequence, num_tokens: int | None) -> None: ...  # parked
 
     def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence: ...  # parked
