@@ -1,6 +1,7 @@
 """The engine: requests in, one scheduled model step at a time, wire messages out.
 
-A step reads as three calls: plan (scheduler), execute (runner), update (sampling, stops, output).
+A step reads as three calls: plan (the step's work asks for its changes, then the scheduler plans),
+execute (the runner), update (sampling; each row's owner hears its logits and tokens).
 """
 
 from __future__ import annotations
@@ -18,23 +19,19 @@ from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.model.quantize import Quantized
 from runtime.model.recurrent import recurrent_states
-from runtime.requests.admission import admit, check_granularity
+from runtime.requests.admission import admit, check_granularity, thinking_start
 from runtime.requests.grammar_gate import GrammarGate
 from runtime.requests.plain import PlainRequests
-from runtime.grammar.thinking import ThinkingMarkers, ThinkingStart
-from runtime.wire.protocol import (
-    Accepted, FromRuntime, GenerateRequest, RequestError, Reward, Rewarded, RewardRequest, RuntimeStats,
-)
+from runtime.grammar.thinking import ThinkingMarkers
+from runtime.wire.protocol import Accepted, FromRuntime, GenerateRequest, RequestError, RewardRequest, RuntimeStats
 from runtime.model.row_padding import padding_for
 from runtime.wire.reasoning import opens_thinking, reasoning_format_of
-from runtime.requests.state import InvalidRequest, RequestState, answer_form_of, question_of
+from runtime.requests.state import InvalidRequest, RequestState, answer_form_of
 from runtime.model.sampler import sample
-from runtime.search.aggregate import aggregate, normalize_step, split_steps
 from runtime.search.controller import SearchController
 from runtime.search.pacing import StepPacer
-from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep, Park, Prefetch, Release, Resume, Verify
-from runtime.verify.rewards import RewardScoring
-from runtime.verify.verifier_store import VerifierStore, build_scorers
+from runtime.steps.work import StepWork
+from runtime.verify.verifier_store import build_scorers
 from scheduler.kv_manager import KVManager
 from scheduler.scheduler import Scheduler, SchedulerOutput
 from scheduler.step_cost import StepCost
@@ -68,10 +65,12 @@ class EngineConfig:
 
 
 class Engine:
-    """The loop, and what it owns: the compute pool, its queues, the requests and searches under way.
-    Nothing below it holds the engine: each part declares the port it needs (runtime.requests.host,
-    runtime.search.host, runtime.verify.host, runtime.kv.host), which the engine satisfies, and a
-    search asks for every change in its plan (runtime.search.plan), which the engine carries out."""
+    """The loop, and what it owns: the compute pool, its queues, the plain requests, the outbox; the
+    searches, scorers and rewards requests ride on it behind one owner (`runtime.steps.work.StepWork`).
+    Nothing below it holds the engine: each part declares the port it needs (runtime.steps.host,
+    runtime.requests.host, runtime.search.host, runtime.verify.host, runtime.kv.host), which the engine
+    satisfies; a search asks for every change in its plan (runtime.search.plan), which the step's work
+    carries out through that port."""
 
     def __init__(self, model, tokenizer, config: EngineConfig, model_key: bytes = b"", *,
                  quantized: Quantized | None = None, kv_split=None, tiers: TierChain | None = None,
@@ -114,24 +113,22 @@ class Engine:
         self.kv_caps = None  # its batch caps for the search load now
         self.plain = PlainRequests(self, tokenizer, self.eos_ids, self.device, config.max_model_len, self.streamed)
         self.requests: dict[str, RequestState] = self.plain.requests
-        self.searches: dict[str, SearchController] = {}
-        self.rewards: dict[str, RewardScoring] = {}  # given responses being scored (POST /v1/rewards)
-        self.scoring: dict[str, list[Sequence]] = {}  # request id -> its verifier sequences
-        self.scorers, self.verifier_stores = build_scorers(self, model, tokenizer, config, reward_models or {},
-                                                           self.padding)
+        # Searches, scorers, the rewards route and speculation's slots: one owner, called around the forward pass.
+        self.work = StepWork(self, lambda judge_host: build_scorers(judge_host, model, tokenizer, config,
+                                                                    reward_models or {}, self.padding),
+                             config.max_model_len)
         self.gate = GrammarGate(tokenizer, self.vocab_size, self.eos_ids, self._admit)
         self.reasoning_format = reasoning_format_of(getattr(tokenizer, "chat_template", None))
         self.thinking_markers = ThinkingMarkers.of(tokenizer, self.reasoning_format, self.gate.grammars.num_words
                                                    or (self.vocab_size + 31) // 32)
         self.outbox: list[FromRuntime] = []
-        self.verifier_samples: list[float] = []
         self.stats = {"tokens_prompt": 0, "tokens_generated": 0, "search_requests": {}, "search_paths": 0,
                       "search_steps": 0, "preemptions": 0, "speculative_tokens": {}}
 
     # -- requests -------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or any(store.has_work for store in self.verifier_stores) \
+        return self.scheduler.has_work or self.work.has_work \
             or (self.streamed is not None and self.streamed.has_work) or self.gate.has_work
 
     def _build_pool(self, shape: KVShape, dtype, num_blocks: int) -> None:
@@ -144,6 +141,13 @@ class Engine:
                             states=states)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.padding, states)
+
+    # The step's work, read (its owner changes it): the searches, rewards requests, judge questions, scorers.
+    searches = property(lambda self: self.work.searches)
+    rewards = property(lambda self: self.work.rewards)
+    scoring = property(lambda self: self.work.scoring)
+    scorers = property(lambda self: self.work.scorers)
+    verifier_stores = property(lambda self: self.work.verifier_stores)
 
     @property
     def tier_chain(self):
@@ -166,13 +170,13 @@ class Engine:
                                     self.config, self.kv, self.streamed, verifiers=self.scorers)
             is_open = request.messages is not None and opens_thinking(
                 self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_format)
-            thinking = self._thinking_of(request, is_open)
-            if grammar is not None and is_open and self.thinking_markers is None:
-                raise InvalidRequest("the grammar would hold the thinking too: this model's thinking tags are not "
-                                     "one token each; send chat_template_kwargs: {\"enable_thinking\": false}",
-                                     "chat_template_kwargs")
+            thinking = thinking_start(request, is_open, self.reasoning_format, self.thinking_markers,
+                                      grammar is not None)
             if request.search is not None:
-                self._add_search(request, ids, max_tokens, grammar, thinking)
+                self.work.add_search(request, ids, max_tokens, grammar, answer_form_of(request, self.gate.tool_format),
+                                     thinking)
+                strategy = request.search.strategy
+                self.stats["search_requests"][strategy] = self.stats["search_requests"].get(strategy, 0) + 1
             else:
                 self.plain.add(request, ids, max_tokens, grammar,
                                streamed=self.kv.num_blocks_for(len(ids) + max_tokens) > self.pool.num_blocks,
@@ -182,85 +186,51 @@ class Engine:
         self.stats["tokens_prompt"] += len(ids)
         return [Accepted(request_id=request.request_id, prompt_tokens=len(ids), opens_thinking=is_open)]
 
-    def _thinking_of(self, request: GenerateRequest, is_open: bool) -> ThinkingStart | None:
-        """How a chat request's outputs begin on a thinking model, else None; a budget the model cannot be
-        held to is a 400."""
-        budget = request.sampling.thinking_token_budget
-        if budget is not None and (self.thinking_markers is None or request.messages is None):
-            why = "this model's output (it does not think in its text, in one-token tags)" \
-                if request.messages is not None else "a completion"
-            raise InvalidRequest(f"a thinking budget cannot be applied to {why}", "thinking_token_budget")
-        if request.messages is None or self.reasoning_format == "none":
-            return None
-        return ThinkingStart(self.reasoning_format, is_open, self.thinking_markers)
-
-    def _add_search(self, request: GenerateRequest, ids: list[int], max_tokens: int, grammar: Grammar | None,
-                    thinking: ThinkingStart | None = None) -> None:
-        search = request.search
-        try:
-            controller = SearchController(self, request.request_id, request.sampling, search, ids,
-                                          question_of(request), max_tokens, self.scorers[search.verifier], grammar,
-                                          answer_form_of(request, self.gate.tool_format), thinking)
-        except ValueError as exc:  # a bad answer_pattern or strategy
-            raise InvalidRequest(str(exc), "search") from None
-        self.stats["search_requests"][search.strategy] = self.stats["search_requests"].get(search.strategy, 0) + 1
-        self.searches[request.request_id] = controller
-        self.scheduler.add(controller.root)
-
     def add_rewards(self, request: RewardRequest) -> list[FromRuntime]:
-        """Score given responses step by step with a search's verifier (runtime.verify.rewards): the
-        Rewarded comes from the step that reads the last score."""
-        try:
-            scorer = self.scorers.get(request.verifier)
-            if scorer is None or not RewardScoring.can_score(scorer):
-                known = ", ".join(name for name, s in self.scorers.items() if RewardScoring.can_score(s))
-                raise InvalidRequest(f"the verifier {request.verifier!r} cannot score given text; this server's "
-                                     f"verifiers that can: {known}", "verifier")
-            candidates = [given_steps(c.steps, c.text, request.step_delimiter, request.max_steps, c.param)
-                          for c in request.candidates]
-            scoring = RewardScoring(request.request_id, question_of(request), candidates,
-                                    lambda done: self.outbox.append(self._rewarded(done, request.aggregation)))
-            limit = self.config.max_model_len
-            if isinstance(scorer, VerifierStore):
-                limit = min(limit, scorer.pool.num_blocks * scorer.pool.block_size)
-            for candidate, tokens in zip(request.candidates, scoring.input_lengths(scorer)):
-                if tokens > limit:
-                    raise InvalidRequest(f"the {request.verifier} verifier's input for this response is {tokens} "
-                                         f"tokens, over its limit of {limit}", candidate.param,
-                                         code="context_length_exceeded")
-        except InvalidRequest as err:
-            return [err.to_message(request.request_id)]
-        self.rewards[request.request_id] = scoring
-        scoring.start(scorer)
-        return []
-
-    def _rewarded(self, scoring: RewardScoring, aggregation: str) -> Rewarded:
-        self.rewards.pop(scoring.request_id, None)
-        for seq in self.scoring.pop(scoring.request_id, []):
-            self.release_sequence(seq)  # the judge's questions
-        rewards = tuple(Reward(steps=tuple(steps), step_scores=tuple(scores), score=aggregate(scores, aggregation))
-                        for steps, scores in zip(scoring.candidates, scoring.step_scores))
-        return Rewarded(request_id=scoring.request_id, rewards=rewards, input_tokens=scoring.input_tokens,
-                        cached_tokens=scoring.cached_tokens)
+        """Score given responses with a search's verifier (the step's work): a later step sends the Rewarded."""
+        return self.work.add_rewards(request)
 
     def abort(self, request_id: str) -> None:
         self.gate.abort(request_id)
         self.plain.abort(request_id)
-        controller = self.searches.pop(request_id, None) or self.rewards.pop(request_id, None)
-        if controller is not None:
-            controller.is_finished = True
-            for store in self.verifier_stores:
-                store.abort(controller)
-            for seq in controller.sequences() + self.scoring.pop(request_id, []):
-                self.release_sequence(seq)
+        self.work.abort(request_id)
 
-    # -- what searches read and the judge asks of the engine (runtime.search.host, runtime.verify.host) --
+    # -- the engine's port to the step's work (runtime.steps.host; runtime.search.host reads) ---------
+    def has_waiting(self) -> bool:
+        return bool(self.scheduler.waiting)
+
+    def fork_sequence(self, parent: Sequence, child: Sequence, num_tokens: int | None) -> None:
+        self.kv.fork(parent, child, num_tokens)
+        self.scheduler.hold(child)
+
+    def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence:
+        """A prompt of `token_ids` whose first `num_shared` tokens are `parent`'s: it shares their
+        blocks (the KV of all but the last of them; a partly filled block is copied on first write),
+        and prefills the rest when it runs. Parked until resumed."""
+        assert parent.token_ids[:num_shared] == token_ids[:num_shared]
+        child = Sequence(token_ids)
+        self.kv.fork_prompt(parent, child, num_shared)
+        self.scheduler.hold(child)
+        return child
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def resume_sequence(self, seq: Sequence) -> None:
+        self.scheduler.resume(seq)
+
+    def park_sequence(self, seq: Sequence) -> None:
+        self.scheduler.park(seq)
+
     def release_sequence(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq)
 
-    def park_sequence(self, seq: Sequence) -> None:
-        self.scheduler.park(seq)
+    def prefetch(self, seqs: list[Sequence], reserve: int) -> None:
+        self.planner.prefetch(seqs, reserve)
+
+    def emit(self, message: FromRuntime) -> None:
+        self.outbox.append(message)
 
     def has_idle_slot(self) -> bool:
         """Whether a running sequence may keep its slot to decode speculatively without taking anything
@@ -294,119 +264,86 @@ class Engine:
         roofline split, the load now re-chooses the batch caps first (the decode batch caps a
         group, the verifier's prefill batch caps its tokens per step)."""
         if self.kv_split is not None and seqs:
-            live = max(len(seqs), sum(len(c.generating) + len(c.stepped) for c in self.searches.values()))
+            live = max(len(seqs), self.work.live_paths())
             context = sum(len(s.token_ids) for s in seqs) // len(seqs) + sum(step_tokens) // (2 * len(seqs))
             verifier_input = max((store.last_input_tokens for store in self.verifier_stores), default=0)
             self.kv_caps = self.kv_split.rechoose(live, context, verifier_input or context + max(step_tokens))
             self.kv_split.apply(self.kv_caps, self.verifier_stores)
         return self.planner.plan(seqs, step_tokens)
 
-    def add_scoring_sequence(self, seq: Sequence, controller: SearchController) -> None:
-        self.scoring.setdefault(controller.request_id, []).append(seq)
-        self.scheduler.add(seq)
-
-    def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence:
-        """A prompt of `token_ids` whose first `num_shared` tokens are `parent`'s: it shares their
-        blocks (the KV of all but the last of them; a partly filled block is copied on first write),
-        and prefills the rest when it runs. Parked until resumed."""
-        assert parent.token_ids[:num_shared] == token_ids[:num_shared]
-        child = Sequence(token_ids)
-        self.kv.fork(parent, child, num_shared)
-        child.num_cached_tokens = child.num_computed_tokens  # what it did not have to compute
-        self.scheduler.hold(child)
-        return child
-
-    def add_scoring_fork(self, seq: Sequence, controller: SearchController) -> None:
-        """A verifier sequence from `fork_prompt`: it runs from the next step."""
-        self.scoring.setdefault(controller.request_id, []).append(seq)
-        self.scheduler.resume(seq)
-
-    def observe_verifier(self, seconds: float) -> None:
-        self.verifier_samples.append(seconds)
-
     def search_finished(self, controller: SearchController) -> None:
-        self.searches.pop(controller.request_id, None)
-        for seq in self.scoring.pop(controller.request_id, []):
-            self.release_sequence(seq)  # the questions kept for a next verification
+        self.work.forget(controller)
         self.stats["search_paths"] += controller.stats["paths_explored"]
         self.stats["search_steps"] += controller.step_index
-        for outcome, count in controller.spec_tokens.items():
+        for outcome, count in controller.speculation.tokens.items():
             self.stats["speculative_tokens"][outcome] = self.stats["speculative_tokens"].get(outcome, 0) + count
 
-    def _carry_out(self, controller: SearchController | None) -> bool:
-        """Do what a search asked for since it was last reached, in order; whether it waits for the step's end."""
-        if controller is None:
-            return False
-        plan = controller.take_plan()
-        for action in plan.actions:
-            match action:
-                case Fork(parent, child, num_tokens):
-                    self.kv.fork(parent, child, num_tokens)
-                    self.scheduler.hold(child)
-                case Release(seq):
-                    self.release_sequence(seq)
-                case Park(seq):
-                    self.scheduler.park(seq)
-                case Resume(seq):
-                    self.scheduler.resume(seq)
-                case GroupStep(seqs, step_tokens):
-                    controller.start_groups(self.plan_step(seqs, step_tokens))
-                    self._carry_out(controller)  # the first group resumed, the next one prefetched
-                case Prefetch(seqs, reserve):
-                    self.planner.prefetch(seqs, reserve)
-                case Verify(paths):
-                    controller.verifier.submit(controller, paths)
-                case Emit(message):
-                    self.outbox.append(message)
-                case AbandonScoring():  # queued reward-model jobs, the judge's questions (computing or kept)
-                    for store in self.verifier_stores:
-                        store.abort(controller)
-                    for seq in self.scoring.pop(controller.request_id, []):
-                        self.release_sequence(seq)
-                case Answered():
-                    self.search_finished(controller)
-        return plan.advance
+    def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:
+        """End a request that cannot go on (resources, not a bug): free it and tell the client."""
+        self.abort(request_id)
+        self.outbox.append(RequestError(request_id=request_id, status=status, type="server_error", code=code,
+                                        message=message))
 
-    # -- the step -------------------------------------------------------------------------------
+    # -- the step: plan -> execute -> update ----------------------------------------------------
     def step(self) -> list[FromRuntime]:
         self.gate.poll(is_idle=not self.scheduler.has_work)
-        for controller in list(self.searches.values()):
-            controller.check_deadline()  # a search past its deadline answers now, verified or not
-            self._carry_out(controller)
-        plan = self._schedule()
-        if plan.blocked is not None:
-            return self._fail_blocked(plan.blocked)
+        self.work.check_deadlines()
+        plan = self._plan()
+        if plan.blocked is not None:  # nothing runs, and the next waiting sequence fits no empty pool
+            self.fail_request(plan.blocked.owner.request_id, f"the KV cache is exhausted: a sequence of "
+                              f"{len(plan.blocked)} tokens cannot fit in an empty KV pool")
+        elif not plan.is_empty and (logits := self._execute(plan)) is not None:
+            self._update(plan, logits)
+        return self._drain()
+
+    def _plan(self) -> SchedulerOutput:
+        """A streamed request's next forward while it has the compute tier to itself, else the
+        scheduler's plan, once the step's work (scores, speculation's slots) has asked for its changes."""
+        if self.streamed is not None and (plan := self.streamed.schedule()) is not None:
+            return plan
+        token_cap = self.pacer.token_cap(self.searches.values())  # a search's deadline: shorter steps
+        self.work.before_forward(token_cap)
+        if self.residency is not None:
+            room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+            for seq in list(self.scheduler.waiting)[:min(room, 8)]:
+                self.residency.promote_prefix(seq)
+        plan = self.scheduler.schedule(token_cap)
         self.stats["preemptions"] += len(plan.preempted) + len(plan.released)
-        if plan.is_empty:
-            return self._drain()
+        return plan
+
+    def _execute(self, plan: SchedulerOutput):
+        """The forward pass: logits of the rows that sample (then of the rows that score their prompt),
+        or None where a lost piece of KV must be computed again first."""
         scored = self.plain.prompt_rows(plan.scheduled)  # prompt logprobs: may undo a cached prefix
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
         try:
             started = time.perf_counter()
             logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
-            if self.streamed is None or self.streamed.seq is None:  # a streamed step's time is its transfers'
-                seconds = time.perf_counter() - started
-                self.pacer.observe(plan.num_tokens, seconds)
-                if plan.num_tokens == len(plan.scheduled):  # a decode step: every row one token
-                    self.step_cost.observe(plan.num_tokens, seconds)
         except PieceLost as lost:  # nothing was computed from it: its KV is made whole again
             log.warning("%s; recomputing it", lost)
             self.residency.recover(lost, self.scheduler)
-            return self._drain()
+            return None
+        if self.streamed is None or self.streamed.seq is None:  # a streamed step's time is its transfers'
+            seconds = time.perf_counter() - started
+            self.pacer.observe(plan.num_tokens, seconds)
+            if plan.num_tokens == len(plan.scheduled):  # a decode step: every row one token
+                self.step_cost.observe(plan.num_tokens, seconds)
         if scored:
             self.plain.on_prompt_logits(plan.scheduled, scored, logits[len(sampled):])
             logits = logits[:len(sampled)]
+        return logits
+
+    def _update(self, plan: SchedulerOutput, logits) -> None:
+        """The computed tokens committed, each sampling row's logits to its owner, its tokens sampled
+        and handed out, in order; the searches whose group these tokens ended move on last."""
+        sampled = [entry.seq for entry in plan.scheduled if entry.completes_prompt]  # (read before the commit)
         for entry in plan.scheduled:
             self.kv.commit_computed(entry.seq, entry.seq.num_computed_tokens + entry.num_new_tokens)
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, index in enumerate(sampled):
-            seq = plan.scheduled[index].seq
-            for target in seq.owner.on_logits(seq, logits[row]):
+        rows, seqs = [], []
+        for row, seq in enumerate(sampled):
+            for target in self.work.on_logits(seq, logits[row]):  # a search's prompt, a judge's question
                 rows.append(row)
                 seqs.append(target)
-            self._carry_out(self.searches.get(seq.owner.request_id))  # a search's prompt, a judge's question
-        ended: list[SearchController] = []  # searches whose running group these tokens ended, in order
         if seqs:
             states = [s.owner.sampling for s in seqs]  # a grammar's rows sample under its mask
             samples = sample(logits[rows], states, [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids)
@@ -415,53 +352,13 @@ class Engine:
             for seq, out in zip(seqs, samples):
                 seq.append_token(out.token_id)
                 self.stats["tokens_generated"] += 1
-                seq.owner.on_sampled(seq, out)
-                if self._carry_out(search := self.searches.get(seq.owner.request_id)):
-                    ended.append(search)
-        for search in ended:  # only now: a speculating path's token of this step must reach it first
-            search.advance()
-            self._carry_out(search)
-        return self._drain()
-
-    def _schedule(self) -> SchedulerOutput:
-        """A streamed request's next forward while it has the compute tier to itself, else the scheduler's plan."""
-        if self.streamed is not None and (plan := self.streamed.schedule()) is not None:
-            return plan
-        token_cap = self.pacer.token_cap(self.searches.values())  # a search's deadline: shorter steps
-        for store in (store for store in self.verifier_stores if store.has_work):
-            for score in store.step(token_cap):  # each goes to its search, in the order read
-                score.deliver()
-                self._carry_out(self.searches.get(score.request_id))
-        if self.scheduler.waiting:  # speculation only fills slots nothing else wants
-            for controller in list(self.searches.values()):
-                controller.speculation.pause()
-                self._carry_out(controller)
-        else:  # and goes on in those idle again
-            for controller in list(self.searches.values()):
-                if controller.speculation.refill():
-                    self._carry_out(controller)
-        if self.residency is not None:
-            room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
-            for seq in list(self.scheduler.waiting)[:min(room, 8)]:
-                self.residency.promote_prefix(seq)
-        return self.scheduler.schedule(token_cap)
+                self.work.on_sampled(seq, out)
+        self.work.after_step()
 
     def _drain(self) -> list[FromRuntime]:
         # A request's Accepted precedes its first Delta, which this step may carry
         messages, self.outbox = self.gate.take_admitted() + self.plain.emit() + self.outbox, []
         return messages
-
-    def fail_request(self, request_id: str, message: str, status: int = 503, code: str = "kv_cache_exhausted") -> None:
-        """End a request that cannot go on (resources, not a bug): free it and tell the client."""
-        self.abort(request_id)
-        self.outbox.append(RequestError(request_id=request_id, status=status, type="server_error", code=code,
-                                        message=message))
-
-    def _fail_blocked(self, seq: Sequence) -> list[FromRuntime]:
-        """Nothing can run and the next waiting sequence does not fit: fail its request, not the server."""
-        self.fail_request(seq.owner.request_id, f"the KV cache is exhausted: a sequence of {len(seq)} tokens "
-                                                f"cannot fit in an empty KV pool")
-        return self._drain()
 
     # -- introspection --------------------------------------------------------------------------
     def runtime_stats(self) -> RuntimeStats:
@@ -473,25 +370,20 @@ class Engine:
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
                        **(self.residency.block_counts() if self.residency else {})},
             kv_transfer_bytes=self.transfer_bytes(),
-            prefetch_stall_seconds=self.transfer_stall_seconds(),
+            prefetch_stall_seconds=self.residency.stall_seconds() if self.residency is not None else 0.0,
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_cached=self.plain.tokens_cached,
             **{key: self.stats[key] for key in ("tokens_prompt", "tokens_generated", "search_paths", "search_steps")},
             search_requests=dict(self.stats["search_requests"]),
             speculative_tokens=dict(self.stats["speculative_tokens"]),
-            verifier_seconds=tuple(self.verifier_samples),
+            verifier_seconds=self.work.take_verifier_seconds(),
         )
-        self.verifier_samples = []
         return stats
 
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
         return self.residency.bytes_moved() if self.residency is not None else {}
-
-    def transfer_stall_seconds(self) -> float:
-        """Seconds the engine loop was blocked on transfers between tiers."""
-        return self.residency.stall_seconds() if self.residency is not None else 0.0
 
     def check_integrity(self) -> None:
         """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""
@@ -503,20 +395,3 @@ class Engine:
             self.residency.check_integrity()
         if self.kv.states is not None:
             self.kv.states.check_integrity()
-
-
-
-def given_steps(steps: tuple[str, ...] | None, text: str | None, delimiter: str, max_steps: int,
-                param: str) -> list[str]:
-    """A given response's steps as a search's verifier sees its own: each without its trailing
-    delimiter; a text is cut at the delimiter as a finished answer is (runtime.search.aggregate)."""
-    found = [normalize_step(step, delimiter) for step in steps] if steps is not None \
-        else split_steps(text or "", delimiter)
-    if not found:
-        raise InvalidRequest("the response has no steps" + ("" if steps is not None else
-                             f" once cut at the step delimiter {delimiter!r}"), param)
-    if steps is not None and any(not step.strip() for step in found):
-        raise InvalidRequest("every step must hold some text", param)
-    if len(found) > max_steps:
-        raise InvalidRequest(f"the response has {len(found)} steps, over this server's cap of {max_steps}", param)
-    return found

@@ -156,6 +156,17 @@ class KVManager:
         if self.states is not None:
             self.states.fork(parent.seq_id, child.seq_id)
 
+    def uncount_prefix_query(self, num_query: int, num_hit: int) -> None:
+        """Take back a first admission's prefix statistics (its cached prefix was given up, to be computed)."""
+        self.prefix_stats.query_tokens -= num_query
+        self.prefix_stats.hit_tokens -= num_hit
+
+    def fork_prompt(self, parent: Sequence, child: Sequence, num_shared: int) -> None:
+        """`fork` for a new prompt beginning with `parent`'s first `num_shared` tokens: what it shares it
+        did not have to compute, so it counts as cached."""
+        self.fork(parent, child, num_shared)
+        child.num_cached_tokens = child.num_computed_tokens
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, deepest first, so shared prefixes stay cached longest."""
         self.pool.release(reversed(seq.block_table))

@@ -40,6 +40,10 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def own(self, owner: object) -> None:
+        """Its owner, named once the owner exists (an owner made around a sequence already forked)."""
+        self.owner = owner
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens

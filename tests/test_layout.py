@@ -14,12 +14,13 @@ PACKAGES = ("server", "runtime", "scheduler", "storage")
 # Each room's rank: a module may import only rooms of a lower rank. Rooms of one rank are
 # independent of each other (requests | search | verify, kernels | wire).
 RANKS = {
-    "server": 12,
-    "runtime": 11,  # the package itself: nothing but its docstring
-    "runtime.process": 10,
-    "runtime.preflight": 9,
-    "runtime.bootstrap": 8,
-    "runtime.engine": 7,
+    "server": 13,
+    "runtime": 12,  # the package itself: nothing but its docstring
+    "runtime.process": 11,
+    "runtime.preflight": 10,
+    "runtime.bootstrap": 9,
+    "runtime.engine": 8,
+    "runtime.steps": 7,  # what rides on the step: searches, scorers, rewards requests
     "runtime.requests": 6, "runtime.search": 6, "runtime.verify": 6,
     "runtime.kv": 5,
     "runtime.model": 4, "runtime.grammar": 4,

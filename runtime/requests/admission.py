@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Container
 from typing import TYPE_CHECKING
 
+from runtime.grammar.thinking import ThinkingMarkers, ThinkingStart
 from runtime.kv.head_pieces import plan_pieces
 from runtime.model.loader import SettingError
 from runtime.wire.protocol import GenerateRequest
@@ -116,3 +117,22 @@ def check_granularity(host: StreamHost, config, model_key: bytes) -> HeadwiseRes
         raise SettingError("scheduler.kv_granularity = head: the model's linear-attention (Gated DeltaNet) layers "
                            "keep a recurrent state per sequence, which head-wise streaming does not carry; use block")
     return HeadwiseResidency(host, config, model_key) if config.kv_granularity == "head" else None
+
+
+def thinking_start(request: GenerateRequest, is_open: bool, reasoning_format: str,
+                   markers: ThinkingMarkers | None, has_grammar: bool) -> ThinkingStart | None:
+    """How a chat request's outputs begin on a thinking model (its generation prompt opens a thinking
+    block: `is_open`), else None; a budget the model cannot be held to, or a grammar that would hold the
+    thinking too, is a 400."""
+    budget = request.sampling.thinking_token_budget
+    if budget is not None and (markers is None or request.messages is None):
+        why = "this model's output (it does not think in its text, in one-token tags)" \
+            if request.messages is not None else "a completion"
+        raise InvalidRequest(f"a thinking budget cannot be applied to {why}", "thinking_token_budget")
+    if has_grammar and is_open and markers is None:
+        raise InvalidRequest("the grammar would hold the thinking too: this model's thinking tags are not "
+                             "one token each; send chat_template_kwargs: {\"enable_thinking\": false}",
+                             "chat_template_kwargs")
+    if request.messages is None or reasoning_format == "none":
+        return None
+    return ThinkingStart(reasoning_format, is_open, markers)

@@ -99,8 +99,7 @@ class PlainRequests:
         kv = self.host.kv
         seq = entry.seq
         if seq.num_preemptions == 0:  # the first admission counted this query and its hit
-            kv.prefix_stats.query_tokens -= len(seq.token_ids)
-            kv.prefix_stats.hit_tokens -= seq.num_computed_tokens
+            kv.uncount_prefix_query(len(seq.token_ids), seq.num_computed_tokens)
         kv.free(seq)
         is_admitted = kv.admit(seq, entry.num_new_tokens, max_cached_tokens=max_cached_tokens)
         assert is_admitted, "the blocks just given back hold the same prompt chunk"

@@ -1,6 +1,7 @@
 """Roll-out look-ahead (`search.lookahead` = k): before a step is scored, each path's throwaway greedy
 fork decodes k more steps, and the verifier scores the step with them; the forks are then released.
-Speculative decoding past a step is `runtime.search.speculation`."""
+And the unit a verifier may score along with the step, where speculation decoded it ahead
+(`lookahead_unit`). Speculative decoding past a step is `runtime.search.speculation`."""
 
 from __future__ import annotations
 
@@ -11,11 +12,22 @@ import msgspec
 from runtime.model.sampler import SamplingState
 from runtime.search.aggregate import normalize_step
 from runtime.search.host import SearchHost
-from runtime.search.paths import Lookahead, SearchPath
+from runtime.search.paths import Lookahead, SearchPath, StepAhead
 from runtime.search.plan import SearchPlan
 from runtime.search.steps import StepRules
 from runtime.wire.params import SamplingParams, SearchParams
 from scheduler.sequence import Sequence
+
+
+def lookahead_unit(path: SearchPath, ahead: list[StepAhead], search: SearchParams, tokenizer) -> str | None:
+    """LookAhead verification (FlashTTS section 4.1.3): the path's next unit, if its first step decoded
+    ahead (`ahead`, speculation's) is complete and it will be scored alone (granularity 1, no roll-out
+    look-ahead): a verifier may score it along with this one."""
+    if not ahead or ahead[0].end is None or search.granularity != 1 or search.lookahead:
+        return None
+    ids = path.seq.token_ids[path.step_end:ahead[0].end]
+    unit = normalize_step(tokenizer.decode(ids, skip_special_tokens=True), search.step_delimiter)
+    return unit if unit.strip() else None
 
 
 class RolloutPort(Protocol):
@@ -50,7 +62,7 @@ class Rollouts:
             if path.sampling.constraint is not None:  # the look-ahead keeps to the grammar from the step's end
                 sampling.constraint = path.sampling.constraint.fork(path.step_end - len(search.prompt_ids))
             run = Lookahead(path, seq, sampling, len(seq.token_ids), search.search.lookahead, len(seq.token_ids))
-            seq.owner = run
+            seq.own(run)
             self.runs.add(run)
             search.plan.resume(seq)
 

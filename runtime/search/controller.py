@@ -19,28 +19,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from types import SimpleNamespace
 
 from runtime.grammar.matcher import Grammar
 from runtime.grammar.thinking import ThinkingStart
 from runtime.wire.params import SamplingParams, SearchParams
-from runtime.model.sampler import SamplingState, derive_seed
-from runtime.search.ahead import Rollouts
-from runtime.search.anchor import ANCHOR_UID, anchor_params
-from runtime.search.aggregate import aggregate, normalize_step
+from runtime.model.sampler import SamplingState
+from runtime.search.ahead import Rollouts, lookahead_unit
+from runtime.search.anchor import ANCHOR_UID
+from runtime.search.aggregate import normalize_step
 from runtime.search.answers import compile_answer_pattern
 from runtime.search.host import SearchHost, Verifier
 from runtime.search.output import SearchOutput
+from runtime.search.outlook import StepOutlook
+from runtime.search.path_maker import PathMaker
 from runtime.search.paths import Lookahead, SearchPath, SearchRoot
 from runtime.search.plan import SearchPlan
 from runtime.search.speculation import Branch, Speculation
 from runtime.search.steps import StepRules
-from runtime.search.strategies import Expansion, Strategy, make_strategy
+from runtime.search.strategies import Strategy, make_strategy
 from runtime.search.tree import TreeRecorder
 from scheduler.sequence import Sequence
 
 
-class SearchController(SearchOutput):
+class SearchController:
     def __init__(self, host: SearchHost, request_id: str, params: SamplingParams, search: SearchParams,
                  prompt_ids: list[int], question: str, max_tokens: int, verifier: Verifier, grammar: Grammar | None = None,
                  answer_form: str | None = None, thinking: ThinkingStart | None = None) -> None:
@@ -51,7 +52,6 @@ class SearchController(SearchOutput):
         self.host = host
         self.thinking = thinking
         self.grammar = grammar
-        self.answer_form = answer_form
         self.request_id = request_id
         self.params = params
         self.search = search
@@ -62,11 +62,14 @@ class SearchController(SearchOutput):
         options = dict(warmup=search.deepconf_warmup, eta=search.deepconf_eta, window=search.deepconf_window,
                        keep_top=search.deepconf_keep_top) if search.strategy == "deepconf" else {}
         self.strategy: Strategy = make_strategy(search.strategy, search.n, search.beam_width, params.seed, **options)
+        self.outlook = StepOutlook(self.strategy, search, verifier)
         self.rules = StepRules(params, search, host.tokenizer, host.eos_ids, len(prompt_ids), max_tokens,
                                host.config.max_model_len, self.strategy.stops_on_boxed)
         self.pattern = compile_answer_pattern(search.answer_pattern) if search.answer_pattern else None
         self.root = Sequence(prompt_ids, owner=SearchRoot(self))
         self.plan = SearchPlan()  # what it asked of the engine since the engine last took it
+        self.paths = PathMaker(self, params, search, len(prompt_ids), host.device, self.strategy.confidence_k,
+                               grammar, thinking)
         self.tree = TreeRecorder(request_id, lambda message: self.plan.emit(message), search.include_tree)
         self.generating: set[SearchPath] = set()  # paths whose step is not done (running or queued)
         self.active: set[SearchPath] = set()  # paths of the group running now
@@ -78,12 +81,12 @@ class SearchController(SearchOutput):
         self.stepped: list[SearchPath] = []
         self.final: list[SearchPath] = []
         self.step_index = 0
-        self.next_uid = 0
         self.pending_scores = 0
         self.to_verify: list[SearchPath] = []
         self.verify_now = False  # whether the step being settled is a verified one (granularity)
         self.rollouts = Rollouts(self, self._submit_scores)
-        self.committed = ""
+        self.output = SearchOutput(request_id, params, search, prompt_ids, host, self.plan, self.tree, self.strategy,
+                                   verifier, self.pattern, answer_form, thinking)
         self.is_finished = False
         self.num_cached_tokens = 0
         self.stats = dict(paths_explored=0, tokens_generated=0, verifier_tokens_prefilled=0, verifier_calls=0,
@@ -128,55 +131,8 @@ class SearchController(SearchOutput):
         self._settle()
 
     # -- paths ----------------------------------------------------------------------------------
-    def _new_path(self, seq: Sequence, subtree: int, parent: SearchPath | None = None, ordinal: int = 0,
-                  sampling: SamplingState | None = None, *, anchor: bool = False) -> SearchPath:
-        """A path on `seq`: a first one (the greedy anchor with `anchor`), or `parent`'s `ordinal`-th new
-        child forked at its step's end (with `sampling`, the state a speculative branch decoded it with)."""
-        uid = ANCHOR_UID if anchor else self.next_uid
-        self.next_uid += 0 if anchor else 1
-        self.stats["paths_explored"] += 1
-        key = (uid,) if parent is None else parent.child_seed_key(ordinal)
-        if parent is not None:
-            sampling = sampling or self.child_sampling(parent, ordinal)
-        else:
-            sampling = SamplingState(anchor_params(self.params) if anchor else self.params,
-                                     derive_seed(self.params.seed, *key), self.host.device, track_logprobs=True,
-                                     confidence_k=self.strategy.confidence_k)
-            sampling.constraint = self.grammar.start() if self.grammar is not None else None
-            if self.thinking is not None:
-                sampling.constraint = self.thinking.constraint(sampling.constraint, self.params.thinking_token_budget)
-        start = len(seq.token_ids) if parent is None else parent.step_end
-        path = SearchPath(self, uid, subtree, seq, sampling, self.search.aggregation, step_start=start,
-                          step_end=start, chunk_start=start, seed_key=key)
-        seq.owner = path
-        return path
-
     def child_sampling(self, parent: SearchPath | Branch, ordinal: int, at: int | None = None) -> SamplingState:
-        """The sampler of `parent`'s `ordinal`-th new child at token index `at` (default: its step's
-        end): its seed, and its grammar forked there (a speculative branch decoding the child before it
-        exists gets this very state; `parent` may be such a branch itself)."""
-        at = parent.step_end if at is None else at
-        sampling = SamplingState(self.params, derive_seed(self.params.seed, *parent.child_seed_key(ordinal, at)),
-                                 self.host.device, track_logprobs=True, confidence_k=self.strategy.confidence_k)
-        if parent.sampling.constraint is not None:  # not its tokens past `at`
-            sampling.constraint = parent.sampling.constraint.fork(at - len(self.prompt_ids))
-        return sampling
-
-    def step_shape(self, step: int) -> tuple[bool, bool] | None:
-        """Step `step`'s shape: whether it runs to the paths' end (no step delimiter), and whether the
-        settling after it expands the survivors; None where the search has no such step."""
-        if self.strategy.whole_traces or step >= self.search.max_steps:
-            return None
-        verifies = (step + 1) % self.search.granularity == 0 or step + 1 >= self.search.max_steps
-        return step >= self.search.max_steps - 1, verifies and self.strategy.expands
-
-    def score_ahead(self, logprobs: list[float]) -> float | None:
-        """The score the verifier will give a step of these sampled tokens' log-probabilities, where it
-        reads nothing else (`confidence`: free, and each step is a unit of its own with no roll-outs);
-        None where only verifying tells."""
-        if not self.strategy.uses_verifier or self.search.granularity != 1 or self.search.lookahead:
-            return None
-        return self.verifier.score_of(logprobs)
+        return self.paths.child_sampling(parent, ordinal, at)  # (speculation's port)
 
     def children_limit(self, step: int) -> int:
         """The fewest children a path surviving step `step` will get, as far as is known now: for the
@@ -187,27 +143,7 @@ class SearchController(SearchOutput):
         live = sum(not p.is_done for p in self.stepped if p is not self.anchor)
         return self.strategy.widest_child(live + sum(p is not self.anchor for p in self.generating))
 
-    def expansion_ahead(self, candidates) -> Expansion | None:
-        """The strategy's expansion of lineages that completed a step ahead, with their scores to it
-        (`runtime.search.projection`), where it expands by scores alone; None otherwise."""
-        if not self.strategy.expands_by_scores:
-            return None
-        return self.strategy.expand([SimpleNamespace(uid=c.uid, subtree=c.subtree, is_done=False, text=c.text,
-                                                     score=aggregate(c.scores, self.search.aggregation))
-                                     for c in candidates])
-
-    def likely_children(self, live_share: float) -> int:
-        """The children a survivor gets were that share of a full step's paths to settle live."""
-        return self.strategy.widest_child(max(1, round(self.strategy.n * live_share)))
-
-    def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]:
-        """Of live paths that ended the step being decoded, with their step's scores (a free verifier's,
-        read ahead), those pruned when the step settles whatever the paths still decoding do: the
-        strategy's rule over them."""
-        views = [SimpleNamespace(uid=p.uid, text=p.text, score=aggregate(p.step_scores + [score], p.aggregation))
-                 for p, score in scores.items()]
-        pruned = self.strategy.surely_pruned(views)
-        return {p for p in scores if p.uid in pruned}
+    likely_children = property(lambda self: self.outlook.likely_children)  # (ChildCounts' port)
 
     def count_token(self) -> None:
         self.stats["tokens_generated"] += 1
@@ -218,10 +154,11 @@ class SearchController(SearchOutput):
         self.stats["prefix_hit_tokens"] += root.num_cached_tokens
         subtrees = self.strategy.initial_paths()
         first, self.waiting = subtrees[:self.strategy.num_first_wave()], subtrees[self.strategy.num_first_wave():]
-        paths = [self._new_path(self.plan.fork(root), subtree) for subtree in first]
+        paths = [self.paths.first(self.plan.fork(root), subtree) for subtree in first]
         if self.search.greedy_anchor and not self.params.is_greedy:
-            self.anchor = self._new_path(self.plan.fork(root), ANCHOR_UID, anchor=True)
+            self.anchor = self.paths.first(self.plan.fork(root), ANCHOR_UID, anchor=True)
             paths.append(self.anchor)
+        self.stats["paths_explored"] += len(paths)
         if self.waiting:
             self.plan.park(root)  # a later wave's paths share its blocks
         else:
@@ -234,7 +171,8 @@ class SearchController(SearchOutput):
     def _next_wave(self) -> list[SearchPath]:
         """The waiting initial paths, forked from the kept prompt: each computes the prompt's last token
         again for its first token's logits (`KVManager.fork`), and shares every block before it."""
-        paths = [self._new_path(self.plan.fork(self.root, len(self.prompt_ids)), subtree) for subtree in self.waiting]
+        paths = [self.paths.first(self.plan.fork(self.root, len(self.prompt_ids)), subtree) for subtree in self.waiting]
+        self.stats["paths_explored"] += len(paths)
         self._drop_waiting()
         return paths
 
@@ -263,14 +201,11 @@ class SearchController(SearchOutput):
         for path in paths:
             path.node = self.tree.add(path.node, self.step_index + 1)
             path.step_start = path.step_end
-            path.head_start = 0
-            if not path.ahead:
+            ahead = self.speculation.take_step(path)  # this step, decoded ahead (in part, or whole)
+            if ahead is None:
                 to_run.append(path)
                 continue
-            ahead = path.ahead.pop(0)  # this step, decoded ahead (in part, or whole)
-            path.head_start = (len(path.seq.token_ids) if ahead.end is None else ahead.end) - ahead.start
             path.chunk_logprobs.extend(ahead.logprobs)
-            self.speculation.count("adopted" if ahead.adopted else "used", path.head_start)
             if ahead.end is None:
                 to_run.append(path)  # it decodes the rest of its step
                 continue
@@ -321,7 +256,7 @@ class SearchController(SearchOutput):
         self.plan.release(path.seq)
 
     def on_token(self, path: SearchPath, out) -> None:
-        if path.speculating:
+        if self.speculation.is_running(path):
             self.speculation.on_token(path, out)
             return
         seq = path.seq
@@ -450,14 +385,14 @@ class SearchController(SearchOutput):
                 path.finish_reason = "length"
                 self._discard(path)
         self.final.extend(final)
-        self._record_steps(stepped, final)
+        self.output.record_steps(stepped, final, self.verify_now)
         for path in set(stepped) - set(final) - set(live):
             self._discard(path)  # pruned by settling (DVTS keeps only its best)
             self.tree.change(path.node, "pruned")
         if self._out_of_time() and self.cut_step_verified is None:
             self.cut_step_verified = True  # the deadline passed while this step's scores came in
         if not live and self.waiting and not self._out_of_time():
-            self._emit_progress(live)
+            self.output.progress(live, self.final, self.step_index)
             self._start_step(self._next_wave())  # the next wave of whole traces
             self.tree.flush()
             return
@@ -474,7 +409,7 @@ class SearchController(SearchOutput):
             live = self._expand(live)
         for path in live:
             self.tree.change(path.node, "kept")
-        self._emit_progress(live)
+        self.output.progress(live, self.final, self.step_index)
         self._start_step(live)
         self.tree.flush()
 
@@ -487,14 +422,11 @@ class SearchController(SearchOutput):
             for ordinal in range(1, count):  # a branch that decoded the child is adopted
                 branch = self.speculation.adopt(parent, ordinal)
                 if branch is None:
-                    child = self._new_path(self.plan.fork(parent.seq, parent.step_end), parent.subtree, parent, ordinal)
+                    child = self.paths.child(self.plan.fork(parent.seq, parent.step_end), parent, ordinal)
                 else:
-                    child = self._new_path(branch.seq, parent.subtree, parent, ordinal, branch.sampling)
-                    child.ahead, child.step_text = branch.ahead, branch.step_text
+                    child = self.paths.child(branch.seq, parent, ordinal, branch.sampling, branch.step_text)
                     self.speculation.hand_over(branch, child)
-                child.chunks, child.step_scores = list(parent.chunks), list(parent.step_scores)
-                child.text, child.chunk_start = parent.text, parent.chunk_start
-                child.node = parent.node  # its first step's node hangs under the parent's last one
+                self.stats["paths_explored"] += 1
                 continuing.append(child)
             self.speculation.release_unadopted(parent)  # branches for children it does not get
             continuing.append(parent)
@@ -508,11 +440,19 @@ class SearchController(SearchOutput):
         self.rollouts.on_token(run, out)
 
     def lookahead_unit(self, path: SearchPath) -> str | None:
-        return self.speculation.lookahead_unit(path, self.search.granularity, self.search.lookahead,
-                                               self.search.step_delimiter)
+        return lookahead_unit(path, self.speculation.steps_ahead(path), self.search, self.host.tokenizer)
 
     def on_next_score(self, path: SearchPath, unit: str, score: float) -> None:
         path.next_score = (unit, float(score))
+
+    def _finish(self) -> None:
+        self.is_finished = True
+        self.output.answer(self.final, self.anchor, self.step_index, self.num_cached_tokens, self.timed_out,
+                           self.cut_step_verified, self.stats)
+
+    def cancel(self) -> None:
+        """Aborted: a score still on its way is not taken, and nothing more is asked."""
+        self.is_finished = True
 
     def sequences(self) -> list[Sequence]:
         """Every sequence the search still holds (for aborts)."""

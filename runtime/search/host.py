@@ -3,7 +3,7 @@
 Only reads: the tokenizer facts and limits it decodes within, what a step's tokens will take in
 blocks (counted, never touched) and whether a slot is idle. Whatever it wants changed (forks,
 releases, parks, resumes, a step's groups, messages) it asks for in its plan
-(`runtime.search.plan`), which the engine carries out.
+(`runtime.search.plan`), which the step's work carries out through the engine (`runtime.steps`).
 """
 
 from __future__ import annotations

@@ -59,13 +59,10 @@ class SearchPath:
     # A greedy look-ahead past the step, scored with it and then thrown away.
     lookahead_units: list[str] = field(default_factory=list)
     lookahead_logprobs: list[float] = field(default_factory=list)
-    speculating: bool = False  # decoding past `step_end` in an idle slot (runtime.search.speculation)
-    ahead: list[StepAhead] = field(default_factory=list)  # the steps decoded past `step_end`, in order
     next_score: tuple[str, float] | None = None  # (next unit, its score) from a look-ahead verification
     step_text: StepText | None = None  # the text of the step being decoded (or speculated), incrementally
     node: int = 0  # its node in the search tree: the step being decoded, or the prompt before the first
     seed_key: tuple[int, ...] = ()  # what its sampler's seed derives from (`SearchController.child_sampling`)
-    head_start: int = 0  # its tokens of the step running that were decoded before the step began
 
     def child_seed_key(self, ordinal: int, at: int | None = None) -> tuple[int, ...]:
         """What its `ordinal`-th new child at token index `at` (its step's end) draws its seed from: its

@@ -3,8 +3,9 @@
 A search never changes the engine's state. Whatever reaches it (a step's logits or tokens, a score,
 the deadline check, the end of a step) adds what it wants done to its plan: forks, releases, parks,
 resumes, a step's grouping, the next group's prefetch, a verification, its messages. Right after
-each such call the engine takes the plan and carries it out in order, so every action lands where
-the search asked for it, before anything else touches the pool.
+each such call the step's work (`runtime.steps.work`) takes the plan and carries it out in order
+through the engine, so every action lands where the search asked for it, before anything else
+touches the pool.
 
 Two answers come back: a `GroupStep` is answered with the groups the engine planned
 (`SearchController.start_groups`), and `advance` asks the engine to call `advance()` once the step's

@@ -28,7 +28,7 @@ FIRST_PROJECTED_UID = 1 << 40
 class Candidate:
     """A lineage that completed a step live at token index `at`, with its scores to that step."""
 
-    lineage: object  # a SearchPath or a speculative Branch: `.ahead` (its steps ahead), `.seq.token_ids`
+    lineage: object  # a SearchPath or a speculative Branch: its `.seq.token_ids` (its steps ahead: `steps_ahead`)
     at: int
     scores: list[float]
     text: object  # equal for paths of equal text (a path's text, or its parent's and the step's tokens)
@@ -51,10 +51,12 @@ class Projection:
 
 
 def project(first: list[Candidate], step: int, expand: Callable[[list[Candidate]], Expansion | None],
-            goes_on: Callable[[int], bool], child: Callable[[object, int, int], object | None]) -> Projection:
+            goes_on: Callable[[int], bool], child: Callable[[object, int, int], object | None],
+            steps_ahead: Callable[[object], list[StepAhead]] = lambda lineage: lineage.ahead) -> Projection:
     """Replay `expand` (the strategy's expansion of these candidates; None: it is not replayed) from the
     candidates `first` of step `step`; `goes_on(step)`: whether its settling expands and a step follows;
-    `child(lineage, at, k)`: its branch k at `at`, if started (k = 0: the lineage itself)."""
+    `child(lineage, at, k)`: its branch k at `at`, if started (k = 0: the lineage itself);
+    `steps_ahead(lineage)`: the steps it decoded ahead (speculation holds a path's; a branch's `ahead`)."""
     projection = Projection()
     level, next_uid = first, FIRST_PROJECTED_UID
     while level and goes_on(step):
@@ -71,7 +73,7 @@ def project(first: list[Candidate], step: int, expand: Callable[[list[Candidate]
                 if ordinal:
                     child_uid, next_uid = next_uid, next_uid + 1
                 lineage = child(parent.lineage, parent.at, ordinal)
-                ahead = _step_from(lineage, parent.at)
+                ahead = _step_from(lineage, parent.at, steps_ahead)
                 if ahead is None:
                     continue
                 projection.paths.add((id(lineage), step + 1))
@@ -83,8 +85,8 @@ def project(first: list[Candidate], step: int, expand: Callable[[list[Candidate]
     return projection
 
 
-def _step_from(lineage: object | None, at: int) -> StepAhead | None:
+def _step_from(lineage: object | None, at: int, steps_ahead: Callable[[object], list[StepAhead]]) -> StepAhead | None:
     """The step `lineage` decoded ahead from token index `at`, if it began it."""
     if lineage is None:
         return None
-    return next((ahead for ahead in lineage.ahead if ahead.start == at), None)
+    return next((ahead for ahead in steps_ahead(lineage) if ahead.start == at), None)

@@ -19,7 +19,7 @@ below a pruned path, are released.
 How likely a lineage's children are is its speculative potential (FlashTTS section 4.1.1): the bin
 its score falls in among `beam_width` equal bins of a range of scores (verifiers score in ranges of
 their own), the highest bin giving `beam_width`. Where the verifier's score is free to read before
-the step settles (`confidence`: the step's own tokens' log-probabilities; `SpeculationPort.score_ahead`)
+the step settles (`confidence`: the step's own tokens' log-probabilities; `StepOutlook.score_ahead`)
 the score is the one the step just completed will get, among that step's scores known so far, at any
 depth; otherwise it is the path's last score among the step's paths' last scores, and a branch has
 its parent's potential. The first step has no score, and nothing tells its paths apart: they all
@@ -35,7 +35,7 @@ the share of the speculative lineages that ended it live makes a count likely (`
 as it grows the lineages that completed that step want more (`_completed`). Each lineage wants
 that many children, those within its potential (scaled to that many) ranked with the next step, the
 others with the step after. Where the scores are free, a path that ended the step and is surely
-pruned when it settles (`SpeculationPort.surely_pruned`) wants nothing more, nor does anything below
+pruned when it settles (`StepOutlook.surely_pruned`) wants nothing more, nor does anything below
 it, and what of it runs yields its slot.
 
 When a group opens, everything wanted is asked again: below each path whose step is done, every
@@ -52,7 +52,7 @@ lineage parks, wanted again (`pause`), and the engine offers the wants the slots
 (`refill`).
 
 LookAhead verification (section 4.1.3): a reward model scoring a path whose first step ahead is
-complete scores both steps in one sequence (`lookahead_unit`); if the path goes on to that step its
+complete scores both steps in one sequence (`runtime.search.ahead.lookahead_unit`); if the path goes on to that step its
 score is already known. Only a path's own next step is read ahead: it is the one unit whose path
 exists when the score is read (a child exists only after settling, and reads its own first score then).
 """
@@ -66,12 +66,11 @@ from runtime.model.detokenizer import StepText
 from runtime.model.sampler import SamplingState
 from runtime.search.anchor import ANCHOR_UID
 from runtime.search.child_counts import ChildCounts
-from runtime.search.aggregate import normalize_step
 from runtime.search.host import SearchHost
+from runtime.search.outlook import StepOutlook
 from runtime.search.paths import SearchPath, StepAhead
 from runtime.search.plan import SearchPlan
 from runtime.search.projection import Candidate, Projection, project
-from runtime.search.strategies import Expansion
 from runtime.search.steps import StepRules
 from scheduler.sequence import Sequence
 
@@ -85,22 +84,15 @@ class SpeculationPort(Protocol):
     step_index: int  # the step its paths are decoding
 
     rules: StepRules
+    outlook: StepOutlook  # what its strategy and verifier say of steps to come
 
     def child_sampling(self, parent: "SearchPath | Branch", ordinal: int, at: int | None = None) -> SamplingState: ...
-
-    def step_shape(self, step: int) -> tuple[bool, bool] | None: ...  # (runs to the end, its settling expands)
 
     def count_token(self) -> None: ...
 
     def children_limit(self, step: int) -> int: ...  # the fewest children a survivor of the step gets
 
-    def likely_children(self, live_share: float) -> int: ...  # a survivor's children where that share settles live
 
-    def surely_pruned(self, scores: dict[SearchPath, float]) -> set[SearchPath]: ...  # pruned at the settling, whatever comes
-
-    def expansion_ahead(self, candidates: list[Candidate]) -> Expansion | None: ...  # replayed settling (None: none)
-
-    def score_ahead(self, logprobs: list[float]) -> float | None: ...  # a step's score, where it is free
 
 
 @dataclass(eq=False)
@@ -158,6 +150,8 @@ class Speculation:
         self.known: dict[int, dict[tuple[int, ...], float]] = {}  # step -> lineage's seed key -> its free score
         self.num_asked = 0
         self.projection: Projection | None = None  # the search as the scores read so far settle it (None: to redo)
+        self.path_ahead: dict[SearchPath, list[StepAhead]] = {}  # a path's steps decoded past its step's end
+        self.head_starts: dict[SearchPath, int] = {}  # its tokens of the step running decoded before it began
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
         self.num_decoded = 0  # speculative tokens decoded, kept or not
         self.num_reported = 0  # of them, those the step-cost model has heard of
@@ -201,6 +195,7 @@ class Speculation:
     def hand_over(self, branch: Branch, child: SearchPath) -> None:
         """`child` adopted `branch`: the branches below it are the child's."""
         below = self.branches.pop(branch, None)
+        self.path_ahead[child] = branch.ahead
         self.projection = None
         for lineages in self.later.values():
             if branch in lineages:
@@ -220,6 +215,8 @@ class Speculation:
     def release(self, lineage: Lineage) -> None:
         """Everything below `lineage` is dropped (it was pruned, or ends)."""
         self.projection = None
+        self.path_ahead.pop(lineage, None)
+        self.head_starts.pop(lineage, None)
         for lineages in self.later.values():
             lineages.pop(lineage, None)
         for branch in self.branches.pop(lineage, {}).values():
@@ -241,7 +238,7 @@ class Speculation:
             rank, minus_potential = self.running[lineage]
             self._end(lineage)
             if lineage not in self.doomed:
-                self._want(lineage.ahead[-1].step, lineage, 0, None, -minus_potential, rank)
+                self._want(self.steps_ahead(lineage)[-1].step, lineage, 0, None, -minus_potential, rank)
 
     def refill(self) -> bool:
         """Nothing waits and slots are idle: the wanted steps start in them (after a pause). Whether
@@ -260,9 +257,30 @@ class Speculation:
         shortened the group by as many decode steps (at least: without it, it alone would have run that
         much longer). The step-cost model hears it with the speculative tokens decoded since it last
         heard (scheduler.step_cost), so `auto` learns within a search what speculation saves."""
-        if self.num_decoded > self.num_reported or last.head_start:
-            self.search.host.observe_speculation(last.head_start, self.num_decoded - self.num_reported)
+        head_start = self.head_starts.get(last, 0)
+        if self.num_decoded > self.num_reported or head_start:
+            self.search.host.observe_speculation(head_start, self.num_decoded - self.num_reported)
             self.num_reported = self.num_decoded
+
+    def is_running(self, path: SearchPath) -> bool:
+        """Whether `path` decodes past its step's end in a slot of speculation's."""
+        return path in self.running
+
+    def steps_ahead(self, lineage: Lineage) -> list[StepAhead]:
+        """The steps `lineage` decoded past its step's end, in order (read only)."""
+        return lineage.ahead if isinstance(lineage, Branch) else self.path_ahead.get(lineage, [])
+
+    def take_step(self, path: SearchPath) -> StepAhead | None:
+        """The step `path` starts now, where it decoded it ahead (in part, or whole): handed over and
+        counted (`used`, or `adopted` from a branch); its head start is kept for `group_done`."""
+        ahead = self.path_ahead.get(path)
+        if not ahead:
+            self.head_starts[path] = 0
+            return None
+        step = ahead.pop(0)
+        self.head_starts[path] = (len(path.seq.token_ids) if step.end is None else step.end) - step.start
+        self.count("adopted" if step.adopted else "used", self.head_starts[path])
+        return step
 
     def sequences(self) -> list[Sequence]:
         return [b.seq for below in self.branches.values() for b in below.values()]
@@ -272,17 +290,17 @@ class Speculation:
         """A speculative token of `lineage` (a path past its step's end, or a branch)."""
         self.search.count_token()
         self.num_decoded += 1
-        step = lineage.ahead[-1]
+        step = self.steps_ahead(lineage)[-1]
         if out.logprob is not None:
             step.logprobs.append(out.logprob)
-        runs_to_end = self.search.step_shape(step.step)[0]
+        runs_to_end = self.search.outlook.step_shape(step.step)[0]
         reason, ends_step = self.search.rules.outcome(lineage, out.token_id, step.start, is_last_step=runs_to_end)
         if reason is not None or ends_step:
             step.end, step.finish = len(lineage.seq.token_ids), reason
             self.projection = None
             self._completed(step.step, reason is not None)
             if reason is None:
-                step.score = self.search.score_ahead(step.logprobs)
+                step.score = self.search.outlook.score_ahead(step.logprobs)
                 self._reached(lineage, step.end, step.step)
             self._go_on(lineage)
         elif lineage in self.yielding:  # parks, wanted again to decode the rest of its step as ranked before
@@ -298,12 +316,12 @@ class Speculation:
     def _walk(self, lineage: Lineage) -> None:
         """Want what `lineage` and everything below it may decode next: the step it began, or those
         past the last step it completed."""
-        if isinstance(lineage, SearchPath) and lineage.ahead:
+        if isinstance(lineage, SearchPath) and self.steps_ahead(lineage):
             self._reached(lineage, lineage.step_end, self.search.step_index, itself=False)
-        for ahead in lineage.ahead[:-1]:  # (it went on past them: they are complete)
+        for ahead in self.steps_ahead(lineage)[:-1]:  # (it went on past them: they are complete)
             self._reached(lineage, ahead.end, ahead.step, itself=False)
-        if lineage.ahead:
-            last = lineage.ahead[-1]
+        if self.steps_ahead(lineage):
+            last = self.steps_ahead(lineage)[-1]
             if last.end is None:
                 self._want(last.step, lineage, 0, None, self._potential(lineage, last.step - 1))
             elif last.finish is None:
@@ -317,7 +335,7 @@ class Speculation:
         """`lineage`'s tokens complete step `step` at token index `at` (its score there is known where it
         is free): it may go on as itself, and branches may fork there for the children a survivor will
         get (`_want_children`)."""
-        if self.search.step_shape(step + 1) is None:
+        if self.search.outlook.step_shape(step + 1) is None:
             return
         score = self._score(lineage, step)
         if score is not None:
@@ -337,7 +355,7 @@ class Speculation:
         now stop (`_doom`), and if fewer paths may settle live, the paths that ended the step want more
         children."""
         step = self.search.step_index
-        if not self.is_open or self.search.step_shape(step + 1) is None:
+        if not self.is_open or self.search.outlook.step_shape(step + 1) is None:
             return
         self._doom()
         self.projection = None
@@ -363,7 +381,7 @@ class Speculation:
 
     def _doom(self) -> None:
         """The paths that ended the step and are surely pruned when it settles (a free verifier's scores
-        tell: `SpeculationPort.surely_pruned`) want nothing more, nor does anything below them; what of
+        tell: `StepOutlook.surely_pruned`) want nothing more, nor does anything below them; what of
         it runs yields its slot at its next token, not to be wanted again. (The rule takes paths of one
         text to have one score; were it ever wrong, a child would decode after the settling instead of
         ahead: the same tokens, later.) The scores are those `_reached` read; a path without one counts
@@ -372,7 +390,7 @@ class Speculation:
         known = self.known.get(step, {})
         scores = {p: known[p.seed_key] for p in self.reached
                   if not p.is_done and self._expands(p, step) and p.seed_key in known}
-        for path in self.search.surely_pruned(scores) - self.doomed if scores else ():
+        for path in self.search.outlook.surely_pruned(scores) - self.doomed if scores else ():
             below, todo = set(), [path]
             while todo:
                 lineage = todo.pop()
@@ -393,7 +411,7 @@ class Speculation:
 
     def _expands(self, lineage: Lineage, step: int) -> bool:
         """Whether `lineage` may have children at step `step`'s end (the greedy anchor never has)."""
-        shape = self.search.step_shape(step)
+        shape = self.search.outlook.step_shape(step)
         return shape is not None and shape[1] and not (isinstance(lineage, SearchPath) and lineage.uid == ANCHOR_UID)
 
     def _potential(self, lineage: Lineage, step: int) -> int:
@@ -421,12 +439,12 @@ class Speculation:
 
     def _score(self, lineage: Lineage, step: int) -> float | None:
         """The verifier's score of `lineage`'s step `step`, where it is free to read before settling
-        (`SpeculationPort.score_ahead`) and the step is complete; None otherwise."""
-        for ahead in lineage.ahead:
+        (`StepOutlook.score_ahead`) and the step is complete; None otherwise."""
+        for ahead in self.steps_ahead(lineage):
             if ahead.step == step:
                 return ahead.score
         if isinstance(lineage, SearchPath) and step == self.search.step_index and lineage.step_end > lineage.step_start:
-            return self.search.score_ahead(lineage.chunk_logprobs)
+            return self.search.outlook.score_ahead(lineage.chunk_logprobs)
         return None
 
     def _want(self, step: int, lineage: Lineage, ordinal: int, at: int | None, potential: int,
@@ -492,7 +510,7 @@ class Speculation:
         """No slot is idle: the running lineages ranked after wants yield their slots to them, each at
         its next token (then it parks, wanted again as it was), the last ranked first."""
         projection = self._projected()
-        order = sorted(((not projection.decodes_path(lineage, lineage.ahead[-1].step), *key), i)
+        order = sorted(((not projection.decodes_path(lineage, self.steps_ahead(lineage)[-1].step), *key), i)
                        for i, (lineage, key) in enumerate(self.running.items()) if lineage not in self.yielding)
         lineages = list(self.running)
         for want in self.wants[len(self.yielding):len(self.yielding) + len(order)]:  # the first have their slots coming
@@ -517,12 +535,13 @@ class Speculation:
             known = self.known.get(step, {})
             first = [Candidate(p, p.step_end, p.step_scores + [known[p.seed_key]], p.text, p.uid, p.subtree)
                      for p in self.reached if not p.is_done and p.seed_key in known and self._expands(p, step)]
-            self.projection = project(first, step, self.search.expansion_ahead, self._goes_on, self._child)
+            self.projection = project(first, step, self.search.outlook.expansion_ahead, self._goes_on, self._child,
+                                      self.steps_ahead)
         return self.projection
 
     def _goes_on(self, step: int) -> bool:
-        shape = self.search.step_shape(step)
-        return shape is not None and shape[1] and self.search.step_shape(step + 1) is not None
+        shape = self.search.outlook.step_shape(step)
+        return shape is not None and shape[1] and self.search.outlook.step_shape(step + 1) is not None
 
     def _child(self, lineage: Lineage, at: int, ordinal: int) -> Lineage | None:
         return lineage if ordinal == 0 else self.branches.get(lineage, {}).get((at, ordinal))
@@ -530,11 +549,10 @@ class Speculation:
     def _run(self, lineage: Lineage, at: int | None, step: int, key: tuple, resume: bool = True) -> None:
         """`lineage` decodes on: into step `step` from `at` (None: the step it began)."""
         if at is not None:
-            lineage.ahead.append(StepAhead(at, step))
+            (lineage.ahead if isinstance(lineage, Branch) else self.path_ahead.setdefault(lineage, [])).append(
+                StepAhead(at, step))
         self.running[lineage] = key
         self.yielding.discard(lineage)  # (going on as the first thing wanted)
-        if isinstance(lineage, SearchPath):
-            lineage.speculating = True
         if resume:
             self.search.plan.resume(lineage.seq)
 
@@ -542,7 +560,7 @@ class Speculation:
         seq = self.search.plan.fork(parent.seq, at)
         branch = Branch(self, parent.child_seed_key(ordinal, at), at, seq,
                         self.search.child_sampling(parent, ordinal, at), -key[1], [StepAhead(at, step)])
-        seq.owner = branch
+        seq.own(branch)
         self.projection = None
         self.branches.setdefault(parent, {})[(at, ordinal)] = branch
         self.running[branch] = key
@@ -551,8 +569,6 @@ class Speculation:
     def _end(self, lineage: Lineage) -> None:
         self.running.pop(lineage, None)
         self.yielding.discard(lineage)
-        if isinstance(lineage, SearchPath):
-            lineage.speculating = False
         self.search.plan.park(lineage.seq)
 
     def count(self, outcome: str, num_tokens: int) -> None:
@@ -565,14 +581,3 @@ class Speculation:
         self.count("discarded", branch.num_tokens)
         self.running.pop(branch, None)
         self.search.plan.release(branch.seq)
-
-    # -- LookAhead verification -------------------------------------------------------------------
-    def lookahead_unit(self, path: SearchPath, granularity: int, rollouts: int, delimiter: str) -> str | None:
-        """The path's next unit, if its first step ahead is complete and it will be scored alone
-        (granularity 1, no roll-out look-ahead): a verifier may score it along with this one."""
-        if not path.ahead or path.ahead[0].end is None or granularity != 1 or rollouts:
-            return None
-        tokenizer = self.search.host.tokenizer
-        ids = path.seq.token_ids[path.step_end:path.ahead[0].end]
-        unit = normalize_step(tokenizer.decode(ids, skip_special_tokens=True), delimiter)
-        return unit if unit.strip() else None

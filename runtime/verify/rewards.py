@@ -63,6 +63,10 @@ class RewardScoring:
         paths = [GivenPath(c, steps[:k]) for c, steps in enumerate(self.candidates) for k in range(1, len(steps) + 1)]
         scorer.submit(self, paths)
 
+    def cancel(self) -> None:
+        """Aborted: a score still on its way is not taken."""
+        self.is_finished = True
+
     def sequences(self) -> list:
         """Sequences it holds itself (for aborts): none; its judge questions are the engine's `scoring`."""
         return []

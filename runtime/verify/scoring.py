@@ -170,7 +170,7 @@ class JudgeScorer:
                 # Its KV up to the last shared token, the partial block too (the prefix cache
                 # matches whole blocks only): only the rest is prefilled.
                 seq = self.host.fork_prompt(parent, list(token_ids), num_shared)
-                seq.owner = job
+                seq.own(job)
                 self.host.add_scoring_fork(seq, controller)
             else:
                 self.host.add_scoring_sequence(Sequence(list(token_ids), owner=job), controller)

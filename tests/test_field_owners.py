@@ -1,0 +1,113 @@
+"""No room of runtime/ writes another room's fields, read from the source with `ast`.
+
+The rule (docs/design.md, "How a room asks another for a change"): a module assigns an attribute on
+`self`, or on a record of its own room (`path.step_end = ...` in runtime/search/, whose SearchPath is
+the search's record, made and filled there); another room's object changes only through its methods
+(`seq.own(path)`, `kv.fork_prompt(...)`, a plan's actions). A field counts as the room's when a class
+of the room declares it: a class-level annotation (a dataclass field) or an assignment on `self` in
+one of its methods. `x.a = v`, `x.a += v` and `x.a[k] = v` all count as writing `a`.
+
+The exceptions name an owner outside the rooms this rule governs, each with its reason."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIME = ROOT / "runtime"
+
+# (module, attribute): why it is written there.
+EXCEPTIONS = {
+    ("runtime/requests/plain.py", "constraint"): "runtime.model's SamplingState leaves its grammar constraint "
+                                                "to whoever makes the sampler (model/ is not changed here)",
+    ("runtime/search/path_maker.py", "constraint"): "the same: a path's sampler is made with its constraint",
+    ("runtime/search/ahead.py", "constraint"): "the same: a roll-out's sampler keeps to the path's grammar",
+    ("runtime/kv/kv_tiers.py", "on_evict"): "storage's BlockPool takes its eviction hook as a field "
+                                            "(storage/ is not changed here)",
+    ("runtime/kv/headwise.py", "num_computed_tokens"): "a lone sequence streamed head-wise is outside the "
+                                                       "block pool: recomputed after a lost piece, it is counted "
+                                                       "there (left for the scheduler to offer a method)",
+}
+# model/ and kernels/ set up third-party objects (torch modules and their parameters, transformers
+# configs, os.environ): the rule is about the objects of our own rooms.
+OUTSIDE = ("runtime/model/", "runtime/kernels/")
+
+
+def room_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:2])  # runtime.search, runtime.engine, ...
+
+
+def declared(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+        for node in ast.walk(cls):
+            for target in _targets(node):
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                        and target.value.id == "self":
+                    names.add(target.attr)
+    return names
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """What an assignment writes: its targets, a tuple's elements one by one."""
+    if isinstance(node, ast.Assign):
+        found, todo = [], list(node.targets)
+        while todo:
+            target = todo.pop(0)
+            if isinstance(target, (ast.Tuple, ast.List)):
+                todo[:0] = target.elts
+            else:
+                found.append(target.value if isinstance(target, ast.Starred) else target)
+        return found
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    return []
+
+
+def _written(target: ast.expr) -> ast.Attribute | None:
+    """The attribute a target writes (`x.a`, `x.a[k]`, `x.a.b[k]`: the first attribute off the name)."""
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    if not isinstance(target, ast.Attribute):
+        return None
+    while isinstance(target.value, ast.Attribute):
+        target = target.value
+    return target if isinstance(target.value, ast.Name) else None
+
+
+def foreign_writes() -> list[str]:
+    modules = {path: ast.parse(path.read_text(), str(path)) for path in sorted(RUNTIME.rglob("*.py"))
+               if not str(path.relative_to(ROOT)).startswith(OUTSIDE)}
+    fields: dict[str, set[str]] = {}
+    for path, tree in modules.items():
+        fields.setdefault(room_of(path), set()).update(declared(tree))
+    found = []
+    for path, tree in modules.items():
+        module = str(path.relative_to(ROOT))
+        for node in ast.walk(tree):
+            for target in _targets(node):
+                written = _written(target)
+                if written is None or written.value.id in ("self", "cls"):
+                    continue
+                if written.attr in fields[room_of(path)] or (module, written.attr) in EXCEPTIONS:
+                    continue
+                found.append(f"{module}:{node.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_no_room_writes_another_rooms_fields():
+    assert foreign_writes() == []
+
+
+def test_the_rule_sees_a_foreign_write():
+    """A write of a field no class of the room declares is found (the check can fail)."""
+    tree = ast.parse("class Path:\n    step_end: int = 0\n\ndef f(seq, path):\n    path.step_end = 1\n"
+                     "    seq.num_computed_tokens += 1\n    seq.block_table[0] = 2\n")
+    fields = declared(tree)
+    writes = [_written(t) for n in ast.walk(tree) for t in _targets(n)]
+    assert [w.attr for w in writes if w is not None and w.attr not in fields] == ["num_computed_tokens", "block_table"]
