@@ -370,7 +370,7 @@ class Engine:
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
                        **(self.residency.block_counts() if self.residency else {})},
             kv_transfer_bytes=self.transfer_bytes(),
-            prefetch_stall_seconds=self.residency.stall_seconds() if self.residency is not None else 0.0,
+            prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens,
             prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
             tokens_cached=self.plain.tokens_cached,
@@ -384,6 +384,9 @@ class Engine:
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
         return self.residency.bytes_moved() if self.residency is not None else {}
+
+    def transfer_stall_seconds(self) -> float:  # seconds the engine loop was blocked on transfers between tiers
+        return self.residency.stall_seconds() if self.residency is not None else 0.0
 
     def check_integrity(self) -> None:
         """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""

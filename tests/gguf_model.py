@@ -32,6 +32,17 @@ def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.0
     return data.reshape(rows, -1)
 
 
+def write_tiny_vocabulary(writer: GGUFWriter, vocab: int) -> None:
+    """The tests' tiny vocabulary in a GGUF's tokenizer metadata: `vocab` tokens `<t0>`, `<t1>`, ...
+    (1 the first, 2 the last of a text)."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"<t{i}>".encode() for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([1] * vocab)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: dict[str, str] | None = None,
                     hidden: int = HIDDEN, ffn: int = FFN, embedding: str = "Q8_0", arch: str = "llama",
                     head_dim: int | None = None, head: str | None = None) -> Path:
@@ -57,12 +68,7 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"<t{i}>".encode() for i in range(VOCAB)])
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([1] * VOCAB)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    write_tiny_vocabulary(writer, VOCAB)
 
     def blocks(name: str, shape: tuple[int, int], qtype: GGMLQuantizationType) -> None:
         if qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):

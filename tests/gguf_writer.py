@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
 
+from tests.gguf_model import write_tiny_vocabulary
+
 ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # model_type -> llama.cpp's architecture
 
 
@@ -32,12 +34,7 @@ def write_metadata(writer: GGUFWriter, config, vocab: int) -> None:
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"<t{i}>".encode() for i in range(vocab)])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([1] * vocab)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    write_tiny_vocabulary(writer, vocab)
 
 
 def write_gguf_of(model: torch.nn.Module, path: Path) -> Path:
