@@ -2,11 +2,18 @@
 blocks as runtime.model.gguf_blocks keeps them (w = d * q + m per group of input features).
 
 Each program computes `BLOCK_N` outputs of one row (a GEMV: decode steps have few rows), summing over
-the input features in chunks of `BLOCK_K` in order, with sizes that never depend on the number of
-rows: a row's outputs are the same bits whatever the other rows (batch invariance by construction, as
-the CPU kernels are). The weights are dequantized in registers from the file's codes and scales (no
-re-quantization; what `gguf.dequantize` computes, tested), and the products summed in float32 on the
-CUDA cores (no tensor cores: rows of a step read the same weight tile, mostly from L2).
+the input features in chunks of `BLOCK_K` in order (a packed chunk's bytes loaded once each, its
+groups' scales once a group), with sizes that never depend on the number of rows: a row's outputs
+are the same bits whatever the other rows (batch invariance by construction, as the CPU kernels are).
+The weights are dequantized in registers from the file's codes and scales (no re-quantization; what
+`gguf.dequantize` computes, tested), and the products summed in float32 on the CUDA cores.
+
+Measured on an H200 (bench/results/gpu-nvidia-h200.json, `linear_sweep`): one row reads the 4-bit
+blocks at 0.4-2.4 TB/s by shape (about 0.6-1.9 TB/s for an 8B's layers); sixteen rows re-read them
+per row (about 150 GB/s of blocks), so many rows want a tensor-core tile (`tl.dot` over a fixed
+(rows, outputs, inputs) tile) that is not written yet. A first multi-row tile, dequantizing once for
+four to sixteen rows and summing a 3-D product (bench/results/gpu-nvidia-h200-multirow.json), kept
+every row's bits but ran 2-5x slower at one row and gained under 2x at sixteen: removed.
 
 Not wired into a model yet: the runner's GPU path calls torch's matmuls (row padding keeps their rows
 their own); this is the kernel a GPU's `quantize = "auto"` and an invariant linear path would call.
@@ -18,7 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N, BLOCK_K = 32, 128  # fixed whatever the shapes: the reduction order never changes
+TILE = (8, 512, 4)  # (outputs, inputs a chunk, warps) a program: from the shapes alone, never the rows
+# Tiles the device check times (bench/gpu.py, `linear_sweep`); on an H200 (bench/results/gpu-nvidia-h200.json)
+# TILE was within 20 % of the fastest at one row for every matmul of an 8B-shaped llama
+TILES = ((32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (8, 256, 2), (4, 1024, 4))
+# A layer shape's tile where one was chosen for it, (outputs, inputs, packed) -> tile: keyed on the shape
+# alone, so every row count of that shape still sums in one order (the device check fills it from its sweep)
+CHOSEN: dict[tuple[int, int, bool], tuple[int, int, int]] = {}
 
 
 @triton.jit
@@ -33,33 +46,44 @@ def _linear(x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, outs, x_stride, w_stride, d_str
         rk = k0 + tl.arange(0, BLOCK_K)
         in_ok = rk < INS
         x = tl.load(x_ptr + row * x_stride + rk, mask=in_ok, other=0.0).to(tl.float32)
-        tile_ok = out_ok[:, None] & in_ok[None, :]
-        if PACKED:  # two 4-bit codes a byte, input 2i in the low half, 2i + 1 in the high
-            byte = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :] // 2, mask=tile_ok, other=0)
-            w = ((byte >> ((rk[None, :] % 2) * 4).to(tl.uint8)) & 15).to(tl.float32)
+        if PACKED:  # two 4-bit codes a byte, input 2i in the low half, 2i + 1 in the high: one load a byte
+            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(w_ptr + rn[:, None] * w_stride + rb[None, :],
+                           mask=out_ok[:, None] & (rb[None, :] < INS // 2), other=0)
+            w = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
         else:
-            w = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :], mask=tile_ok, other=0).to(tl.float32)
-        if BLOCKS:  # codes -> weights: d * q (+ m), one (d, m) per GROUP input features
-            group = rn[:, None] * d_stride + rk[None, :] // GROUP
-            w = w * tl.load(d_ptr + group, mask=tile_ok, other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :], mask=out_ok[:, None] & in_ok[None, :],
+                        other=0).to(tl.float32)
+        if BLOCKS:  # codes -> weights: d * q (+ m), one (d, m) per GROUP input features, loaded once a group
+            rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            group = rn[:, None] * d_stride + rg[None, :]
+            group_ok = out_ok[:, None] & (rg[None, :] < INS // GROUP)
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            w = w * tl.load(d_ptr + group, mask=group_ok, other=0.0)[:, :, None]
             if HAS_M:
-                w = w + tl.load(m_ptr + group, mask=tile_ok, other=0.0)
+                w = w + tl.load(m_ptr + group, mask=group_ok, other=0.0)[:, :, None]
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + row * out_stride + rn, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
-            packed: bool = False) -> torch.Tensor:
+            packed: bool = False, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`tile` (outputs, inputs a chunk, warps): the sweep's; else the shape's, whatever the rows."""
     rows, ins = x.shape
     outs = w.shape[0]
     assert w.shape[1] * (2 if packed else 1) == ins and x.stride(1) == 1 and w.stride(1) == 1
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     group = ins // d.shape[1] if d is not None else 1
-    grid = (rows, triton.cdiv(outs, BLOCK_N))
+    block_n, block_k, warps = tile or CHOSEN.get((outs, ins, packed), TILE)
+    block_k = max(block_k, group)
+    assert block_k % group == 0, f"a chunk of {block_k} inputs holds no whole number of groups of {group}"
+    grid = (rows, triton.cdiv(outs, block_n))  # (rows fastest: a tile's programs for every row run together)
     if rows:
         _linear[grid](x, w, w if d is None else d, w if m is None else m, out, outs, x.stride(0),
                       w.stride(0), 0 if d is None else d.stride(0), out.stride(0), INS=ins, GROUP=group,
-                      BLOCKS=d is not None, HAS_M=m is not None, PACKED=packed, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                      BLOCKS=d is not None, HAS_M=m is not None, PACKED=packed, BLOCK_N=block_n, BLOCK_K=block_k,
+                      num_warps=warps)
     return out
 
 
@@ -69,13 +93,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def block_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                 packed: bool = False) -> torch.Tensor:
+                 packed: bool = False, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x `[rows, in]` times the weights `d * codes + m` (`codes` `[out, in]` int8 or uint8, `d` and `m`
     `[out, groups]` float32, runtime.model.gguf_blocks.Blocks), transposed; dequantized in registers.
     `packed`: `codes` `[out, in / 2]` holds two 4-bit codes a byte (`pack_nibbles`)."""
     width = codes.shape[1] * (2 if packed else 1)
     assert width % d.shape[1] == 0 and (m is None or m.shape == d.shape)
-    return _launch(x, codes, d.float().contiguous(), None if m is None else m.float().contiguous(), packed)
+    return _launch(x, codes, d.float().contiguous(), None if m is None else m.float().contiguous(), packed, tile)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from runtime.kernels.gpu.linear import block_linear, linear, pack_nibbles
+from runtime.kernels.gpu.linear import TILES, block_linear, linear, pack_nibbles
 from runtime.model.gguf_blocks import decode
 
 
@@ -76,3 +76,18 @@ def test_a_block_layer_fuses_and_computes_with_its_dequantized_weights():
     packed = GpuBlockLinear(pack_nibbles(layers[0].weight), layers[0].d, layers[0].m, packed=True)
     assert packed.in_features == 64 and torch.equal(packed.dequantized(), layers[0].dequantized())
     assert torch.equal(packed.rows(x), apart[0])
+
+
+@pytest.mark.parametrize("tile", TILES)
+def test_every_tile_the_sweep_times_computes_the_same_weights(tile):
+    """Each tile the device check times (bench/gpu.py) computes x @ w.T over packed 4-bit blocks, and keeps
+    a row's bits alone and in a batch; the weights' width not a whole number of chunks."""
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (24, 1088), generator=gen, dtype=torch.uint8)
+    d = torch.rand(24, 1088 // 32, generator=gen) * 0.01
+    m = -7.5 * d
+    x = torch.randn(6, 1088, generator=gen)
+    weights = (codes.float().reshape(24, -1, 32) * d[..., None] + m[..., None]).reshape(24, 1088)
+    out = assert_rows_are_their_own(lambda rows: block_linear(rows, pack_nibbles(codes), d, m, packed=True,
+                                                              tile=tile), x)
+    torch.testing.assert_close(out, x @ weights.T, atol=1e-4, rtol=1e-4)
