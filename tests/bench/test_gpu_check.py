@@ -85,3 +85,37 @@ def test_random_4_bit_blocks_replace_every_linear_layer(tiny_llama):
     layer = blocks["lm_head"]
     assert layer.weight.dtype == torch.uint8 and layer.packed and layer.weight.shape[1] * 2 == shapes["lm_head"][1]
     assert layer.d.shape == (shapes["lm_head"][0], shapes["lm_head"][1] // 32) and torch.equal(layer.m, -7.5 * layer.d)
+
+
+def test_head_wise_figures_stream_a_tenth_of_the_kv_to_the_resident_tokens():
+    """The device check's HeadInfer step (bench.gpu_seeds) on the CPU with a tiny model: the pool holds
+    about a tenth of the request's blocks, and the streamed tokens are the resident run's and
+    transformers' `generate`'s."""
+    from bench import gpu_seeds
+    from bench.gpu_models import TINY
+
+    report = {"errors": []}
+    gpu_seeds.headwise(report, torch.device("cpu"), torch.float32, gpu_seeds.tokenizer_from(None), TINY, dry=True)
+    figures = report["headwise"]
+    assert report["errors"] == [] and figures["outputs_identical"] is True
+    assert figures["pool_blocks"] == -(-figures["request_blocks"] // 10)
+    assert figures["offloaded"]["bytes_into_compute"] > 0 and figures["resident"]["bytes_into_compute"] == 0
+
+
+def test_the_sweep_chooses_a_tile_that_keeps_a_row_s_bits(monkeypatch):
+    """The device check's matmul sweep (bench.gpu_sweep) on the CPU, in Triton's interpreter: every tile
+    is checked to keep a row's bits, and the one chosen for each shape is the kernel's for that shape."""
+    from bench.gpu_models import TINY
+    from bench.gpu_sweep import linear_sweep
+    from runtime.kernels.gpu import linear
+
+    monkeypatch.setattr(linear, "CHOSEN", {})
+    report = {"errors": []}
+    shapes = {**TINY, "vocab_size": 32, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 2,
+              "num_key_value_heads": 1}
+    linear_sweep(report, torch.device("cpu"), shapes, torch.float32, rows_set=(1, 6), tiles=((16, 64, 4), (32, 32, 4)))
+    sweep = report["linear_sweep"]
+    assert set(sweep) == {"qkv", "o", "gate_up", "down", "head"} and report["errors"] == []
+    for name, entry in sweep.items():
+        assert all(entry["rows_keep_their_bits"].values())
+        assert tuple(map(int, entry["chosen_tile"].split("x"))) == linear.CHOSEN[(*entry["shape"], True)]

@@ -1,0 +1,87 @@
+"""Each matmul of a decode step on its own, for the device check (bench/gpu.py): torch's linear against
+the Triton GEMM over float weights and over 4-bit blocks, at every tile the kernel offers."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.gpu_models import empty_cache
+
+
+def layer_shapes(shapes: dict) -> dict[str, tuple[int, int]]:
+    """The lean decoder's matmuls of a llama of `shapes`: (outputs, inputs) by name."""
+    hidden, heads, kv_heads = shapes["hidden_size"], shapes["num_attention_heads"], shapes["num_key_value_heads"]
+    dim = hidden // heads
+    return {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "o": (hidden, hidden),
+            "gate_up": (2 * shapes["intermediate_size"], hidden), "down": (hidden, shapes["intermediate_size"]),
+            "head": (shapes["vocab_size"], hidden)}
+
+
+def _timed_ms(fn, device: torch.device, repeats: int = 20) -> float:
+    """The median milliseconds of `fn` on `device` (triton's do_bench on a GPU: flushed L2, CUDA events)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=repeats, return_mode="median")
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return sorted(times)[1]
+
+
+def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.dtype,
+                 rows_set: tuple[int, ...] = (1, 16), tiles=None) -> None:
+    """Each matmul of a model of `shapes` on its own, as bandwidth (bytes read / time): torch's linear,
+    and the Triton GEMM over the same float weights and over packed 4-bit blocks at every tile of
+    `tiles`, each checked to give a row the same bits alone as in a batch of 16. Of the tiles that keep
+    the bits, the fastest at one row becomes the shape's block tile for the rest of the run
+    (runtime.kernels.gpu.linear.CHOSEN, keyed on the shape alone, so the sum's order still never
+    depends on the rows)."""
+    import torch.nn.functional as F
+
+    from runtime.kernels.gpu import linear as triton_linear
+
+    tiles = tiles or triton_linear.TILES
+    table = report.setdefault("linear_sweep", {})
+    for name, (outs, ins) in layer_shapes(shapes).items():
+        entry = table.setdefault(name, {"shape": [outs, ins]})
+        weight = torch.randn(outs, ins, device=device, dtype=dtype) * 0.02
+        codes = torch.randint(0, 256, (outs, ins // 2), dtype=torch.uint8, device=device)
+        d = torch.rand(outs, ins // 32, device=device) * 0.003
+        m = -7.5 * d
+        block_bytes = codes.numel() + 2 * d.numel() * 4
+        batch = torch.randn(max(rows_set), ins, device=device, dtype=dtype)
+        kept, one_row_ms = {}, {}
+        for tile in tiles:
+            key = "x".join(map(str, tile))
+            q4 = lambda rows: triton_linear.block_linear(rows, codes, d, m, packed=True, tile=tile)  # noqa: E731
+            fl = lambda rows: triton_linear._launch(rows, weight, None, None, tile=tile)  # noqa: E731
+            kept[key] = all(torch.equal(fn(batch[5:6]), fn(batch)[5:6]) and torch.equal(fn(batch[:3]), fn(batch)[:3])
+                            for fn in (q4, fl))
+            for rows in rows_set:
+                x = batch[:rows].contiguous()
+                ms = _timed_ms(lambda: q4(x), device)
+                entry.setdefault(f"q4_rows_{rows}", {})[key] = {"ms": round(ms, 4), "gbs": round(block_bytes / ms / 1e6, 1)}
+                if rows == rows_set[0]:
+                    one_row_ms[key] = ms
+                ms = _timed_ms(lambda: fl(x), device)
+                entry.setdefault(f"triton_float_rows_{rows}", {})[key] = {"ms": round(ms, 4),
+                                                                          "gbs": round(weight.nbytes / ms / 1e6, 1)}
+        for rows in rows_set:
+            x = batch[:rows].contiguous()
+            ms = _timed_ms(lambda: F.linear(x, weight), device)
+            entry[f"torch_rows_{rows}"] = {"ms": round(ms, 4), "gbs": round(weight.nbytes / ms / 1e6, 1)}
+        entry["rows_keep_their_bits"] = kept
+        candidates = [tile for tile in tiles if kept["x".join(map(str, tile))]]
+        if candidates:
+            best = min(candidates, key=lambda tile: one_row_ms["x".join(map(str, tile))])
+            triton_linear.CHOSEN[(outs, ins, True)] = best
+            entry["chosen_tile"] = "x".join(map(str, best))
+        else:
+            report["errors"].append(f"linear_sweep {name}: no tile keeps a row's bits in a batch")
+        del weight, codes, d, m
+    empty_cache()
