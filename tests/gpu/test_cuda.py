@@ -187,6 +187,39 @@ def test_a_sequence_decodes_to_the_same_bits_alone_or_beside_others(tiny_llama):
     assert beside["crowd"]["choices"] == alone["alone"]["choices"]
 
 
+def test_a_seeded_search_gives_the_same_answer_alone_in_a_crowd_and_speculating(tiny_llama):
+    """The issue's promise on the device: a seeded beam search (sampled children, confidence-scored steps)
+    gives the same paths, scores and answers alone, beside other traffic, and with speculative extension."""
+    import msgspec
+
+    from runtime.wire.params import SamplingParams, SearchParams
+    from runtime.wire.protocol import GenerateRequest
+    from tests.runtime.search.test_search_engine import run_search
+
+    def outcome(messages):
+        texts, finals = {}, {}
+        for m in messages:
+            if isinstance(m, Delta) and m.request_id == "s":
+                texts[m.index] = texts.get(m.index, ()) + tuple(m.token_ids)
+                if m.search is not None:
+                    finals[m.index] = (m.search.score, tuple(m.search.step_scores), m.search.answer)
+        return texts, finals
+
+    req = GenerateRequest(request_id="s", endpoint="chat", messages=({"role": "user", "content": "w1 w2 w3"},),
+                          sampling=SamplingParams(max_tokens=24, temperature=1.0, seed=11, n=2),
+                          search=SearchParams(strategy="beam", n=8, beam_width=4, max_steps=4, max_step_tokens=5,
+                                              verifier="confidence", greedy_anchor=False))
+    alone = outcome(run_search(engine_for(tiny_llama, device=DEVICE.type, batch_invariant=True, num_blocks=1024), req))
+    assert alone[0] and alone[1]
+    speculating = engine_for(tiny_llama, device=DEVICE.type, batch_invariant=True, num_blocks=1024,
+                             speculative_extension=True)
+    assert outcome(run_search(speculating, req)) == alone
+    crowded = engine_for(tiny_llama, device=DEVICE.type, batch_invariant=True, num_blocks=1024)
+    crowded.add_request(msgspec.structs.replace(req, request_id="t", sampling=msgspec.structs.replace(req.sampling, seed=12)))
+    crowded.add_request(request("p", [1] + list(range(5, 30)), max_tokens=20, temperature=1.0, seed=5))
+    assert outcome(run_search(crowded, req)) == alone
+
+
 # -- one served request, plain and with search -----------------------------------------------------
 def test_a_served_request_end_to_end_plain_and_with_search(tiny_llama):
     env = {"PONDER_CACHE__NUM_BLOCKS": "1024", "PONDER_CACHE__BLOCK_SIZE": "4"}
