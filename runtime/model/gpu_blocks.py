@@ -108,11 +108,11 @@ class SideBySide(QuantizedLinear):
 
 
 def gpu_block_layer(kind: str, rows: Callable[[int, int], np.ndarray], shape: tuple[int, int],
-                    device: torch.device | str) -> GpuBlockLinear:
+                    device: torch.device | str, slab_rows: int | None = None) -> GpuBlockLinear:
     """A layer on `device` of the `[out, bytes]` blocks of `kind` that `rows(start, stop)` gives, decoded a
-    slab of rows at a time into the device's buffers."""
+    slab of rows at a time into the device's buffers (`slab_rows`: a million weights' by default)."""
     out_features, in_features = shape
-    slab_rows = max(1, _SLAB_WEIGHTS // in_features)
+    slab_rows = slab_rows or max(1, _SLAB_WEIGHTS // in_features)
     layer = None
     for start in range(0, out_features, slab_rows):
         stop = min(start + slab_rows, out_features)

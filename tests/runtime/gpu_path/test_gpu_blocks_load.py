@@ -15,7 +15,8 @@ from runtime.model.cached_model import gguf_config, load_quantized_model
 from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.gpu_blocks import GpuBlockLinear, SideBySide
 from runtime.model.loader import load_causal_lm, resolve_model
-from tests.gguf_model import write_tiny_gguf
+from runtime.model.gguf_blocks import SUPPORTED
+from tests.gguf_model import blocks_of, write_tiny_gguf
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
 # Every form the layers take: codes two a byte (Q4_0, Q4_1) or one (Q5_0, Q5_1, Q8_0), with m or
@@ -100,3 +101,18 @@ def test_the_lean_decoder_s_triton_loop_runs_the_blocks_and_paths_say_so(tmp_pat
         "model.quantize = auto: gpu_blocks (15 layers keep the GGUF's blocks (2 Q4_0, 4 Q4_1, 2 Q5_0, 2 Q5_1, 5 Q8_0); "
         "linear tensors in the file: 2 Q4_0, 4 Q4_1, 2 Q5_0, 2 Q5_1, 5 Q8_0)")
     assert run(engine, requests) == expected
+
+
+@pytest.mark.parametrize("kind", SUPPORTED)
+def test_every_block_type_on_the_device_is_gguf_s_dequantized_weights_in_its_bytes(kind):
+    """The layer a slab at a time (3 rows a slab here) holds the file's weights bit for bit, in
+    `expected_bytes`: codes two a byte where they are 0..15, else a byte each, float32 scales."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from runtime.model import gpu_blocks
+
+    data = blocks_of(kind, 8, 256, seed=3)
+    layer = gpu_blocks.gpu_block_layer(kind, lambda start, stop: data[start:stop], (8, 256), CPU, slab_rows=3)
+    assert layer.packed == (kind in PACKED) and layer.nbytes == expected_bytes(kind, 8, 256)
+    assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
