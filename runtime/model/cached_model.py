@@ -60,9 +60,23 @@ def is_cacheable(source: ModelSource, device: torch.device, setting: str) -> boo
 
 
 def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch.dtype, attn_implementation: str,
-                         setting: str, trust_remote_code: bool = False) -> tuple[nn.Module, Quantized]:
+                         setting: str, trust_remote_code: bool = False,
+                         gpu_blocks: bool | None = None) -> tuple[nn.Module, Quantized]:
     """The model with `setting` applied, from the cache where an entry matches, else from the file (and
-    then cached when its layers became int4)."""
+    then cached when its layers became int4). `gpu_blocks`: whether a GGUF's linear layers keep its blocks
+    for the Triton block GEMM (runtime.model.gpu_blocks) on `device`; None: where the device is a GPU and
+    `setting` is auto (the tests set it on a CPU, where the kernels run in Triton's interpreter)."""
+    if gpu_blocks is None:
+        gpu_blocks = device.type == "cuda" and setting == "auto"
+    if gpu_blocks and source.gguf_file is not None:
+        from runtime.model.gguf_load import load_gguf_blocks
+
+        try:
+            return load_gguf_blocks(source, gguf_config(source, trust_remote_code), dtype, attn_implementation,
+                                    trust_remote_code, device=device)
+        except CheckpointMismatch as exc:
+            log.warning("%s does not keep its blocks on %s (%s); loading it dequantized through transformers",
+                        source.path, device.type, exc)
     entry = None
     if is_cacheable(source, device, setting):
         entry = model_entry(source, dtype, attn_implementation, setting, trust_remote_code)

@@ -17,6 +17,11 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
 - every other tensor (norms, a float embedding, a linear weight of another type) is dequantized by
   `gguf.dequantize` and passed through the same processor, as transformers loads it.
 
+On a GPU (`device`, runtime.model.cached_model decides) a supported linear weight becomes a
+`GpuBlockLinear` on the device instead (runtime.model.gpu_blocks: the file's codes and scales for the
+Triton block GEMM, decoded a slab of rows at a time on the host), and the rest as above: the embedding
+and F16/BF16/F32 linear weights as the model's floats, nothing in the CPU kernels' layers.
+
 Peak memory is the served model plus one tensor in flight. Strict as runtime.model.loader's loading:
 every parameter must come from the file (`CheckpointMismatch` otherwise); non-persistent buffers
 (rotary tables) are computed by the model's own initializer, as transformers does.
@@ -39,6 +44,7 @@ from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
 from runtime.model.gguf_experts import ExpertTensors
+from runtime.model.gpu_blocks import GpuBlockLinear, gpu_block_layer
 from runtime.model.loader import CheckpointMismatch, ModelSource
 from runtime.model.quantize import Int4Linear, Quantized, blocks_detail
 
@@ -108,6 +114,10 @@ def _int_layer(kind: str, rows: Callable[[int, int], np.ndarray], shape: tuple[i
         if m is not None:
             m[first:first + slab.m.shape[0]] = slab.m
     return Int4Linear.from_packed(in_features, out_features, weight, d, m)
+
+
+def _rows_of(raw: np.ndarray, start: int, stop: int) -> np.ndarray:
+    return raw[start:stop]
 
 
 def _float_weight(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
@@ -182,8 +192,11 @@ def _initialize_buffers(model: nn.Module) -> None:
 
 @torch.no_grad()
 def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_implementation: str,
-                     trust_remote_code: bool = False) -> tuple[nn.Module, Quantized]:
-    """The model in `source`'s GGUF with every linear layer of a supported type as an int layer."""
+                     trust_remote_code: bool = False, device: torch.device | None = None) -> tuple[nn.Module, Quantized]:
+    """The model in `source`'s GGUF with every linear layer of a supported type as an int layer, or with
+    `device` (a GPU's path: runtime.model.gpu_blocks), as a `GpuBlockLinear` on `device`, every other
+    tensor dequantized into the model's float weights there (the embedding too, and routed experts are
+    refused: CheckpointMismatch, so the caller loads through transformers)."""
     from gguf.quants import dequantize
     _fix_mmap_threshold()
     model = _skeleton(config, dtype, attn_implementation, trust_remote_code)
@@ -198,16 +211,19 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)
     embedding = model.get_input_embeddings()
     embed_name = next(n for n, m in modules.items() if m is embedding)
-    # (a subclass may do more than look rows up, e.g. Gemma's scale: it keeps its float rows)
-    keeps_blocks = type(embedding) is nn.Embedding
+    # (a subclass may do more than look rows up, e.g. Gemma's scale: it keeps its float rows; a GPU's
+    # embedding is float: the block lookup is the CPU's)
+    keeps_blocks = type(embedding) is nn.Embedding and device is None
     head_name = next((n for n, m in modules.items() if m is head), None)
     kinds: dict[str, int] = {}
     kept: dict[str, int] = {}
     in_float_kernel: dict[str, int] = {}
     floats = 0
-    float_kernel_runs = _float_kernel_runs()
+    float_kernel_runs = device is None and _float_kernel_runs()
     biases: dict[str, torch.Tensor] = {}
     experts = ExpertTensors(model)  # routed experts' stacked tensors, one kernel layer an expert
+    if device is not None and experts.blocks:
+        raise CheckpointMismatch(f"{source.path}: routed experts are not kept in their blocks on a GPU")
     with open(source.path, "rb") as file:
         for tensor in tensors:
             target = names.get(tensor.name)
@@ -244,12 +260,10 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                 order = row_order(processor, tensor.name, shape[0], names).numpy()
                 in_order = np.array_equal(order, np.arange(shape[0]))
                 parent_name, _, attribute = layer_name.rpartition(".")
-                if kind in SUPPORTED and in_order:
-                    served = _int_layer(kind, functools.partial(_read, file, tensor), shape)
-                    kept[kind] = kept.get(kind, 0) + 1
-                elif kind in SUPPORTED:
-                    reordered = _read(file, tensor)[order]
-                    served = _int_layer(kind, lambda start, stop: reordered[start:stop], shape)
+                if kind in SUPPORTED:
+                    rows = functools.partial(_read, file, tensor) if in_order else \
+                        functools.partial(_rows_of, _read(file, tensor)[order])
+                    served = _int_layer(kind, rows, shape) if device is None else gpu_block_layer(kind, rows, shape, device)
                     kept[kind] = kept.get(kind, 0) + 1
                 else:
                     raw = _read(file, tensor) if in_order else _read(file, tensor)[order]
@@ -281,8 +295,8 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     experts.finish()
     for name, bias in biases.items():
         layer = model.get_submodule(name)
-        if isinstance(layer, (Int4Linear, FloatLinear)):
-            layer.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        if isinstance(layer, (Int4Linear, FloatLinear, GpuBlockLinear)):
+            layer.bias = nn.Parameter(bias.to(device=layer.weight.device, dtype=dtype), requires_grad=False)
         else:
             _set_tensor(model, f"{name}.bias", bias)
     if tied and isinstance(model.get_output_embeddings(), nn.Linear):
@@ -295,6 +309,12 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
         raise CheckpointMismatch(f"{source.path}: {len(left)} model parameter(s) missing from the checkpoint "
                                  f"({', '.join(left[:3])}); ponder serves no weight left at random")
     found = describe_kinds(kinds)
+    if device is not None:
+        model.to(device)  # (the blocks' layers are there already; no dtype: their scales stay float32)
+        if not kept:
+            return model.eval(), Quantized("auto", "none", 0, f"no linear layers of a type the blocks cover in the GGUF; {found}")
+        return model.eval(), Quantized("auto", "gpu_blocks", sum(kept.values()), blocks_detail(kept, floats, found),
+                                       tuple(sorted(kept)))
     if not kept and not in_float_kernel:
         return model.eval(), Quantized("auto", "none", 0,
                                        f"no linear layers of a type the int kernel runs in the GGUF; {found}")

@@ -8,6 +8,10 @@ their rows their own, as on every path). The norms, rotary and activation comput
 round once where torch rounds twice, so a bfloat16 model's logits are close to the torch loop's, not
 its bits; in float32 they agree to the last few bits (tested: the same tokens).
 
+The matmuls are the layers' own: torch's for float weights, the Triton block GEMM for a GGUF's blocks
+(runtime.model.gpu_blocks; the q, k and v of a mixed file, e.g. Q4_K beside Q6_K, one call each). The
+CPU's int4 layers (`decoder.int4`) are not of this loop.
+
 A step runs here when the decode kernel attends every row of it (`covers`): no prompt prefilled by
 SDPA, no residency hooks between layers, no head-wise attention, no recurrent layers. Others run the
 torch loop (runtime.model.decoder), decided per step.

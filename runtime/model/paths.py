@@ -5,8 +5,9 @@
   projections), `int_kernel` or `float_kernel` (the lean decoder, whose decode-only steps run the whole
   layer stack as one call of ponder's int4 or float kernel), or `transformers` (transformers' own
   forward, ponder's paged attention plugged into its attention registry);
-- `linear`: `int4_kernel`, `int8` (torch's int8 matmul), `float_kernel` (ponder's float kernel) or
-  `torch` (torch's matmul): what computes the projections;
+- `linear`: `int4_kernel`, `int8` (torch's int8 matmul), `float_kernel` (ponder's float kernel),
+  `triton_blocks` (a GGUF's own blocks on a GPU in ponder's Triton block GEMM, runtime.model.gpu_blocks)
+  or `torch` (torch's matmul): what computes the projections;
 - `attention`: `cpu_kernel` (ponder's CPU decode attention kernel, prompts prefilled by SDPA) or `torch`
   (ponder's paged attention in torch: batched matmuls per window, SDPA or plain arithmetic for prompts);
 - `recurrent`, for a model with linear-attention layers (runtime.model.recurrent): `cpu_kernel` (ponder's
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from runtime.model import families
 
-_LINEAR = {"int4": "int4_kernel", "int8": "int8", "float": "float_kernel", "none": "torch"}
+_LINEAR = {"int4": "int4_kernel", "int8": "int8", "float": "float_kernel", "gpu_blocks": "triton_blocks", "none": "torch"}
 
 
 def step_paths(model, decoder, attention_kernel, quantize_mode: str, recurrent=None) -> dict[str, str]:

@@ -326,8 +326,9 @@ def quantize_model(model: nn.Module, mode: str) -> int:
 
 @dataclass(frozen=True)
 class Quantized:
-    """What a `quantize` setting became: `mode` is none, int8, int4 or float (ponder's float kernel
-    runs the float layers); `detail` says where from."""
+    """What a `quantize` setting became: `mode` is none, int8, int4, float (ponder's float kernel
+    runs the float layers) or gpu_blocks (a GGUF's blocks on a GPU, runtime.model.gpu_blocks); `detail`
+    says where from."""
 
     setting: str
     mode: str

@@ -113,7 +113,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True, tag_field="msg", kw_only=True
     num_blocks: int
     block_size: int
     verifiers: tuple[str, ...] = ()
-    quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4
+    quantize: str = "none"  # what the `quantize` setting became: none | int8 | int4 | float | gpu_blocks
     tool_call_format: str = "hermes"  # how the model writes a tool call: hermes | llama3_json | mistral
     reasoning_format: str = "none"  # how the model thinks in its text (runtime.wire.reasoning): none | think
     block_types: tuple[str, ...] = ()  # the GGUF block types its int layers keep, e.g. ("Q4_K", "Q6_K")

@@ -119,3 +119,18 @@ def test_the_sweep_chooses_a_tile_that_keeps_a_row_s_bits(monkeypatch):
     for name, entry in sweep.items():
         assert all(entry["rows_keep_their_bits"].values())
         assert tuple(map(int, entry["chosen_tile"].split("x"))) == linear.CHOSEN[(*entry["shape"], True)]
+
+
+def test_the_embedded_gguf_with_its_blocks_kept_on_the_device(tmp_path, monkeypatch):
+    """The step's model: the loader's GPU path (here on the CPU), every linear layer a block layer."""
+    from runtime.model import loader
+    from runtime.model.gpu_blocks import GpuBlockLinear
+    from tests.gguf_model import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path, "Q4_1")
+    monkeypatch.setattr(loader, "resolve_model", lambda model: loader.ModelSource("tiny", str(tmp_path), path.name))
+    report: dict = {}
+    model = gpu.embedded_blocks_model(torch.device("cpu"), torch.float32, report)
+    layers = [m for m in model.modules() if isinstance(m, GpuBlockLinear)]
+    assert len(layers) == 15 and all(m.packed for m in layers[:-1]) and not model.lm_head.packed  # a Q8_0 head
+    assert report["embedded_blocks"].startswith("model.quantize = auto: gpu_blocks (15 layers keep the GGUF's blocks")

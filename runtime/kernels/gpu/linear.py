@@ -15,8 +15,9 @@ per row (about 150 GB/s of blocks), so many rows want a tensor-core tile (`tl.do
 four to sixteen rows and summing a 3-D product (bench/results/gpu-nvidia-h200-multirow.json), kept
 every row's bits but ran 2-5x slower at one row and gained under 2x at sixteen: removed.
 
-Not wired into a model yet: the runner's GPU path calls torch's matmuls (row padding keeps their rows
-their own); this is the kernel a GPU's `quantize = "auto"` and an invariant linear path would call.
+A GGUF's linear layers on a GPU with `quantize = "auto"` call it (runtime.model.gpu_blocks, loaded by
+runtime.model.gguf_load); float weights still go through torch's matmuls (row padding keeps their rows
+their own).
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""A GGUF loaded for a GPU with `quantize = "auto"` (runtime.model.gguf_load with a device): every linear
+layer of a type the blocks cover holds the file's codes and scales in a `GpuBlockLinear`, computed by the
+Triton block GEMM (here on the CPU in Triton's interpreter), and gives the tokens of the same file
+dequantized."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.model.cached_model import gguf_config, load_quantized_model
+from runtime.model.gguf_load import load_gguf_blocks
+from runtime.model.gpu_blocks import GpuBlockLinear, SideBySide
+from runtime.model.loader import load_causal_lm, resolve_model
+from runtime.model.gguf_blocks import SUPPORTED
+from tests.gguf_model import blocks_of, write_tiny_gguf
+from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
+
+# Every form the layers take: codes two a byte (Q4_0, Q4_1) or one (Q5_0, Q5_1, Q8_0), with m or
+# without (Q8_0); the qkv projections of three forms, fused side by side.
+MIXED = {"attn_q": "Q4_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_down": "Q8_0"}
+# As llama-quantize's Q4_K_M mixes them, on 256-wide rows (K-quants' super-blocks).
+K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
+PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q2_K")  # codes in 0..15
+PER_16 = ("Q2_K", "Q3_K", "Q6_K")  # a scale per 16 inputs, else per 32
+NO_M = ("Q8_0", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+CPU = torch.device("cpu")
+
+
+def expected_bytes(kind: str, out_features: int, in_features: int) -> int:
+    """Codes (half a byte or a byte each) and float32 d (and m) per group."""
+    codes = out_features * in_features // (2 if kind in PACKED else 1)
+    groups = out_features * in_features // (16 if kind in PER_16 else 32)
+    return codes + 4 * groups * (1 if kind in NO_M else 2)
+
+
+def load_both(tmp_path, kind, kinds, hidden):
+    path = write_tiny_gguf(tmp_path, kind, kinds=kinds, hidden=hidden, ffn=2 * hidden)
+    source = resolve_model(str(path))
+    reference = load_causal_lm(source, CPU, torch.float32, "sdpa")  # transformers dequantizes every tensor
+    model, quantized = load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)
+    return reference, model, quantized
+
+
+@pytest.mark.parametrize("kind,kinds,hidden", [("Q4_1", MIXED, 64), ("Q4_K", K_MIXED, 256)])
+def test_a_gguf_for_a_gpu_keeps_the_file_s_blocks_and_gives_its_dequantized_tokens(tmp_path, kind, kinds, hidden):
+    reference, model, quantized = load_both(tmp_path, kind, kinds, hidden)
+    assert quantized.mode == "gpu_blocks" and quantized.layers == 15
+    kinds_of = {name: kinds.get(tensor, kind) for tensor, name in PROJECTIONS.items()}
+    held = 0
+    for i, layer in enumerate(model.model.layers):
+        for name, layer_kind in kinds_of.items():
+            module = layer.get_submodule(name)
+            assert isinstance(module, GpuBlockLinear) and module.packed == (layer_kind in PACKED), (i, name)
+            assert module.nbytes == expected_bytes(layer_kind, module.out_features, module.in_features), (i, name)
+            held += module.nbytes
+            # the file's weights exactly: what transformers' dequantized load holds, bit for bit
+            assert torch.equal(module.dequantized(), reference.get_submodule(f"model.layers.{i}.{name}").weight)
+    # the head tied to the Q8_0 embedding: a block layer of the embedding's blocks; the embedding floats
+    head = model.lm_head
+    assert isinstance(head, GpuBlockLinear) and torch.equal(head.dequantized(), reference.lm_head.weight)
+    held += head.nbytes
+    assert held == sum(m.nbytes for m in model.modules() if isinstance(m, GpuBlockLinear)) == \
+        sum(expected_bytes(k, *reference.get_submodule(f"model.layers.{i}.{n}").weight.shape)
+                     for i in range(2) for n, k in kinds_of.items()) + expected_bytes("Q8_0", 96, hidden)
+    assert type(model.model.embed_tokens) is nn.Embedding
+    assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert quantized.block_types == tuple(sorted({*kinds_of.values(), "Q8_0"}))
+    prompt = [1, 5, 6, 7, 8]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+    if hidden == 64:  # (the 256-wide model's steps are slow in the interpreter: its logits above only)
+        assert hf_greedy(model, prompt, 4) == hf_greedy(reference, prompt, 4)
+
+
+def test_the_lean_decoder_s_triton_loop_runs_the_blocks_and_paths_say_so(tmp_path, monkeypatch):
+    """Served end to end: the start-up path keeps the blocks (the flag a GPU sets, set here on the CPU),
+    the lean decoder fuses them (q, k and v of three forms side by side; gate and up into one layer), its
+    Triton loop runs the decode steps, and the tokens are those of the file dequantized."""
+    from runtime.bootstrap import engine_paths
+
+    path = write_tiny_gguf(tmp_path, "Q4_1", kinds=MIXED)
+    requests = [request("a", [1, 5, 6, 7, 8], max_tokens=4), request("b", [1, 40], max_tokens=4)]
+    expected = run(engine_for(path, quantize="none", num_blocks=32), requests)
+    monkeypatch.setattr("runtime.bootstrap.load_quantized_model", functools.partial(load_quantized_model, gpu_blocks=True))
+    engine = engine_for(path, num_blocks=32)  # quantize left at auto
+    engine.runner.use_gpu_kernels()
+    decoder = engine.runner.decoder
+    assert decoder.gpu is not None
+    layer = decoder.layers[0]
+    assert isinstance(layer.qkv.fused, SideBySide) and isinstance(layer.gate_up.fused, GpuBlockLinear)
+    assert engine_paths(engine)["linear"] == "triton_blocks" and engine_paths(engine)["layers"] == "triton"
+    assert engine.quantized.describe() == (
+        "model.quantize = auto: gpu_blocks (15 layers keep the GGUF's blocks (2 Q4_0, 4 Q4_1, 2 Q5_0, 2 Q5_1, 5 Q8_0); "
+        "linear tensors in the file: 2 Q4_0, 4 Q4_1, 2 Q5_0, 2 Q5_1, 5 Q8_0)")
+    assert run(engine, requests) == expected
+
+
+@pytest.mark.parametrize("kind", SUPPORTED)
+def test_every_block_type_on_the_device_is_gguf_s_dequantized_weights_in_its_bytes(kind):
+    """The layer a slab at a time (3 rows a slab here) holds the file's weights bit for bit, in
+    `expected_bytes`: codes two a byte where they are 0..15, else a byte each, float32 scales."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from runtime.model import gpu_blocks
+
+    data = blocks_of(kind, 8, 256, seed=3)
+    layer = gpu_blocks.gpu_block_layer(kind, lambda start, stop: data[start:stop], (8, 256), CPU, slab_rows=3)
+    assert layer.packed == (kind in PACKED) and layer.nbytes == expected_bytes(kind, 8, 256)
+    assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
+
+
+def test_routed_experts_are_refused_so_the_model_loads_dequantized(tmp_path):
+    """A Qwen3-MoE file: its experts have no block layers on a GPU (runtime.model.experts' are the CPU
+    kernels'), so the GPU path refuses it and the start-up path loads it through transformers."""
+    from runtime.model.loader import CheckpointMismatch
+    from tests.gguf_moe import write_qwen3_moe_gguf
+    from tests.replicas.families import write_family
+
+    path = write_qwen3_moe_gguf(write_family("qwen3_moe", tmp_path / "replica"), tmp_path / "moe.gguf", "Q8_0")
+    source = resolve_model(str(path))
+    with pytest.raises(CheckpointMismatch, match="routed experts are not kept in their blocks on a GPU"):
+        load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)
