@@ -33,9 +33,9 @@ from runtime.search.host import SearchHost, Verifier
 from runtime.search.output import SearchOutput
 from runtime.search.outlook import StepOutlook
 from runtime.search.path_maker import PathMaker
-from runtime.search.paths import Lookahead, SearchPath, SearchRoot
+from runtime.search.paths import Branch, Lookahead, SearchPath, SearchRoot
 from runtime.search.plan import SearchPlan
-from runtime.search.speculation import Branch, Speculation
+from runtime.search.speculation import Speculation
 from runtime.search.steps import StepRules
 from runtime.search.strategies import Strategy, make_strategy
 from runtime.search.tree import TreeRecorder
