@@ -266,13 +266,18 @@ class LineageRanking:
     def has_wants(self) -> bool:
         return bool(self.wants)
 
-    def first(self) -> Want | None:
-        """The want first in order (`_order`), left wanted."""
+    def put_in_order(self) -> None:
+        """The wants sorted by their place (`_order`), read afresh."""
         self.wants.sort(key=self._order)
+
+    def first(self) -> Want | None:
+        """The want first in order, left wanted."""
+        self.put_in_order()
         return self.wants[0] if self.wants else None
 
     def pop_first(self) -> Want:
-        """The want first in order, no longer wanted (after `first`, or another pop: the order holds)."""
+        """The want first in order, no longer wanted (after `put_in_order`, `first`, or another pop: the
+        order holds)."""
         return self.wants.pop(0)
 
     def leading_keys(self, skip: int, count: int) -> list[tuple]:

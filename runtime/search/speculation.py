@@ -274,7 +274,7 @@ class Speculation:
         """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
         engine does not count yet), in the ranking's order. With no slot idle (or the cap reached), running
         lineages ranked after the first wants yield their slots (`_make_way`)."""
-        self.ranking.first()  # (puts the wants in order)
+        self.ranking.put_in_order()
         started = 0
         while self.ranking.has_wants and self.is_open:
             host = self.search.host
