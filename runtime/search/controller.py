@@ -11,33 +11,35 @@ A step's paths run in the groups the engine plans for the compute pool (`runtime
 one group decodes its whole step while resident, then the next.
 
 Decoding past a step is asked of objects of its own: speculative beam extension and LookAhead
-verification (`runtime.search.speculation`), roll-out look-ahead (`runtime.search.ahead`); what the
+verification (`runtime.search.speculation`), roll-out look-ahead (`runtime.search.ahead`); a step's
+verification is `runtime.search.verification`'s, the time budget `runtime.search.deadline`'s, how
+paths are made (their samplers, grammar and thinking phases) `runtime.search.path_maker`'s; what the
 search emits is in `runtime.search.output`.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from runtime.grammar.matcher import Grammar
 from runtime.grammar.thinking import ThinkingStart
 from runtime.wire.params import SamplingParams, SearchParams
 from runtime.model.sampler import SamplingState
-from runtime.search.ahead import Rollouts, lookahead_unit
+from runtime.search.ahead import lookahead_unit
 from runtime.search.anchor import ANCHOR_UID
-from runtime.search.aggregate import normalize_step
 from runtime.search.answers import compile_answer_pattern
+from runtime.search.deadline import Deadline
 from runtime.search.host import SearchHost, Verifier
 from runtime.search.output import SearchOutput
 from runtime.search.outlook import StepOutlook
 from runtime.search.path_maker import PathMaker
-from runtime.search.paths import Lookahead, SearchPath, SearchRoot
+from runtime.search.paths import Branch, Lookahead, SearchPath, SearchRoot
 from runtime.search.plan import SearchPlan
-from runtime.search.speculation import Branch, Speculation
+from runtime.search.speculation import Speculation
 from runtime.search.steps import StepRules
 from runtime.search.strategies import Strategy, make_strategy
 from runtime.search.tree import TreeRecorder
+from runtime.search.verification import Verification
 from scheduler.sequence import Sequence
 
 
@@ -50,8 +52,6 @@ class SearchController:
         `thinking`: how a thinking model's paths begin: each path's phases (its budget, its grammar for
         the answer only) fork with it, and its vote reads the answer after the thinking."""
         self.host = host
-        self.thinking = thinking
-        self.grammar = grammar
         self.request_id = request_id
         self.params = params
         self.search = search
@@ -77,25 +77,16 @@ class SearchController:
         self.queued: deque[list[SearchPath]] = deque()  # the step's later groups
         self.speculation = Speculation(self, search.n, search.beam_width, bool(host.config.speculative_extension))
         self.advance_pending = False
-        self.scores_ahead = 0  # step scores taken from a look-ahead verification
         self.stepped: list[SearchPath] = []
         self.final: list[SearchPath] = []
         self.step_index = 0
-        self.pending_scores = 0
-        self.to_verify: list[SearchPath] = []
-        self.verify_now = False  # whether the step being settled is a verified one (granularity)
-        self.rollouts = Rollouts(self, self._submit_scores)
+        self.deadline = Deadline(search.timeout_s)
+        self.verification = Verification(self, self._settle)
         self.output = SearchOutput(request_id, params, search, prompt_ids, host, self.plan, self.tree, self.strategy,
                                    verifier, self.pattern, answer_form, thinking)
         self.is_finished = False
         self.num_cached_tokens = 0
-        self.stats = dict(paths_explored=0, tokens_generated=0, verifier_tokens_prefilled=0, verifier_calls=0,
-                          prefix_hit_tokens=0, seconds_generating=0.0, seconds_verifying=0.0)
-        self._phase_started = time.perf_counter()
-        self.deadline = time.monotonic() + search.timeout_s if search.timeout_s is not None else None
-        self.timed_out = False
-        self.cut_step_verified: bool | None = None
-        self.scores_before: dict[SearchPath, int] = {}  # per path under verification: its scores before it
+        self.counts = dict(paths_explored=0, tokens_generated=0, prefix_hit_tokens=0)
         self.anchor: SearchPath | None = None  # the greedy path beside the strategy's (runtime.search.anchor)
         self.waiting: list[int] = []  # subtrees of the initial paths of a later wave (the root is kept for them)
 
@@ -109,26 +100,19 @@ class SearchController:
         speculation counts them, `Speculation.count`)."""
         return self.speculation.tokens
 
-    def _out_of_time(self) -> bool:
-        """Past `search.timeout_s`, every running step ends at its next token and the search finishes,
-        choosing among the paths it has (live ones count as cut short). The step cut short is verified
-        only by a free verifier (`confidence`); with a model the answer is chosen by the scores of the
-        last step verified in full, so no verifier runs past the deadline (`check_deadline`)."""
-        if not self.timed_out and self.deadline is not None and time.monotonic() >= self.deadline:
-            self.timed_out = True
-        return self.timed_out
+    @property
+    def stats(self) -> dict:
+        """Its counts and its verification's (read only: a new dict)."""
+        verified = self.verification.stats
+        prefix_hits = self.counts["prefix_hit_tokens"] + verified["prefix_hit_tokens"]
+        return {**self.counts, **verified, "prefix_hit_tokens": prefix_hits}
 
     def check_deadline(self) -> None:
         """Called by the engine before every step: a model's verification still running at the
         deadline is abandoned, its scores so far taken back, and the search answers at once."""
-        if not self.pending_scores or self.is_finished or not self._out_of_time():
-            return
-        self.plan.abandon_scoring()
-        for path, count in self.scores_before.items():
-            del path.step_scores[count:]
-        self.pending_scores = 0
-        self.cut_step_verified = False
-        self._settle()
+        if self.verification.is_pending and not self.is_finished and self.deadline.passed():
+            self.verification.abandon()
+            self._settle()
 
     # -- paths ----------------------------------------------------------------------------------
     def child_sampling(self, parent: SearchPath | Branch, ordinal: int, at: int | None = None) -> SamplingState:
@@ -146,19 +130,19 @@ class SearchController:
     likely_children = property(lambda self: self.outlook.likely_children)  # (ChildCounts' port)
 
     def count_token(self) -> None:
-        self.stats["tokens_generated"] += 1
+        self.counts["tokens_generated"] += 1
 
     def spawn(self, root: Sequence) -> list[Sequence]:
         """The prompt is computed: fork it into the initial paths, which all sample from its logits."""
         self.num_cached_tokens = root.num_cached_tokens
-        self.stats["prefix_hit_tokens"] += root.num_cached_tokens
+        self.counts["prefix_hit_tokens"] += root.num_cached_tokens
         subtrees = self.strategy.initial_paths()
         first, self.waiting = subtrees[:self.strategy.num_first_wave()], subtrees[self.strategy.num_first_wave():]
         paths = [self.paths.first(self.plan.fork(root), subtree) for subtree in first]
         if self.search.greedy_anchor and not self.params.is_greedy:
             self.anchor = self.paths.first(self.plan.fork(root), ANCHOR_UID, anchor=True)
             paths.append(self.anchor)
-        self.stats["paths_explored"] += len(paths)
+        self.counts["paths_explored"] += len(paths)
         if self.waiting:
             self.plan.park(root)  # a later wave's paths share its blocks
         else:
@@ -172,7 +156,7 @@ class SearchController:
         """The waiting initial paths, forked from the kept prompt: each computes the prompt's last token
         again for its first token's logits (`KVManager.fork`), and shares every block before it."""
         paths = [self.paths.first(self.plan.fork(self.root, len(self.prompt_ids)), subtree) for subtree in self.waiting]
-        self.stats["paths_explored"] += len(paths)
+        self.counts["paths_explored"] += len(paths)
         self._drop_waiting()
         return paths
 
@@ -237,7 +221,7 @@ class SearchController:
         self.active = set(group)
         for path in group:
             self.plan.resume(path.seq)
-        if not self._out_of_time() and not self._is_last_step():
+        if not self.deadline.passed() and not self._is_last_step():
             # Paths whose step is done already (decoded ahead) decode their children's steps meanwhile.
             self.speculation.open(self.to_group + self.stepped, [p for p in self.stepped if not p.is_done])
         if self.queued:
@@ -260,13 +244,13 @@ class SearchController:
             self.speculation.on_token(path, out)
             return
         seq = path.seq
-        self.stats["tokens_generated"] += 1
+        self.counts["tokens_generated"] += 1
         if out.logprob is not None:
             path.chunk_logprobs.append(out.logprob)
         reason, ends_step = self.rules.outcome(path, out.token_id, path.step_start, is_last_step=self._is_last_step())
         if out.confidence is not None and self.strategy.observe(path.uid, out.confidence) and path is not self.anchor:
             reason = reason or "length"  # stopped by its confidence: released now, pruned when it settles
-        ends_step = ends_step or (reason is None and self._out_of_time())
+        ends_step = ends_step or (reason is None and self.deadline.passed())
         if reason is not None:
             path.is_done, path.finish_reason = True, reason
         if not (ends_step or path.is_done):
@@ -304,77 +288,25 @@ class SearchController:
 
     # -- verification ---------------------------------------------------------------------------
     def _verify(self) -> None:
-        now = time.perf_counter()
-        self.stats["seconds_generating"] += now - self._phase_started
-        self._phase_started = now
         self.step_index += 1
-        self.verify_now = (self.step_index % self.search.granularity == 0
-                           or self.step_index >= self.search.max_steps)
-        to_score = [p for p in self.stepped if self.verify_now or p.is_done] if self.strategy.uses_verifier else []
-        if self._out_of_time():
-            self.cut_step_verified = bool(to_score) and self.verifier.is_free
-            if to_score and not self.cut_step_verified:
-                self._settle()
-                return
-        known = []
-        for path in to_score:
-            unit_ids = path.seq.token_ids[path.chunk_start:path.step_end]
-            unit = self.host.tokenizer.decode(unit_ids, skip_special_tokens=True)
-            path.chunks.append(normalize_step(unit, self.search.step_delimiter))
-            if path.next_score is not None and path.next_score[0] == path.chunks[-1]:
-                known.append((path, path.next_score[1]))
-            path.next_score = None
-        for path, score in known:  # scored ahead, in the previous step's verification
-            self.on_score(path, score)
-            self.scores_ahead += 1
-        scored = {id(path) for path, _ in known}
-        to_score = [p for p in to_score if id(p) not in scored]
-        self.to_verify = to_score
-        if not to_score:
-            self._settle()
-            return
-        rollouts = [p for p in to_score if not p.is_done] if self.search.lookahead else []
-        if rollouts and self.step_index < self.search.max_steps:
-            self.rollouts.start(rollouts)
-            return
-        self._submit_scores()
-
-    def _submit_scores(self) -> None:
-        """A free verifier scores at once; a model's scores (`Verify`) arrive in later steps (`on_score`)."""
-        if self.to_verify:
-            self.stats["verifier_calls"] += 1
-            self.scores_before = {path: len(path.step_scores) for path in self.to_verify}
-            if not self.verifier.is_free:
-                self.plan.verify(self.to_verify)
-                return
-            self.verifier.submit(self, self.to_verify)
-        if self.pending_scores == 0 and not self.is_finished:
-            self._settle()
+        self.verification.start(self.stepped, self.step_index, self.strategy.uses_verifier)
 
     def on_score(self, path: SearchPath, score: float, prefilled: int = 0, cached: int = 0) -> None:
-        path.step_scores.append(float(score))
-        path.chunk_logprobs = []
-        path.lookahead_units, path.lookahead_logprobs = [], []
-        path.chunk_start = path.step_end
-        self.stats["verifier_tokens_prefilled"] += prefilled
-        self.stats["prefix_hit_tokens"] += cached
+        self.verification.on_score(path, score, prefilled, cached)
 
     def expect_scores(self) -> None:
         """A batch of asynchronous scores (a model's) is on its way: the search settles once all arrived."""
-        self.pending_scores += 1
+        self.verification.expect_scores()
 
     def score_done(self) -> None:
         """Called once a batch of asynchronous scores (judge sequences) has all arrived."""
-        self.pending_scores -= 1
-        if self.pending_scores == 0:
-            self._settle()
+        self.verification.score_done()
 
     def _settle(self) -> None:
-        now = time.perf_counter()
-        self.stats["seconds_verifying"] += now - self._phase_started
-        self._phase_started = now
+        self.verification.settled()
+        verify_now = self.verification.verify_now
         stepped, self.stepped = self.stepped, []
-        if self.verify_now:  # the anchor is no strategy's: it lives until it is done
+        if verify_now:  # the anchor is no strategy's: it lives until it is done
             final, live = self.strategy.settle([p for p in stepped if p is not self.anchor])
             if self.anchor in stepped:
                 (final if self.anchor.is_done else live).append(self.anchor)
@@ -385,18 +317,17 @@ class SearchController:
                 path.finish_reason = "length"
                 self._discard(path)
         self.final.extend(final)
-        self.output.record_steps(stepped, final, self.verify_now)
+        self.output.record_steps(stepped, final, verify_now)
         for path in set(stepped) - set(final) - set(live):
             self._discard(path)  # pruned by settling (DVTS keeps only its best)
             self.tree.change(path.node, "pruned")
-        if self._out_of_time() and self.cut_step_verified is None:
-            self.cut_step_verified = True  # the deadline passed while this step's scores came in
-        if not live and self.waiting and not self._out_of_time():
+        self.deadline.step_settled()
+        if not live and self.waiting and not self.deadline.passed():
             self.output.progress(live, self.final, self.step_index)
             self._start_step(self._next_wave())  # the next wave of whole traces
             self.tree.flush()
             return
-        if self.step_index >= self.search.max_steps or not live or self._out_of_time():
+        if self.step_index >= self.search.max_steps or not live or self.deadline.passed():
             self._drop_waiting()
             for path in live:
                 path.finish_reason = "length"
@@ -405,7 +336,7 @@ class SearchController:
             self.final.extend(live)
             self._finish()
             return
-        if self.verify_now:
+        if verify_now:
             live = self._expand(live)
         for path in live:
             self.tree.change(path.node, "kept")
@@ -426,7 +357,7 @@ class SearchController:
                 else:
                     child = self.paths.child(branch.seq, parent, ordinal, branch.sampling, branch.step_text)
                     self.speculation.hand_over(branch, child)
-                self.stats["paths_explored"] += 1
+                self.counts["paths_explored"] += 1
                 continuing.append(child)
             self.speculation.release_unadopted(parent)  # branches for children it does not get
             continuing.append(parent)
@@ -437,7 +368,7 @@ class SearchController:
 
     # -- what the verifiers and roll-outs tell it ---------------------------------------------------
     def on_lookahead_token(self, run: Lookahead, out) -> None:
-        self.rollouts.on_token(run, out)
+        self.verification.on_lookahead_token(run, out)
 
     def lookahead_unit(self, path: SearchPath) -> str | None:
         return lookahead_unit(path, self.speculation.steps_ahead(path), self.search, self.host.tokenizer)
@@ -447,8 +378,8 @@ class SearchController:
 
     def _finish(self) -> None:
         self.is_finished = True
-        self.output.answer(self.final, self.anchor, self.step_index, self.num_cached_tokens, self.timed_out,
-                           self.cut_step_verified, self.stats)
+        self.output.answer(self.final, self.anchor, self.step_index, self.num_cached_tokens, self.deadline.timed_out,
+                           self.deadline.cut_step_verified, self.stats)
 
     def cancel(self) -> None:
         """Aborted: a score still on its way is not taken, and nothing more is asked."""
@@ -457,7 +388,7 @@ class SearchController:
     def sequences(self) -> list[Sequence]:
         """Every sequence the search still holds (for aborts)."""
         seqs = [p.seq for p in self.generating] + [p.seq for p in self.stepped if not p.is_done]
-        seqs += self.rollouts.sequences() + self.speculation.sequences()
+        seqs += self.verification.sequences() + self.speculation.sequences()
         if self.root.block_table or not self.root.is_finished:
             seqs.append(self.root)
         return seqs

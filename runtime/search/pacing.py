@@ -36,7 +36,7 @@ class StepPacer:
         """The most tokens the next step may hold, for the live `searches` (runtime.search.controller)
         with a deadline; None: no cap (no such search, or no rate measured yet). The engine gives it to
         its scheduler and to every reward model's store."""
-        budget = min((s.search.timeout_s for s in searches if s.deadline is not None and not s.is_finished),
+        budget = min((s.search.timeout_s for s in searches if s.search.timeout_s is not None and not s.is_finished),
                      default=None)
         if budget is None or self.seconds_per_token is None:
             return None

@@ -1,5 +1,5 @@
 """The owners of a search's sequences (`runtime.kv.sequence_owner`): its paths, their look-ahead
-forks and the prompt's root."""
+forks, their speculative branches and the prompt's root."""
 
 from __future__ import annotations
 
@@ -114,6 +114,50 @@ class Lookahead:
 
     def on_sampled(self, seq, out) -> None:
         self.path.controller.on_lookahead_token(self, out)
+
+
+class BranchEvents(Protocol):
+    """What a branch tells its speculation (`runtime.search.speculation.Speculation`)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def on_token(self, lineage: "SearchPath | Branch", out: SampleOutput) -> None: ...
+
+
+@dataclass(eq=False)
+class Branch:
+    """A speculative fork (`runtime.search.speculation`) at token index `start` (a lineage's step's
+    end) decoding as that lineage's child with seed key `seed_key`."""
+
+    speculation: BranchEvents
+    seed_key: tuple[int, ...]
+    start: int
+    seq: Sequence
+    sampling: SamplingState
+    potential: int  # its parent's, at the step's end it forked from
+    ahead: list[StepAhead]
+    step_text: StepText | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.speculation.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.seq.token_ids) - self.start
+
+    def child_seed_key(self, ordinal: int, at: int) -> tuple[int, ...]:
+        return self.seed_key + (at, ordinal)  # as its child's will be (SearchPath.child_seed_key)
+
+    def on_logits(self, seq, row):
+        return [seq]
+
+    def on_sampled(self, seq, out) -> None:
+        self.speculation.on_token(self, out)
+
+
+Lineage = SearchPath | Branch  # a path or a speculative branch below it
 
 
 @dataclass(eq=False)

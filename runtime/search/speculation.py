@@ -16,40 +16,16 @@ ahead, or are already complete, and its branches become its own), the survivor k
 decoded ahead and the branches below them; branches past a survivor's children, and everything
 below a pruned path, are released.
 
-How likely a lineage's children are is its speculative potential (FlashTTS section 4.1.1): the bin
-its score falls in among `beam_width` equal bins of a range of scores (verifiers score in ranges of
-their own), the highest bin giving `beam_width`. Where the verifier's score is free to read before
-the step settles (`confidence`: the step's own tokens' log-probabilities; `StepOutlook.score_ahead`)
-the score is the one the step just completed will get, among that step's scores known so far, at any
-depth; otherwise it is the path's last score among the step's paths' last scores, and a branch has
-its parent's potential. The first step has no score, and nothing tells its paths apart: they all
-count as the highest bin, as do paths whose scores are all equal. Only the lineage itself goes on
-where the settling after the step expands nothing (best-of-n, a step granularity leaves unverified).
-
-How many children a survivor gets is the strategy's (`widest_child`): a beam refills all `n` paths
-from fewer survivors where paths finished or were duplicates, so a survivor may get more than
-`beam_width`. For the step being decoded the controller counts (`children_limit`) how many a
-survivor will get at least: as many as were every path still decoding to settle live (no more can
-survive); as paths finish, the paths that ended the step want more (`path_ended`). For a later step
-the share of the speculative lineages that ended it live makes a count likely (`ChildCounts`), and
-as it grows the lineages that completed that step want more (`_completed`). Each lineage wants
-that many children, those within its potential (scaled to that many) ranked with the next step, the
-others with the step after. Where the scores are free, a path that ended the step and is surely
-pruned when it settles (`StepOutlook.surely_pruned`) wants nothing more, nor does anything below
-it, and what of it runs yields its slot.
-
-When a group opens, everything wanted is asked again: below each path whose step is done, every
-step a lineage completed ahead wants its children (not only its last one), and its last step goes on.
-Where the scores are free and the strategy expands by scores alone, its settling is replayed over
-the steps decoded ahead (`runtime.search.projection`): what that makes paths' steps is wanted first.
-Slots are handed out lazily, as lineages end their steps: the projection's first, the nearest rank
-next, then the highest potential, then lower ordinals (going on as itself first), then in the order
-asked. A lineage that ends a step keeps its slot only where going on is the first thing wanted.
+How likely a lineage's children are, how many each wants, which paths are surely pruned and in
+which order wants are served is the ranking's (`runtime.search.ranking.LineageRanking`): this holds
+the lineages and the slots. When a group opens, everything wanted is asked again (`LineageRanking.walk`).
+Slots are handed out lazily, as lineages end their steps, to the wants first in the ranking's order.
+A lineage that ends a step keeps its slot only where going on is the first thing wanted.
 With no slot idle (or the step-cost model's cap reached), a running lineage ranked after a want
 yields its slot at its next token: it parks, wanted again as ranked before (`_make_way`), so the
-likely children need not wait for unlikely ones to end their steps. Where other work waits, every
-lineage parks, wanted again (`pause`), and the engine offers the wants the slots idle again
-(`refill`).
+likely children need not wait for unlikely ones to end their steps; so does a lineage below a path
+surely pruned, not to be wanted again. Where other work waits, every lineage parks, wanted again
+(`pause`), and the engine offers the wants the slots idle again (`refill`).
 
 LookAhead verification (section 4.1.3): a reward model scoring a path whose first step ahead is
 complete scores both steps in one sequence (`runtime.search.ahead.lookahead_unit`); if the path goes on to that step its
@@ -59,102 +35,51 @@ exists when the score is read (a child exists only after settling, and reads its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
-from runtime.model.detokenizer import StepText
 from runtime.model.sampler import SamplingState
-from runtime.search.anchor import ANCHOR_UID
-from runtime.search.child_counts import ChildCounts
 from runtime.search.host import SearchHost
-from runtime.search.outlook import StepOutlook
-from runtime.search.paths import SearchPath, StepAhead
+from runtime.search.paths import Branch, Lineage, SearchPath, StepAhead
 from runtime.search.plan import SearchPlan
-from runtime.search.projection import Candidate, Projection, project
+from runtime.search.ranking import LineageRanking, RankingPort
 from runtime.search.steps import StepRules
 from scheduler.sequence import Sequence
 
 
-class SpeculationPort(Protocol):
+class SpeculationPort(RankingPort, Protocol):
     """What speculation reads of its search (`runtime.search.controller.SearchController`)."""
 
     host: SearchHost
     plan: SearchPlan
     request_id: str
-    step_index: int  # the step its paths are decoding
-
     rules: StepRules
-    outlook: StepOutlook  # what its strategy and verifier say of steps to come
 
-    def child_sampling(self, parent: "SearchPath | Branch", ordinal: int, at: int | None = None) -> SamplingState: ...
+    def child_sampling(self, parent: Lineage, ordinal: int, at: int | None = None) -> SamplingState: ...
 
     def count_token(self) -> None: ...
 
-    def children_limit(self, step: int) -> int: ...  # the fewest children a survivor of the step gets
-
-
-
-
-@dataclass(eq=False)
-class Branch:
-    """A fork at token index `start` (a lineage's step's end) decoding as that lineage's child with
-    seed key `seed_key` (an owner of a sequence)."""
-
-    speculation: "Speculation"
-    seed_key: tuple[int, ...]
-    start: int
-    seq: Sequence
-    sampling: SamplingState
-    potential: int  # its parent's, at the step's end it forked from
-    ahead: list[StepAhead]
-    step_text: StepText | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.speculation.search.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.seq.token_ids) - self.start
-
-    def child_seed_key(self, ordinal: int, at: int) -> tuple[int, ...]:
-        return self.seed_key + (at, ordinal)  # as its child's will be (SearchPath.child_seed_key)
-
-    def on_logits(self, seq, row):
-        return [seq]
-
-    def on_sampled(self, seq, out) -> None:
-        self.speculation.on_token(self, out)
-
-
-Lineage = SearchPath | Branch
-
 
 class Speculation:
-    """A search's speculative lineages: which run, their branches and potential, what they become."""
+    """A search's speculative lineages and the slots they hold: which run, their branches and steps
+    decoded ahead, what they become; what they want, in order, is its ranking's."""
 
     def __init__(self, search: SpeculationPort, num_paths: int, beam_width: int, is_enabled: bool) -> None:
         self.search = search
-        self.beam_width = beam_width
         self.is_enabled = is_enabled
         self.is_open = False  # a step's group is decoding and the step after it is not the last
-        self.score_range: tuple[float, float] | None = None  # of the step's paths' last scores
+        self.ranking = LineageRanking(search, self, num_paths, beam_width)
         self.running: dict[Lineage, tuple] = {}  # decoding speculatively now -> its want's (rank, -potential)
         self.yielding: set[Lineage] = set()  # of them, those to give their slot to a want ranked before them
-        self.doomed: set[Lineage] = set()  # paths surely pruned at the settling and everything below them
         self.branches: dict[Lineage, dict[tuple[int, int], Branch]] = {}  # lineage -> (fork at, ordinal) -> branch
-        self.wants: list[tuple] = []  # (rank, -potential, ordinal, asked, lineage, fork at, step)
-        self.counts = ChildCounts(search, num_paths)  # step -> the children wanted per lineage at its end
-        self.later: dict[int, dict[Lineage, int]] = {}  # a step after the one decoded -> lineages that completed it, at
-        self.reached: list[SearchPath] = []  # the paths that ended the step being decoded (`path_ended`)
-        self.known: dict[int, dict[tuple[int, ...], float]] = {}  # step -> lineage's seed key -> its free score
-        self.num_asked = 0
-        self.projection: Projection | None = None  # the search as the scores read so far settle it (None: to redo)
         self.path_ahead: dict[SearchPath, list[StepAhead]] = {}  # a path's steps decoded past its step's end
         self.head_starts: dict[SearchPath, int] = {}  # its tokens of the step running decoded before it began
         self.tokens = {"used": 0, "discarded": 0, "adopted": 0}
         self.num_decoded = 0  # speculative tokens decoded, kept or not
         self.num_reported = 0  # of them, those the step-cost model has heard of
+
+    @property
+    def request_id(self) -> str:
+        return self.search.request_id
 
     # -- the controller's questions ---------------------------------------------------------------
     def open(self, step: list[SearchPath], done: list[SearchPath]) -> None:
@@ -162,15 +87,10 @@ class Speculation:
         done, and so may the paths in `done`, whose step is done already, and everything below them
         (parked where the last group left them)."""
         self.is_open = self.is_enabled
-        scores = [p.step_scores[-1] for p in step if p.step_scores]
-        self.score_range = (min(scores), max(scores)) if scores else None
-        self.wants = []
-        self.reached = list(done)
-        self.projection = None
-        self.later = {step: lineages for step, lineages in self.later.items() if step > self.search.step_index}
+        self.ranking.open(step, done)
         if self.is_open:
             for path in done:
-                self._walk(path)
+                self.ranking.walk(path)
             self.path_ended()
             self._fill()
 
@@ -179,9 +99,20 @@ class Speculation:
         (the path goes on past its step, or was parked for a branch wanted more)."""
         if not self.is_open:
             return False
-        self._reached(path, path.step_end, self.search.step_index)
+        self.ranking.reached(path, path.step_end, self.search.step_index)
         self._go_on(path)
         return True
+
+    def path_ended(self) -> None:
+        """A path ended the step being decoded, or finished (or a group opened): what of the paths
+        surely pruned now runs yields its slot at its next token, and where fewer paths may settle
+        live, the children the paths that ended the step want more start as slots allow."""
+        if not self.is_open:
+            return
+        wants_more = self.ranking.path_ended()
+        self.yielding |= {lineage for lineage in self.running if self.ranking.is_doomed(lineage)}
+        if wants_more:
+            self._fill()
 
     def adopt(self, parent: SearchPath, ordinal: int) -> Branch | None:
         """The branch decoding `parent`'s `ordinal`-th new child, handed over (None: there is none); the
@@ -196,10 +127,7 @@ class Speculation:
         """`child` adopted `branch`: the branches below it are the child's."""
         below = self.branches.pop(branch, None)
         self.path_ahead[child] = branch.ahead
-        self.projection = None
-        for lineages in self.later.values():
-            if branch in lineages:
-                lineages[child] = lineages.pop(branch)
+        self.ranking.hand_over(branch, child)
         if below:
             self.branches[child] = below
 
@@ -214,11 +142,9 @@ class Speculation:
 
     def release(self, lineage: Lineage) -> None:
         """Everything below `lineage` is dropped (it was pruned, or ends)."""
-        self.projection = None
+        self.ranking.release(lineage)
         self.path_ahead.pop(lineage, None)
         self.head_starts.pop(lineage, None)
-        for lineages in self.later.values():
-            lineages.pop(lineage, None)
         for branch in self.branches.pop(lineage, {}).values():
             self._drop(branch)
 
@@ -226,8 +152,7 @@ class Speculation:
         """The step's group is done: every speculative slot is given back, lineages keep their tokens,
         parked, and none starts until the next group."""
         self.is_open = False
-        self.doomed = set()  # (the next group's opening finds them again; the settling releases them)
-        self.wants = []
+        self.ranking.stop()
         for lineage in list(self.running):
             self._end(lineage)
 
@@ -237,15 +162,14 @@ class Speculation:
         for lineage in list(self.running):
             rank, minus_potential = self.running[lineage]
             self._end(lineage)
-            if lineage not in self.doomed:
-                self._want(self.steps_ahead(lineage)[-1].step, lineage, 0, None, -minus_potential, rank)
+            self.ranking.want(self.steps_ahead(lineage)[-1].step, lineage, 0, None, -minus_potential, rank)
 
     def refill(self) -> bool:
         """Nothing waits and slots are idle: the wanted steps start in them (after a pause). Whether
         it asked for any. Where the step-cost model declines every row and none runs (`auto` on a
         CPU), nothing could start or yield: it returns at once, as it does every step there."""
         host = self.search.host
-        if not self.is_open or not self.wants or host.num_idle_slots() <= 0:
+        if not self.is_open or not self.ranking.has_wants or host.num_idle_slots() <= 0:
             return False
         if not self.running and host.speculative_row_cap(0) == 0:
             return False
@@ -261,6 +185,14 @@ class Speculation:
         if self.num_decoded > self.num_reported or head_start:
             self.search.host.observe_speculation(head_start, self.num_decoded - self.num_reported)
             self.num_reported = self.num_decoded
+
+    def branch(self, lineage: Lineage, at: int, ordinal: int) -> Branch | None:
+        """`lineage`'s branch forked at token index `at` for its `ordinal`-th child, if started (read only)."""
+        return self.branches.get(lineage, {}).get((at, ordinal))
+
+    def branches_below(self, lineage: Lineage) -> list[Branch]:
+        """The branches forked from `lineage` (read only)."""
+        return list(self.branches.get(lineage, {}).values())
 
     def is_running(self, path: SearchPath) -> bool:
         """Whether `path` decodes past its step's end in a slot of speculation's."""
@@ -297,164 +229,19 @@ class Speculation:
         reason, ends_step = self.search.rules.outcome(lineage, out.token_id, step.start, is_last_step=runs_to_end)
         if reason is not None or ends_step:
             step.end, step.finish = len(lineage.seq.token_ids), reason
-            self.projection = None
-            self._completed(step.step, reason is not None)
+            self.ranking.changed()
+            self.ranking.completed(step.step, reason is not None)
             if reason is None:
                 step.score = self.search.outlook.score_ahead(step.logprobs)
-                self._reached(lineage, step.end, step.step)
+                self.ranking.reached(lineage, step.end, step.step)
             self._go_on(lineage)
         elif lineage in self.yielding:  # parks, wanted again to decode the rest of its step as ranked before
             rank, minus_potential = self.running[lineage]
             self._end(lineage)
-            if lineage not in self.doomed:
-                self._want(step.step, lineage, 0, None, -minus_potential, rank)
+            self.ranking.want(step.step, lineage, 0, None, -minus_potential, rank)
             self._fill(freed=1)
         elif not self._may_run():
             self._end(lineage)
-
-    # -- what is wanted ---------------------------------------------------------------------------
-    def _walk(self, lineage: Lineage) -> None:
-        """Want what `lineage` and everything below it may decode next: the step it began, or those
-        past the last step it completed."""
-        if isinstance(lineage, SearchPath) and self.steps_ahead(lineage):
-            self._reached(lineage, lineage.step_end, self.search.step_index, itself=False)
-        for ahead in self.steps_ahead(lineage)[:-1]:  # (it went on past them: they are complete)
-            self._reached(lineage, ahead.end, ahead.step, itself=False)
-        if self.steps_ahead(lineage):
-            last = self.steps_ahead(lineage)[-1]
-            if last.end is None:
-                self._want(last.step, lineage, 0, None, self._potential(lineage, last.step - 1))
-            elif last.finish is None:
-                self._reached(lineage, last.end, last.step)
-        elif isinstance(lineage, SearchPath):
-            self._reached(lineage, lineage.step_end, self.search.step_index)
-        for branch in list(self.branches.get(lineage, {}).values()):
-            self._walk(branch)
-
-    def _reached(self, lineage: Lineage, at: int, step: int, itself: bool = True) -> None:
-        """`lineage`'s tokens complete step `step` at token index `at` (its score there is known where it
-        is free): it may go on as itself, and branches may fork there for the children a survivor will
-        get (`_want_children`)."""
-        if self.search.outlook.step_shape(step + 1) is None:
-            return
-        score = self._score(lineage, step)
-        if score is not None:
-            self.known.setdefault(step, {})[lineage.seed_key] = score
-        potential = self._potential(lineage, step)
-        if itself:
-            self._want(step + 1, lineage, 0, at, potential)
-        if isinstance(lineage, SearchPath) and step == self.search.step_index and lineage not in self.reached:
-            self.reached.append(lineage)
-        if self._expands(lineage, step):
-            if step > self.search.step_index:
-                self.later.setdefault(step, {})[lineage] = at
-            self._want_children(lineage, at, step, potential, 1, self.counts.at(step))
-
-    def path_ended(self) -> None:
-        """A path ended the step being decoded, or finished (or a group opened): the paths surely pruned
-        now stop (`_doom`), and if fewer paths may settle live, the paths that ended the step want more
-        children."""
-        step = self.search.step_index
-        if not self.is_open or self.search.outlook.step_shape(step + 1) is None:
-            return
-        self._doom()
-        self.projection = None
-        grown = self.counts.sure_grew()
-        if grown is None:
-            return
-        before, limit = grown
-        for path in self.reached:
-            if not path.is_done and self._expands(path, step):
-                self._want_children(path, path.step_end, step, self._potential(path, step), before, limit)
-        self._fill()
-
-    def _completed(self, step: int, finished: bool) -> None:
-        """A speculative lineage completed step `step`, `finished` there or not: if that makes more
-        children likely for the survivors of a later step, the lineages that completed it want them."""
-        grown = self.counts.completed(step, finished)
-        if grown is None:
-            return
-        before, limit = grown
-        for lineage, at in list(self.later.get(step, {}).items()):
-            if lineage not in self.doomed:
-                self._want_children(lineage, at, step, self._potential(lineage, step), before, limit)
-
-    def _doom(self) -> None:
-        """The paths that ended the step and are surely pruned when it settles (a free verifier's scores
-        tell: `StepOutlook.surely_pruned`) want nothing more, nor does anything below them; what of
-        it runs yields its slot at its next token, not to be wanted again. (The rule takes paths of one
-        text to have one score; were it ever wrong, a child would decode after the settling instead of
-        ahead: the same tokens, later.) The scores are those `_reached` read; a path without one counts
-        as not there, which can only leave a path not doomed."""
-        step = self.search.step_index
-        known = self.known.get(step, {})
-        scores = {p: known[p.seed_key] for p in self.reached
-                  if not p.is_done and self._expands(p, step) and p.seed_key in known}
-        for path in self.search.outlook.surely_pruned(scores) - self.doomed if scores else ():
-            below, todo = set(), [path]
-            while todo:
-                lineage = todo.pop()
-                below.add(lineage)
-                todo.extend(self.branches.get(lineage, {}).values())
-            self.doomed |= below
-            self.wants = [w for w in self.wants if w[4] not in below]
-            self.yielding |= below & self.running.keys()
-
-    def _want_children(self, lineage: Lineage, at: int, step: int, potential: int, first: int, limit: int) -> None:
-        """Want `lineage`'s children `first` to `limit` - 1 at step `step`'s end (token index `at`), those
-        within its potential (scaled to `limit` children) ranked with the next step, the others after."""
-        within = -(-potential * limit // self.beam_width)
-        have = self.branches.get(lineage, {})
-        for ordinal in range(first, limit):
-            if (at, ordinal) not in have:
-                self._want(step + 1, lineage, ordinal, at, potential, step + 1 + (ordinal >= within))
-
-    def _expands(self, lineage: Lineage, step: int) -> bool:
-        """Whether `lineage` may have children at step `step`'s end (the greedy anchor never has)."""
-        shape = self.search.outlook.step_shape(step)
-        return shape is not None and shape[1] and not (isinstance(lineage, SearchPath) and lineage.uid == ANCHOR_UID)
-
-    def _potential(self, lineage: Lineage, step: int) -> int:
-        """Its most children at step `step`'s end: the bin of its score among `beam_width` equal bins of
-        the range of scores (the highest: `beam_width`; all of them where the scores do not differ). The
-        score is that of the step itself where the verifier's is free to read (`_score`), among the scores
-        of that step known so far; otherwise its last score among the step's paths' last scores, a
-        branch's its parent's potential. The greedy anchor never has children: it decodes on as itself
-        alone."""
-        if not self._expands(lineage, step):
-            return 1
-        score = self._score(lineage, step)
-        if score is not None:
-            known = [score, *self.known.get(step, {}).values()]
-            low, high = min(known), max(known)
-        elif isinstance(lineage, Branch):
-            return lineage.potential
-        elif lineage.step_scores and self.score_range is not None:
-            score, (low, high) = lineage.step_scores[-1], self.score_range
-        else:
-            return self.beam_width
-        if high <= low:
-            return self.beam_width
-        return min(self.beam_width, 1 + int((score - low) / (high - low) * self.beam_width))
-
-    def _score(self, lineage: Lineage, step: int) -> float | None:
-        """The verifier's score of `lineage`'s step `step`, where it is free to read before settling
-        (`StepOutlook.score_ahead`) and the step is complete; None otherwise."""
-        for ahead in self.steps_ahead(lineage):
-            if ahead.step == step:
-                return ahead.score
-        if isinstance(lineage, SearchPath) and step == self.search.step_index and lineage.step_end > lineage.step_start:
-            return self.search.outlook.score_ahead(lineage.chunk_logprobs)
-        return None
-
-    def _want(self, step: int, lineage: Lineage, ordinal: int, at: int | None, potential: int,
-              rank: int | None = None) -> None:
-        if lineage in self.doomed:
-            return
-        if rank is None:
-            rank = step + (ordinal >= max(1, potential))  # a child past its potential ranks with the next step
-        self.wants.append((rank, -potential, ordinal, self.num_asked, lineage, at, step))
-        self.num_asked += 1
 
     # -- slots ------------------------------------------------------------------------------------
     @property
@@ -473,11 +260,10 @@ class Speculation:
     def _go_on(self, lineage: Lineage) -> None:
         """`lineage`, holding a slot, completed a step (or ended): it goes on as itself where that is the
         first thing wanted, else its slot goes to what is."""
-        self.wants.sort(key=self._order)
-        first = self.wants[0] if self.wants else None
+        first = self.ranking.first()
         more = 0 if lineage in self.running else 1
         if first is not None and first[4] is lineage and first[2] == 0 and self._may_run(more):
-            self.wants.pop(0)
+            self.ranking.pop_first()
             self._run(lineage, first[5], first[6], first[:2], resume=False)
             self._fill()
             return
@@ -486,18 +272,17 @@ class Speculation:
 
     def _fill(self, freed: int = 0) -> None:
         """Start the wanted steps the idle slots allow (`freed`: slots given back in this plan, which the
-        engine does not count yet), the projection's first, then the nearest step and highest potential.
-        With no slot idle (or the cap reached), running lineages ranked after the first wants yield their
-        slots (`_make_way`)."""
-        self.wants.sort(key=self._order)
+        engine does not count yet), in the ranking's order. With no slot idle (or the cap reached), running
+        lineages ranked after the first wants yield their slots (`_make_way`)."""
+        self.ranking.put_in_order()
         started = 0
-        while self.wants and self.is_open:
+        while self.ranking.has_wants and self.is_open:
             host = self.search.host
             cap = host.speculative_row_cap(self.num_rows)
             if (cap is not None and self.num_rows >= cap) or host.num_idle_slots() + freed <= started:
                 self._make_way()
                 break
-            rank, minus_potential, ordinal, _, lineage, at, step = self.wants.pop(0)
+            rank, minus_potential, ordinal, _, lineage, at, step = self.ranking.pop_first()
             if ordinal and (at, ordinal) in self.branches.get(lineage, {}):
                 continue  # wanted again (sooner) and started meanwhile
             if ordinal == 0:
@@ -509,42 +294,14 @@ class Speculation:
     def _make_way(self) -> None:
         """No slot is idle: the running lineages ranked after wants yield their slots to them, each at
         its next token (then it parks, wanted again as it was), the last ranked first."""
-        projection = self._projected()
-        order = sorted(((not projection.decodes_path(lineage, self.steps_ahead(lineage)[-1].step), *key), i)
+        order = sorted((self.ranking.running_key(lineage, key), i)
                        for i, (lineage, key) in enumerate(self.running.items()) if lineage not in self.yielding)
         lineages = list(self.running)
-        for want in self.wants[len(self.yielding):len(self.yielding) + len(order)]:  # the first have their slots coming
+        for want in self.ranking.leading_keys(len(self.yielding), len(order)):  # the first have their slots coming
             key, i = order.pop()
-            if self._order(want)[:3] >= key:
+            if want >= key:
                 return
             self.yielding.add(lineages[i])
-
-    def _order(self, want: tuple) -> tuple:
-        """A want's place: first those the projection makes a path's step, then by rank, potential,
-        ordinal and the order asked."""
-        rank, minus_potential, ordinal, asked, lineage, at, step = want
-        projection = self._projected()
-        is_path = projection.decodes_path(lineage, step) if at is None else projection.wants_child(lineage, at, ordinal)
-        return not is_path, rank, minus_potential, ordinal, asked
-
-    def _projected(self) -> Projection:
-        """The search as the scores read so far settle it (`runtime.search.projection`), from the live
-        paths that ended the step being decoded with their free scores."""
-        if self.projection is None:
-            step = self.search.step_index
-            known = self.known.get(step, {})
-            first = [Candidate(p, p.step_end, p.step_scores + [known[p.seed_key]], p.text, p.uid, p.subtree)
-                     for p in self.reached if not p.is_done and p.seed_key in known and self._expands(p, step)]
-            self.projection = project(first, step, self.search.outlook.expansion_ahead, self._goes_on, self._child,
-                                      self.steps_ahead)
-        return self.projection
-
-    def _goes_on(self, step: int) -> bool:
-        shape = self.search.outlook.step_shape(step)
-        return shape is not None and shape[1] and self.search.outlook.step_shape(step + 1) is not None
-
-    def _child(self, lineage: Lineage, at: int, ordinal: int) -> Lineage | None:
-        return lineage if ordinal == 0 else self.branches.get(lineage, {}).get((at, ordinal))
 
     def _run(self, lineage: Lineage, at: int | None, step: int, key: tuple, resume: bool = True) -> None:
         """`lineage` decodes on: into step `step` from `at` (None: the step it began)."""
@@ -561,7 +318,7 @@ class Speculation:
         branch = Branch(self, parent.child_seed_key(ordinal, at), at, seq,
                         self.search.child_sampling(parent, ordinal, at), -key[1], [StepAhead(at, step)])
         seq.own(branch)
-        self.projection = None
+        self.ranking.changed()
         self.branches.setdefault(parent, {})[(at, ordinal)] = branch
         self.running[branch] = key
         self.search.plan.resume(seq)

@@ -13,8 +13,7 @@ from storage.block_pool import BlockPool
 
 
 def search(timeout_s, finished=False):
-    return SimpleNamespace(search=SimpleNamespace(timeout_s=timeout_s), deadline=None if timeout_s is None else 1.0,
-                           is_finished=finished)
+    return SimpleNamespace(search=SimpleNamespace(timeout_s=timeout_s), is_finished=finished)
 
 
 def test_no_cap_without_a_rate_or_a_deadline():

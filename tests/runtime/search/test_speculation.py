@@ -125,20 +125,22 @@ def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pru
     them orders what decodes first. The search is the one without
     speculation, for every seed."""
     from runtime.search.child_counts import ChildCounts
+    from runtime.search.ranking import LineageRanking
     from runtime.search.speculation import Speculation
 
-    import runtime.search.speculation as speculation
+    import runtime.search.ranking as ranking
 
     seen = {"yielded": 0, "past_width": 0, "scored_ahead": 0, "doomed": 0, "likely_grew": 0, "wanted_again": 0,
             "projected": 0}
-    project = speculation.project
+    project = ranking.project
 
     def watch_project(*args):
         projection = project(*args)
         seen["projected"] += bool(projection.children)
         return projection
-    make_way, want, score, doom = Speculation._make_way, Speculation._want, Speculation._score, Speculation._doom
-    completed, reached = ChildCounts.completed, Speculation._reached
+    make_way, want = Speculation._make_way, LineageRanking.want
+    score, doom = LineageRanking._score, LineageRanking._doom
+    completed, reached = ChildCounts.completed, LineageRanking.reached
 
     def watch_reached(self, lineage, at, step, itself=True):
         seen["wanted_again"] += not itself
@@ -169,12 +171,12 @@ def test_branches_yield_their_slots_fewer_survivors_want_more_and_the_surely_pru
         return found
 
     monkeypatch.setattr(Speculation, "_make_way", watch_make_way)
-    monkeypatch.setattr(Speculation, "_want", watch_want)
-    monkeypatch.setattr(Speculation, "_score", watch_score)
-    monkeypatch.setattr(Speculation, "_doom", watch_doom)
+    monkeypatch.setattr(LineageRanking, "want", watch_want)
+    monkeypatch.setattr(LineageRanking, "_score", watch_score)
+    monkeypatch.setattr(LineageRanking, "_doom", watch_doom)
     monkeypatch.setattr(ChildCounts, "completed", watch_completed)
-    monkeypatch.setattr(Speculation, "_reached", watch_reached)
-    monkeypatch.setattr(speculation, "project", watch_project)
+    monkeypatch.setattr(LineageRanking, "reached", watch_reached)
+    monkeypatch.setattr(ranking, "project", watch_project)
     engines = {speculative: engine_for(tiny_llama, num_blocks=1024, max_num_seqs=12, speculative_extension=speculative)
                for speculative in (False, True)}
     for seed in (11, 12, 13):

@@ -72,7 +72,7 @@ def test_lookahead_verification_scores_speculated_steps_once_and_changes_nothing
     store = engine.scorers[name]
     assert controller.spec_tokens["used"] > 0 and store.scores_ahead > 0
     # Scores read ahead are used only when the path goes on to that step (here, for the first family).
-    assert controller.scores_ahead <= store.scores_ahead
+    assert controller.verification.scores_ahead <= store.scores_ahead
     if name == "shepherd":
-        assert controller.scores_ahead > 0
+        assert controller.verification.scores_ahead > 0
     assert engine.scorers[name].pool.num_used == 0
