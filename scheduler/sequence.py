@@ -44,6 +44,14 @@ class Sequence:
         """Its owner, named once the owner exists (an owner made around a sequence already forked)."""
         self.owner = owner
 
+    def recompute(self) -> None:
+        """Count none of its tokens as computed: their KV is to be written again from the first."""
+        self.num_computed_tokens = 0
+
+    def computed(self, tokens: int) -> None:
+        """`tokens` more of its tokens have their KV written."""
+        self.num_computed_tokens += tokens
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens

@@ -31,11 +31,15 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         # Called with (block_id, hash) just before a cached block is reclaimed, so a lower tier can
         # keep its contents (the block's KV is still intact at that moment).
-        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.on_evict: Callable[[int, BlockHash], None] | None = None  # (`notify_evictions`)
         self.num_evictions = 0
         # Bumped each time a block is allocated: (id, generation) names one incarnation of a block,
         # so a record kept about a block's contents can tell it still describes them.
         self.generations = [0] * num_blocks
+
+    def notify_evictions(self, hook: Callable[[int, BlockHash], None] | None) -> None:
+        """Call `hook(block_id, hash)` just before each cached block is reclaimed (None: no one)."""
+        self.on_evict = hook
 
     # -- queries ------------------------------------------------------------------------------
     @property

@@ -180,11 +180,11 @@ class HeadwiseResidency:
         self.num_rebuilt += 1
         self._close_store()
         self._start(seq)
-        seq.num_computed_tokens = 0
+        seq.recompute()
         while seq.num_computed_tokens < target:
             entry = self._next(seq)
             self.host.runner.execute([entry], [], [])
-            seq.num_computed_tokens += entry.num_new_tokens
+            seq.computed(entry.num_new_tokens)
 
     def _start(self, seq: Sequence) -> None:
         cache = self.host.cache

@@ -44,7 +44,7 @@ class TieredPrefixCache:
         self.seconds_stalled = 0.0  # the engine loop blocked on demotions and promotions
         self.transfers = TransferEngine(chain, device=cache.device)
         self._in_flight: list[Future] = []  # demotions handed to the transfer engine, not yet awaited
-        pool.on_evict = self._demote
+        pool.notify_evictions(self._demote)
 
     def check_integrity(self) -> None:
         """The tiers below compute agree with themselves (storage.tiers)."""

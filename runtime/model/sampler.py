@@ -46,7 +46,7 @@ class SamplingState:
     """What sampling needs to remember about one sequence."""
 
     def __init__(self, params: SamplingParams, seed: int, device: torch.device, track_logprobs: bool = False,
-                 confidence_k: int = 0) -> None:
+                 confidence_k: int = 0, constraint=None) -> None:
         self.params = params
         self.seed = seed  # the key of the keyed draws (on a CUDA device, see `sample`)
         self.generator = torch.Generator(device=device)
@@ -56,7 +56,7 @@ class SamplingState:
         self.confidence_k = confidence_k  # > 0: report each token's confidence over this many top tokens
         # Its grammar's place (runtime.grammar.matcher.TokenConstraint), or None: the engine turns it into
         # the `allowed` mask `sample` takes and hands it each sampled token; the sampler never reads it.
-        self.constraint = None
+        self.constraint = constraint
 
 
 def _apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:

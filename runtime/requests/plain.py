@@ -48,10 +48,10 @@ class PlainRequests:
         if params.prompt_logprobs is not None:
             state.prompt_scores = [None] * len(ids)
         for index in range(params.n):
-            sampling = SamplingState(params, derive_seed(params.seed, index), self.device)
-            sampling.constraint = grammar.start() if grammar is not None else None
+            constraint = grammar.start() if grammar is not None else None
             if thinking is not None:
-                sampling.constraint = thinking.constraint(sampling.constraint, params.thinking_token_budget)
+                constraint = thinking.constraint(constraint, params.thinking_token_budget)
+            sampling = SamplingState(params, derive_seed(params.seed, index), self.device, constraint=constraint)
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
             state.choices.append(ChoiceState(state, index, sampling, detok, self))
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])

@@ -58,9 +58,10 @@ class Rollouts:
         for path in paths:
             seq = search.plan.fork(path.seq, path.step_end)
             greedy = msgspec.structs.replace(search.params, temperature=0.0)
-            sampling = SamplingState(greedy, 0, search.host.device, track_logprobs=True)
-            if path.sampling.constraint is not None:  # the look-ahead keeps to the grammar from the step's end
-                sampling.constraint = path.sampling.constraint.fork(path.step_end - len(search.prompt_ids))
+            constraint = path.sampling.constraint  # the look-ahead keeps to the grammar from the step's end
+            sampling = SamplingState(greedy, 0, search.host.device, track_logprobs=True,
+                                     constraint=None if constraint is None else
+                                     constraint.fork(path.step_end - len(search.prompt_ids)))
             run = Lookahead(path, seq, sampling, len(seq.token_ids), search.search.lookahead, len(seq.token_ids))
             seq.own(run)
             self.runs.add(run)

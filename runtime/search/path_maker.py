@@ -35,12 +35,12 @@ class PathMaker:
     def first(self, seq: Sequence, subtree: int, *, anchor: bool = False) -> SearchPath:
         """An initial path on `seq` (the prompt forked), or the greedy anchor beside them."""
         uid = ANCHOR_UID if anchor else self._uid()
+        constraint = self.grammar.start() if self.grammar is not None else None
+        if self.thinking is not None:
+            constraint = self.thinking.constraint(constraint, self.params.thinking_token_budget)
         sampling = SamplingState(anchor_params(self.params) if anchor else self.params,
                                  derive_seed(self.params.seed, uid), self.device, track_logprobs=True,
-                                 confidence_k=self.confidence_k)
-        sampling.constraint = self.grammar.start() if self.grammar is not None else None
-        if self.thinking is not None:
-            sampling.constraint = self.thinking.constraint(sampling.constraint, self.params.thinking_token_budget)
+                                 confidence_k=self.confidence_k, constraint=constraint)
         start = len(seq.token_ids)
         return self._made(SearchPath(self.events, uid, subtree, seq, sampling, self.search.aggregation,
                                      step_start=start, step_end=start, chunk_start=start, seed_key=(uid,)))
@@ -62,11 +62,10 @@ class PathMaker:
         end): its seed, and its grammar forked there (a speculative branch decoding the child before it
         exists gets this very state; `parent` may be such a branch itself)."""
         at = parent.step_end if at is None else at
-        sampling = SamplingState(self.params, derive_seed(self.params.seed, *parent.child_seed_key(ordinal, at)),
-                                 self.device, track_logprobs=True, confidence_k=self.confidence_k)
-        if parent.sampling.constraint is not None:  # not its tokens past `at`
-            sampling.constraint = parent.sampling.constraint.fork(at - self.prompt_len)
-        return sampling
+        constraint = parent.sampling.constraint  # forked at `at`: not its tokens past it
+        return SamplingState(self.params, derive_seed(self.params.seed, *parent.child_seed_key(ordinal, at)),
+                             self.device, track_logprobs=True, confidence_k=self.confidence_k,
+                             constraint=None if constraint is None else constraint.fork(at - self.prompt_len))
 
     def _uid(self) -> int:
         self.next_uid += 1
