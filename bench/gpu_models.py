@@ -1,5 +1,6 @@
-"""The models the device check (bench/gpu.py) decodes: random llamas of published shapes, made on the
-device (nothing downloaded), and the helpers its steps share."""
+"""The models the device check (bench/gpu.py) decodes: random llamas of published shapes made on the
+device (nothing downloaded), random 4-bit blocks in their linear layers, the embedded model (dequantized,
+or with its blocks kept on the device), and the helpers its steps share."""
 
 from __future__ import annotations
 
