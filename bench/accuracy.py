@@ -380,7 +380,7 @@ def runtime_options(model: str | None, config: str | None, deterministic: bool =
     as the other benchmarks run; with it: what `ponder serve --config` would load, reward models too.
     `deterministic` insists on batch invariance, as `ponder serve --deterministic` does (without it,
     the default: invariant wherever the device can be)."""
-    from runtime.wire.protocol import RuntimeOptions
+    from runtime.wire.options import RuntimeOptions
 
     if config is None:
         return RuntimeOptions(model=model, device="cpu", batch_invariant=True if deterministic else "auto"), VERIFIERS

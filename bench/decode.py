@@ -40,7 +40,8 @@ from runtime.model import attention
 from runtime.bootstrap import build_engine
 from runtime.model.loader import load_causal_lm, resolve_model
 from runtime.wire.params import SamplingParams
-from runtime.wire.protocol import GenerateRequest, RuntimeOptions
+from runtime.wire.protocol import GenerateRequest
+from runtime.wire.options import RuntimeOptions
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 PONDER = {"default": {}, "not-invariant": {"batch_invariant": False}, "float32": {"quantize": "none"},

@@ -22,7 +22,8 @@ from bench.report import emit
 from runtime.model import attention
 from runtime.bootstrap import build_engine
 from runtime.wire.params import SamplingParams
-from runtime.wire.protocol import GenerateRequest, RuntimeOptions
+from runtime.wire.protocol import GenerateRequest
+from runtime.wire.options import RuntimeOptions
 from runtime.model.quantize import QUANTIZE_MODES
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "declaration.txt"

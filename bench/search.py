@@ -41,7 +41,8 @@ from bench.threads import torch_threads
 from runtime.model import attention
 from runtime.bootstrap import build_engine
 from runtime.wire.params import SamplingParams, SearchParams
-from runtime.wire.protocol import Delta, Finished, GenerateRequest, RuntimeOptions
+from runtime.wire.protocol import Delta, Finished, GenerateRequest
+from runtime.wire.options import RuntimeOptions
 from runtime.search.aggregate import aggregate, normalize_step, refill
 from runtime.search.answers import Candidate, extract_answer, select
 from runtime.search.strategies import drop_duplicates, rank

@@ -31,7 +31,8 @@ from bench.decode import chat_prompt_ids
 from bench.report import emit, kernel_isa
 from runtime.bootstrap import build_engine
 from runtime.wire.params import Constraint, SamplingParams
-from runtime.wire.protocol import GenerateRequest, RuntimeOptions
+from runtime.wire.protocol import GenerateRequest
+from runtime.wire.options import RuntimeOptions
 
 SCHEMA = {"type": "object", "properties": {"notes": {
     "type": "array", "items": {"type": "string", "maxLength": 40}, "minItems": 64}}, "required": ["notes"]}

@@ -20,7 +20,8 @@ from storage.kv_cache import kv_shape_of
 from runtime.model.loader import (
     CheckpointMismatch, SettingError, check_causal_lm, pick_device, pick_dtype, resolve_model,
 )
-from runtime.wire.protocol import RuntimeOptions, SettingsChecked, decode_options
+from runtime.wire.protocol import SettingsChecked
+from runtime.wire.options import RuntimeOptions, decode_options
 from runtime.model.quantize import check_device, check_mode
 from runtime.model import families, generation_config
 

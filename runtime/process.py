@@ -24,8 +24,9 @@ import traceback
 from runtime.wire.framing import recv_frame, send_frame
 from runtime.wire.protocol import (
     AbortRequest, DetokenizeRequest, GenerateRequest, LoadFailed, Ready, RequestError, RewardRequest, Shutdown,
-    TokenizeRequest, decode_options, decode_to_runtime, encode,
+    TokenizeRequest, decode_to_runtime, encode,
 )
+from runtime.wire.options import decode_options
 
 log = logging.getLogger("ponder.runtime")
 

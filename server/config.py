@@ -12,7 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from runtime.wire.protocol import RuntimeOptions, check_template_kwargs
+from runtime.wire.protocol import check_template_kwargs
+
+from runtime.wire.options import RuntimeOptions
 
 
 class _Section(BaseModel):

@@ -51,6 +51,6 @@ def activation_reserve(text_config, num_tokens: int, num_logit_rows: int, max_mo
 
 
 def sizes_from_device(options, device) -> bool:
-    """Whether the generator's KV pool is sized from the device's memory (runtime.wire.protocol.RuntimeOptions:
+    """Whether the generator's KV pool is sized from the device's memory (runtime.wire.options.RuntimeOptions:
     a `gpu_memory_fraction`, no `num_blocks`, on CUDA) rather than from `kv_memory_bytes`."""
     return device.type == "cuda" and options.num_blocks is None and options.gpu_memory_fraction is not None

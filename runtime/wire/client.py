@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from runtime.wire.framing import HEADER, recv_frame, send_frame
 from runtime.wire.protocol import (
     AbortRequest, Accepted, Delta, Detokenized, DetokenizeRequest, Finished, FromRuntime, GenerateRequest, LoadFailed,
-    LoadProgress, Ready, RequestError, Rewarded, RewardRequest, RuntimeOptions, RuntimeStats, SearchEvent, SearchTree,
+    LoadProgress, Ready, RequestError, Rewarded, RewardRequest, RuntimeStats, SearchEvent, SearchTree,
     SettingsChecked, Shutdown, Tokenized, TokenizeRequest, decode_from_runtime, encode,
 )
+from runtime.wire.options import RuntimeOptions
 
 log = logging.getLogger("ponder.client")
 

@@ -6,7 +6,8 @@ import torch
 
 from runtime.bootstrap import build_engine
 from runtime.wire.params import SamplingParams
-from runtime.wire.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError, RuntimeOptions
+from runtime.wire.protocol import Accepted, Delta, Finished, GenerateRequest, RequestError
+from runtime.wire.options import RuntimeOptions
 
 
 def engine_for(path, **options):

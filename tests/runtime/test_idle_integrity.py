@@ -11,7 +11,8 @@ import pytest
 
 from runtime import process
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import Finished, RuntimeOptions
+from runtime.wire.protocol import Finished
+from runtime.wire.options import RuntimeOptions
 from tests.runtime.engine_helpers import request
 
 

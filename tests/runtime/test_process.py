@@ -17,8 +17,9 @@ from runtime import process
 from runtime.wire.framing import recv_frame, send_frame
 from runtime.wire.params import SamplingParams
 from runtime.wire.protocol import (
-    GenerateRequest, Ready, RequestError, RuntimeOptions, SettingsChecked, decode_from_runtime, encode,
+    GenerateRequest, Ready, RequestError, SettingsChecked, decode_from_runtime, encode,
 )
+from runtime.wire.options import RuntimeOptions
 
 
 class FakeEngine:

@@ -13,7 +13,7 @@ from runtime import bootstrap
 from runtime.bootstrap import build_engine, device_kv_bytes
 from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.model.loader import SettingError
-from runtime.wire.protocol import RuntimeOptions
+from runtime.wire.options import RuntimeOptions
 from server.config import Settings
 
 GIB, MIB = 1 << 30, 1 << 20

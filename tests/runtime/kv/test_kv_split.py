@@ -11,7 +11,7 @@ import pytest
 
 from runtime.bootstrap import build_engine
 from runtime.kv.kv_split import default_workload, model_cost
-from runtime.wire.protocol import RuntimeOptions
+from runtime.wire.options import RuntimeOptions
 from scheduler.roofline import ModelCost, Workload
 from tests.conftest import build_model
 

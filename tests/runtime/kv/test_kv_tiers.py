@@ -4,7 +4,7 @@ import os
 import stat
 
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import RuntimeOptions
+from runtime.wire.options import RuntimeOptions
 from storage.block_hash import hash_blocks
 from tests.runtime.engine_helpers import hf_greedy, request, run
 

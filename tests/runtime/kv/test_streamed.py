@@ -90,7 +90,7 @@ def test_bad_granularity_or_budget_stops_start_up(deep_llama):
 
 def test_the_start_up_check_names_the_budget_setting(deep_llama):
     from runtime.preflight import check
-    from runtime.wire.protocol import RuntimeOptions
+    from runtime.wire.options import RuntimeOptions
 
     check(RuntimeOptions(model=str(deep_llama), device="cpu", block_size=4, num_blocks=8, max_model_len=160, kv_granularity="head"))
     with pytest.raises(SettingError, match=r"^scheduler\.kv_granularity = head: a compute budget of 8 blocks cannot "

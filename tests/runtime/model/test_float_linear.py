@@ -194,7 +194,7 @@ def test_layers_the_kernel_cannot_take_keep_torch_s_and_the_line_says_how_many()
 
 def test_a_reward_model_on_a_cpu_runs_its_float_layers_in_the_kernel(tiny_llama, tmp_path):
     from runtime.bootstrap import build_engine
-    from runtime.wire.protocol import RuntimeOptions
+    from runtime.wire.options import RuntimeOptions
     from tests.conftest import build_model
 
     prm = build_model(tmp_path / "prm", "qwen2", seed=2, layers=3)

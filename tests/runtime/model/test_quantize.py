@@ -138,7 +138,7 @@ def test_a_layer_computes_with_the_weights_its_codes_stand_for(mode):
 
 def test_the_start_up_check_refuses_an_unknown_mode_before_anything_loads():
     from runtime.preflight import check
-    from runtime.wire.protocol import RuntimeOptions
+    from runtime.wire.options import RuntimeOptions
 
     check(RuntimeOptions(device="cpu", quantize="int4"))
     with pytest.raises(QuantizeError, match=r"^model\.quantize = 'int3' is not one of auto, none, int8, int4$"):
@@ -147,7 +147,7 @@ def test_the_start_up_check_refuses_an_unknown_mode_before_anything_loads():
 
 def test_the_start_up_check_refuses_quantization_off_the_cpu(monkeypatch):
     import runtime.preflight as preflight
-    from runtime.wire.protocol import RuntimeOptions
+    from runtime.wire.options import RuntimeOptions
 
     monkeypatch.setattr(preflight, "pick_device", lambda device: torch.device(device))  # as on a GPU machine
     monkeypatch.setattr(preflight, "pick_dtype", lambda dtype, device: torch.bfloat16)

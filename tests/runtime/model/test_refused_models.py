@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from runtime.model import families
 from runtime.preflight import MODEL_REFUSED, problem
-from runtime.wire.protocol import RuntimeOptions
+from runtime.wire.options import RuntimeOptions
 from tests.replicas.generators import write_generator
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -4,7 +4,7 @@ compute budget, speculative extension or the tier a block came back from."""
 import pytest
 import torch
 
-from runtime.wire.protocol import RuntimeOptions
+from runtime.wire.options import RuntimeOptions
 from tests.runtime.engine_helpers import engine_for
 from tests.runtime.search.test_search_engine import engine_choices, run_search, search_request
 

@@ -18,7 +18,7 @@ PENCILS = "Sara has 12 pencils and gives away 5. How many pencils does she have 
 def embedded():
     from runtime.bootstrap import build_engine
     from runtime.model.loader import ModelNotFound
-    from runtime.wire.protocol import RuntimeOptions
+    from runtime.wire.options import RuntimeOptions
 
     try:
         engine, _ = build_engine(RuntimeOptions(model=None, device="cpu", batch_invariant=True))

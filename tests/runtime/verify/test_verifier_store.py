@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from runtime.bootstrap import build_engine
-from runtime.wire.protocol import RuntimeOptions
+from runtime.wire.options import RuntimeOptions
 from runtime.verify.verifiers.registry import load_verifier
 from tests.runtime.search.reference import ReferenceSearch
 from tests.runtime.search.test_search_engine import QUESTION, engine_choices, run_search, search_request
