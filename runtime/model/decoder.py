@@ -1,5 +1,5 @@
-"""A lean forward pass for llama-family decoders (llama, qwen2, qwen3, smollm3, qwen3_moe, gemma3_text) over the paged KV
-cache.
+"""A lean forward pass for llama-family decoders over the paged KV cache (llama, qwen2, qwen3, smollm3,
+qwen3_moe, gemma3_text).
 
 transformers' modules spend most of a small model's decode step on Python and on many small
 operators: three projections where one matmul would do, rotary embeddings applied to queries and
@@ -209,12 +209,14 @@ class LeanDecoder:
         # With ponder's float kernel throughout, the Python loop stays the float one (its own norms
         # and adds), and a step the decode kernel wholly attends is one stack-kernel call too (float32
         # or bfloat16 activations).
-        self.floats = self.kernel_form and not self.int4 and self.kernel_layers(FloatLinear, sources, (torch.float32, torch.bfloat16))
+        self.floats = self.kernel_form and not self.int4 and \
+            self.kernel_layers(FloatLinear, sources, (torch.float32, torch.bfloat16))
         if self.int4 or self.floats:
             for layer, (o_proj, down) in zip(self.layers, sources):
                 layer.o_module, layer.down_module = o_proj, down
         head = self.head
-        self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
+        self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None and \
+            self.final_softcap is None else None
         self.stack = LayerStack.build(self) if self.int4 or self.floats else None
         # The Triton kernels' layer loop for a GPU's decode steps (runtime.model.gpu_layers), where a runner
         # asks for it (`use_gpu_layers`); None: the loops below
@@ -254,7 +256,8 @@ class LeanDecoder:
         if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", None):
             return None
         base = getattr(model, "base_model", None)
-        if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")) \
+                or norm_of(base.norm) is None:
             return None
         if not isinstance(getattr(model, "lm_head", None), nn.Module):
             return None
