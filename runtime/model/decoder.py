@@ -1,4 +1,5 @@
-"""A lean forward pass for llama-family decoders (llama, qwen2, qwen3, smollm3, qwen3_moe) over the paged KV cache.
+"""A lean forward pass for llama-family decoders over the paged KV cache (llama, qwen2, qwen3, smollm3,
+qwen3_moe, gemma3_text).
 
 transformers' modules spend most of a small model's decode step on Python and on many small
 operators: three projections where one matmul would do, rotary embeddings applied to queries and
@@ -29,7 +30,10 @@ between the qkv projection and the rotary, as transformers runs them; SmolLM3's 
 rotary; a layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel
 does the same, in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts'
 `RoutedMLP` (transformers' reference loop's arithmetic, rows grouped by expert); a model with one has
-no stack kernel, its steps run the Python loop.
+no stack kernel, its steps run the Python loop. So do Gemma 3's (gemma3_text): its (1 + w) norms
+(runtime.model.norms), the norms of the attention's and the MLP's outputs, GeGLU, and a rotary of
+their own for its sliding layers are the Python loop's only; its scaled embedding is its module's
+call, `query_pre_attn_scalar` its layers' scaling, and its final soft-capping (if set) follows the head.
 
 A model it does not know (another architecture, a projection it cannot fuse) is run by transformers'
 forward; `LeanDecoder.build` says which by returning None.
@@ -37,6 +41,7 @@ forward; `LeanDecoder.build` says which by returning None.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +54,10 @@ from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.block_embedding import embedding_dtype
 from runtime.model.experts import RoutedMLP
 from runtime.model.float_layers import FloatLinear
+from runtime.model.norms import Norm, is_kernel_form, norm_of
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes
 
 
@@ -114,28 +120,13 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
 
 
 @dataclass
-class _Norm:
-    weight: torch.Tensor
-    eps: float
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm / Qwen2RMSNorm, operator for operator (conversions that change
-        # nothing are skipped)
-        wide = hidden.dtype == torch.float32
-        x = hidden if wide else hidden.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * (x if wide else x.to(hidden.dtype))
-
-
-@dataclass
 class _Layer:
     index: int
     scaling: float
-    input_norm: _Norm
+    input_norm: Norm
     qkv: Projections
     o_proj: object  # rows_call of the layer
-    post_norm: _Norm
+    post_norm: Norm
     gate_up: Projections | None  # None (and act, down too) where the MLP is routed over experts (`moe`)
     act: nn.Module | None
     down: object
@@ -146,11 +137,22 @@ class _Layer:
     down_module: QuantizedLinear | None = None
     # Qwen3's RMS norms over each query and key head (None: none), whether the layer rotates its
     # queries and keys (SmolLM3's NoPE layers do not), its sliding window (None: full attention)
-    q_norm: _Norm | None = None
-    k_norm: _Norm | None = None
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
     rotary: bool = True
     window: int | None = None
     moe: RoutedMLP | None = None
+    # Gemma 3's norms of the attention's and the MLP's outputs before each residual add (its
+    # post_attention_layernorm and post_feedforward_layernorm; `post_norm` is then its
+    # pre_feedforward_layernorm), and the rotary its layer type has (None: the model's one rotary)
+    attn_out_norm: Norm | None = None
+    mlp_out_norm: Norm | None = None
+    rope: str | None = None
+
+    def is_kernel_form(self) -> bool:
+        """Whether ponder's kernels, which fuse llama's norm into a projection, compute this layer."""
+        return self.attn_out_norm is None and self.mlp_out_norm is None and \
+            is_kernel_form(self.input_norm, self.post_norm, self.q_norm, self.k_norm)
 
     def queries_and_keys(self, qk: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`qk` [T, H + KVH, D] (the qkv projection's queries then keys) normed per head and rotated as
@@ -171,8 +173,11 @@ class LeanDecoder:
         config = model.config
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
-        self.norm = _Norm(base.norm.weight, base.norm.variance_epsilon)
+        self.norm = norm_of(base.norm)
         self.head = model.lm_head
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
+        # Gemma 3's rotary takes the layer's type: sliding layers have their own base (rope_local_base_freq)
+        per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -180,30 +185,38 @@ class LeanDecoder:
         for layer in base.layers[:config.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
             moe = RoutedMLP(mlp) if RoutedMLP.takes(mlp) else None
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")
             self.layers.append(_Layer(
-                attn.layer_idx, attn.scaling,
-                _Norm(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
+                attn.layer_idx, attn.scaling, norm_of(layer.input_layernorm),
                 Projections([attn.q_proj, attn.k_proj, attn.v_proj]), rows_call(attn.o_proj),
-                _Norm(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
+                norm_of(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
                 *((None, None, None) if moe else (Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn,
                                                   rows_call(mlp.down_proj))),
-                q_norm=head_norm(attn, "q_norm"), k_norm=head_norm(attn, "k_norm"),
+                q_norm=norm_of(getattr(attn, "q_norm", None)), k_norm=norm_of(getattr(attn, "k_norm", None)),
                 rotary=bool(getattr(attn, "use_rope", True)), window=getattr(attn, "sliding_window", None) or None,
-                moe=moe))
+                moe=moe, attn_out_norm=norm_of(layer.post_attention_layernorm) if sandwich else None,
+                mlp_out_norm=norm_of(layer.post_feedforward_layernorm) if sandwich else None,
+                rope=config.layer_types[attn.layer_idx] if per_type else None))
+        self.rope_kinds = tuple(dict.fromkeys(layer.rope for layer in self.layers))
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
         # also apply the norms and add the residuals (see the module docstring).
         sources = [(layer.self_attn.o_proj, getattr(layer.mlp, "down_proj", None))
                    for layer in base.layers[:config.num_hidden_layers]]
-        self.int4 = self.kernel_layers(Int4Linear, sources, (torch.float32,))
+        # (ponder's kernels compute llama's norms and one rotary: Gemma 3's layers run the Python loop)
+        self.kernel_form = len(self.rope_kinds) == 1 and is_kernel_form(self.norm) and \
+            all(layer.is_kernel_form() for layer in self.layers)
+        self.int4 = self.kernel_form and self.kernel_layers(Int4Linear, sources, (torch.float32,))
         # With ponder's float kernel throughout, the Python loop stays the float one (its own norms
         # and adds), and a step the decode kernel wholly attends is one stack-kernel call too (float32
         # or bfloat16 activations).
-        self.floats = not self.int4 and self.kernel_layers(FloatLinear, sources, (torch.float32, torch.bfloat16))
+        self.floats = self.kernel_form and not self.int4 and \
+            self.kernel_layers(FloatLinear, sources, (torch.float32, torch.bfloat16))
         if self.int4 or self.floats:
             for layer, (o_proj, down) in zip(self.layers, sources):
                 layer.o_module, layer.down_module = o_proj, down
         head = self.head
-        self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None else None
+        self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None and \
+            self.final_softcap is None else None
         self.stack = LayerStack.build(self) if self.int4 or self.floats else None
         # The Triton kernels' layer loop for a GPU's decode steps (runtime.model.gpu_layers), where a runner
         # asks for it (`use_gpu_layers`); None: the loops below
@@ -211,7 +224,7 @@ class LeanDecoder:
 
     def use_gpu_layers(self) -> bool:
         """Run every step the Triton kernels' loop covers there; False where the layers are not of its form."""
-        if self.gpu is None:
+        if self.gpu is None and self.kernel_form:
             from runtime.model.gpu_layers import GpuLayers
 
             self.gpu = GpuLayers.build(self)
@@ -238,8 +251,13 @@ class LeanDecoder:
         if getattr(config, "model_type", None) not in ARCHITECTURES or \
                 (config.model_type == "llama" and getattr(config, "pretraining_tp", 1) != 1):
             return None
+        # (transformers' Gemma 3 keeps `attn_logit_softcapping` without applying it: its forward stays the
+        # judge of what such a config means; a bidirectional one is refused before load, runtime.model.families)
+        if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", None):
+            return None
         base = getattr(model, "base_model", None)
-        if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")) \
+                or norm_of(base.norm) is None:
             return None
         if not isinstance(getattr(model, "lm_head", None), nn.Module):
             return None
@@ -247,7 +265,11 @@ class LeanDecoder:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if attn is None or mlp is None or hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
                 return None
-            if hasattr(attn, "q_norm") and (head_norm(attn, "q_norm") is None or head_norm(attn, "k_norm") is None):
+            norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm") if hasattr(layer, "pre_feedforward_layernorm") else \
+                ("input_layernorm", "post_attention_layernorm")
+            if any(norm_of(getattr(layer, n, None)) is None for n in norms) or \
+                    hasattr(attn, "q_norm") and (norm_of(attn.q_norm) is None or norm_of(attn.k_norm) is None):
                 return None
             if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling")):
                 return None
@@ -262,11 +284,8 @@ class LeanDecoder:
         """The final norm's output `[T, hidden]` for `input_ids` `[1, T]` at `positions` `[1, T]`
         (the residual stream before it with `normed=False`)."""
         hidden = self.embed(input_ids[0])  # (a GGUF's may keep its blocks: runtime.model.block_embedding)
-        cos, sin = self.rotary(hidden, position_ids=positions)
-        half = self.head_dim // 2
-        # transformers rotates x as x * cos + cat(-x2, x1) * sin; cat(x2, x1) * cat(-sin1, sin2) is the
-        # same bits ((-a) * b == a * (-b) exactly), one operator fewer a layer.
-        cos, sin = cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]  # [T, 1, D]
+        rotations = {kind: self.rotation(hidden, positions, kind) for kind in self.rope_kinds}
+        cos, sin = rotations[self.rope_kinds[0]]  # (the kernels' loops: models of one rotary only)
         num_tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.gpu is not None and self.gpu.covers(meta):
@@ -280,17 +299,27 @@ class LeanDecoder:
         for layer in self.layers:
             residual = hidden
             qk, v = layer.qkv.split_last(layer.input_norm(hidden))
-            qk = layer.queries_and_keys(qk.view(num_tokens, heads + kv_heads, dim), heads, cos, sin)
+            qk = layer.queries_and_keys(qk.view(num_tokens, heads + kv_heads, dim), heads, *rotations[layer.rope])
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v.view(num_tokens, kv_heads, dim),
                          layer.scaling, window=layer.window)
-            hidden = residual + layer.o_proj(out.view(num_tokens, heads * dim))
+            out = layer.o_proj(out.view(num_tokens, heads * dim))
+            hidden = residual + (out if layer.attn_out_norm is None else layer.attn_out_norm(out))
             residual = hidden
             if layer.moe is not None:
                 hidden = residual + layer.moe(layer.post_norm(hidden))
                 continue
             gate, up = layer.gate_up(layer.post_norm(hidden))
-            hidden = residual + layer.down(layer.act(gate) * up)
+            out = layer.down(layer.act(gate) * up)
+            hidden = residual + (out if layer.mlp_out_norm is None else layer.mlp_out_norm(out))
         return self.norm(hidden) if normed else hidden
+
+    def rotation(self, hidden: torch.Tensor, positions: torch.Tensor, kind: str | None):
+        """(cos, sin) `[T, 1, D]` of the rotary of layers of type `kind` (None: the model's one rotary)."""
+        cos, sin = self.rotary(hidden, position_ids=positions, **({} if kind is None else {"layer_type": kind}))
+        half = self.head_dim // 2
+        # transformers rotates x as x * cos + cat(-x2, x1) * sin; cat(x2, x1) * cat(-sin1, sin2) is the
+        # same bits ((-a) * b == a * (-b) exactly), one operator fewer a layer.
+        return cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
 
     def _int4_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
@@ -324,7 +353,10 @@ class LeanDecoder:
                keep: torch.Tensor) -> torch.Tensor:
         """The head's output `[len(keep), vocab]` at rows `keep` of the step."""
         if self.head_int4 is None:
-            return self.head(self.hidden_states(input_ids, positions, meta)[keep])
+            logits = self.head(self.hidden_states(input_ids, positions, meta)[keep])
+            if self.final_softcap is not None:  # Gemma's final soft-capping, transformers' three operators
+                logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            return logits
         stream = self.hidden_states(input_ids, positions, meta, normed=False)[keep]
         return self.head_int4.fused_rows(stream, self.norm.weight, self.norm.eps)
 
@@ -388,14 +420,6 @@ class LayerStack:
         return self.kernel(hidden, cos, sin,
                            self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,
                            meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx, float_isa())
-
-
-def head_norm(attn: nn.Module, name: str) -> _Norm | None:
-    """The attention's RMS norm `name` over each head (Qwen3's q_norm, k_norm), None where it has none
-    of the form transformers' Qwen3RMSNorm computes."""
-    norm = getattr(attn, name, None)
-    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    return None if weight is None or eps is None else _Norm(weight, eps)
 
 
 def scales(layer: QuantizedLinear) -> tuple:

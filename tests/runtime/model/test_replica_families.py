@@ -25,6 +25,8 @@ LONG = [{"role": "user", "content": "Tom has 5 apples and buys 3 more. Janet has
 # (Qwen3-MoE's experts run in ponder's kernels, row by row, under the default quantize: served with it,
 # runtime.model.experts; refused under quantize = "none".)
 ROUTED_EXPERTS = {"gpt_oss": "GptOssExperts"}
+# The families ponder's lean decoder runs (runtime.model.decoder); the others run transformers' forward.
+LEAN_DECODER = ("qwen3_moe", "gemma3_text", "smollm3")
 
 
 def invariance(family: str, requested: bool) -> bool:
@@ -38,9 +40,13 @@ def replica(request, tmp_path_factory):
     return family, directory, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-def served(directory, prompts, **options):
-    results = run(engine_for(directory, **options),
-                  [generate_request(str(i), p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)])
+def served(directory, prompts, family=None, **options):
+    """The greedy tokens the engine serves for `prompts`; with `family`, the engine is first held to
+    the forward the family runs (the lean decoder's or transformers')."""
+    engine = engine_for(directory, **options)
+    if family is not None:
+        assert (engine.runner.decoder is not None) == (family in LEAN_DECODER), family
+    results = run(engine, [generate_request(str(i), p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)])
     return [results[str(i)]["choices"][0] for i in range(len(prompts))]
 
 
@@ -50,7 +56,8 @@ def test_greedy_decoding_matches_transformers_generate(replica, batch_invariant)
     short, long = prompt_ids(directory, SHORT), prompt_ids(directory, LONG)
     assert len(long) > SLIDING_WINDOW + MAX_TOKENS
     expected = [hf_greedy(reference, p, MAX_TOKENS) for p in (short, long)]
-    assert served(directory, [short, long], batch_invariant=invariance(family, batch_invariant)) == expected, family
+    assert served(directory, [short, long], family, batch_invariant=invariance(family, batch_invariant)) == expected, \
+        family
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "phi3", "gpt_oss", "gemma4_text"])
@@ -100,6 +107,10 @@ def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
     # the lean decoder, its decode steps one call of the float stack kernel (NoPE layers and all)
     ("smollm3", {"family": "smollm3", "layers": "float_kernel", "linear": "float_kernel",
                  "attention": "cpu_kernel"}),
+    # the lean decoder's Python loop (Gemma's norms are not the stack kernel's), every projection in
+    # ponder's float kernel (the family is named without transformers' `_text`)
+    ("gemma3_text", {"family": "gemma3", "layers": "lean", "linear": "float_kernel",
+                     "attention": "cpu_kernel"}),
 ])
 def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog):
     from runtime.bootstrap import engine_paths
@@ -109,7 +120,8 @@ def test_start_up_names_the_path_each_part_takes(family, paths, tmp_path, caplog
         engine = engine_for(write_family(family, tmp_path / family), batch_invariant=False)
     assert engine_paths(engine) == paths
     assert f"paths: {describe(paths)}" in caplog.messages
-    assert describe(paths).startswith(f"family {family}: layers {paths['layers']}, linear float_kernel, attention ")
+    assert describe(paths).startswith(f"family {paths['family']}: layers {paths['layers']}, linear float_kernel, "
+                                      "attention ")
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])

@@ -1,0 +1,65 @@
+"""The RMS norms of the lean decoder (runtime.model.decoder), each transformers' arithmetic operator for
+operator (conversions that change nothing skipped), read once from the model's norm modules.
+
+- `RMSNorm`: LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (SmolLM3's too): normalised in float32, rounded
+  to the activations' dtype, then times the weight (in the weight's dtype);
+- `OffsetRMSNorm`: Gemma3RMSNorm: normalised in float32, times (1 + weight) in float32, then rounded
+  (Gemma multiplies before rounding, llama after; its weights are offsets from one).
+
+ponder's int4 and float kernels, which fuse a norm into the projection after it, compute `RMSNorm`
+only: a model with another norm runs the lean decoder's Python loop (`is_kernel_form`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+
+@dataclass
+class RMSNorm:
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        wide = hidden.dtype == torch.float32
+        x = hidden if wide else hidden.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * (x if wide else x.to(hidden.dtype))
+
+
+@dataclass
+class OffsetRMSNorm:
+    weight: torch.Tensor
+    eps: float
+    # 1 + weight in float32, as transformers computes it each call (the same bits once)
+    scale: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scale = 1.0 + self.weight.detach().float()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * self.scale
+        return x if x.dtype == hidden.dtype else x.to(hidden.dtype)
+
+
+Norm = RMSNorm | OffsetRMSNorm
+
+
+def norm_of(module: nn.Module | None) -> Norm | None:
+    """The norm `module` computes, None where it is of no form known here."""
+    if isinstance(module, Gemma3RMSNorm):
+        return OffsetRMSNorm(module.weight, module.eps)
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    return None if weight is None or eps is None else RMSNorm(weight, eps)
+
+
+def is_kernel_form(*norms: Norm | None) -> bool:
+    """Whether each norm (None: none) is the one ponder's kernels fuse into a projection (`RMSNorm`)."""
+    return all(norm is None or isinstance(norm, RMSNorm) for norm in norms)
