@@ -49,16 +49,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from runtime.kernels.cpu_kernels import float_isa
 from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.block_embedding import embedding_dtype
 from runtime.model.experts import RoutedMLP
 from runtime.model.float_layers import FloatLinear
+from runtime.model.layer_stack import LayerStack
 from runtime.model.norms import Norm, is_kernel_form, norm_of
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
-_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes
+_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes (layer_stack.py)
 
 
 class Projections:
@@ -359,69 +359,3 @@ class LeanDecoder:
             return logits
         stream = self.hidden_states(input_ids, positions, meta, normed=False)[keep]
         return self.head_int4.fused_rows(stream, self.norm.weight, self.norm.eps)
-
-
-class LayerStack:
-    """`LeanDecoder._int4_layers` (or the float loop of `hidden_states` over ponder's float kernel) as
-    one call of ponder's `int4_layers` kernel, for a step whose every row is attended by the decode
-    kernel (`covers`): the same operators in the same order, so the same bits (tested), without the
-    Python operator calls a layer otherwise costs. Built where every layer is int4 (or float in
-    ponder's float kernel) with silu, its cache layer is its place in the stack, and the kernel loads;
-    float layers with bfloat16 activations too (a bfloat16 model: the loop's roundings to bfloat16 kept)."""
-
-    def __init__(self, decoder: LeanDecoder, kernel) -> None:
-        self.kernel = kernel
-        self.dtype = embedding_dtype(decoder.embed)  # the activations' (float32, or bfloat16 with float layers)
-        self.heads, self.kv_heads = decoder.num_heads, decoder.num_kv_heads
-        empty = torch.empty(0)
-        self.weights: list[torch.Tensor] = []
-        self.sizes: list[int] = []
-        self.floats: list[float] = []
-        for layer in decoder.layers:
-            qkv, o, gate_up, down = layer.qkv.fused, layer.o_module, layer.gate_up.fused, layer.down_module
-            q_norm, k_norm = (None, None) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
-            tensors = (layer.input_norm.weight, qkv.weight, *scales(qkv), qkv.bias, o.weight, *scales(o),
-                       layer.post_norm.weight, gate_up.weight, *scales(gate_up), gate_up.bias,
-                       down.weight, *scales(down), q_norm, k_norm)
-            self.weights += [empty if t is None else t.detach() for t in tensors]
-            self.sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features,
-                           layer.gate_up.sizes[0], int(layer.rotary), layer.window or 0]
-            scale = layer.scaling if layer.scaling is not None else decoder.head_dim ** -0.5
-            head_eps = 0.0 if layer.q_norm is None else layer.q_norm.eps
-            self.floats += [layer.input_norm.eps, layer.post_norm.eps, scale, head_eps]
-
-    @classmethod
-    def build(cls, decoder: LeanDecoder) -> "LayerStack | None":
-        from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
-
-        dtype = embedding_dtype(decoder.embed)  # the activations'
-        if any(layer.index != i or layer.moe is not None or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
-               or layer.input_norm.weight.dtype != dtype or layer.post_norm.weight.dtype != dtype
-               or any(n is not None and n.weight.dtype != dtype for n in (layer.q_norm, layer.k_norm))
-               or (layer.q_norm is not None and layer.q_norm.eps != layer.k_norm.eps)
-               for i, layer in enumerate(decoder.layers)):
-            return None
-        try:
-            return cls(decoder, layers_kernel())
-        except KernelUnavailable:
-            return None
-
-    def covers(self, meta: AttentionMetadata) -> bool:
-        """True when every row of the step is attended by the decode kernel, no residency mode needs
-        to run between layers, and the cache holds the activations' dtype."""
-        return meta.decode_rows is not None and not meta.decode_groups and not meta.prefills and \
-            meta.layers is None and meta.cache.dtype == self.dtype
-
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens, d = hidden.shape[0], meta.decode_rows
-        # (a bfloat16 model's cos and sin widened exactly: the kernel rounds as the loop does)
-        cos, sin = cos.reshape(num_tokens, -1).float().contiguous(), sin.reshape(num_tokens, -1).float().contiguous()
-        return self.kernel(hidden, cos, sin,
-                           self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,
-                           meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx, float_isa())
-
-
-def scales(layer: QuantizedLinear) -> tuple:
-    """An int4 layer's (d, m) for the stack kernel; a float layer has none."""
-    return (layer.d, layer.m) if isinstance(layer, Int4Linear) else (None, None)
