@@ -3,8 +3,6 @@ the stack a decode step runs where every layer is int4 (or float in ponder's flo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
@@ -13,9 +11,6 @@ from runtime.kernels.cpu_kernels import float_isa
 from runtime.model.attention import AttentionMetadata
 from runtime.model.block_embedding import embedding_dtype
 from runtime.model.quantize import Int4Linear, QuantizedLinear
-
-if TYPE_CHECKING:
-    from runtime.model.decoder import LeanDecoder
 
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation the kernel computes
 
@@ -28,7 +23,7 @@ class LayerStack:
     ponder's float kernel) with silu, its cache layer is its place in the stack, and the kernel loads;
     float layers with bfloat16 activations too (a bfloat16 model: the loop's roundings to bfloat16 kept)."""
 
-    def __init__(self, decoder: "LeanDecoder", kernel) -> None:
+    def __init__(self, decoder, kernel) -> None:  # (a runtime.model.decoder.LeanDecoder)
         self.kernel = kernel
         self.dtype = embedding_dtype(decoder.embed)  # the activations' (float32, or bfloat16 with float layers)
         self.heads, self.kv_heads = decoder.num_heads, decoder.num_kv_heads
@@ -50,7 +45,7 @@ class LayerStack:
             self.floats += [layer.input_norm.eps, layer.post_norm.eps, scale, head_eps]
 
     @classmethod
-    def build(cls, decoder: "LeanDecoder") -> "LayerStack | None":
+    def build(cls, decoder) -> "LayerStack | None":
         from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
 
         dtype = embedding_dtype(decoder.embed)  # the activations'
