@@ -9,7 +9,7 @@ The weights are dequantized in registers from the file's codes and scales (no re
 `gguf.dequantize` computes, tested), and the products summed in float32 on the CUDA cores.
 
 Measured on an H200 (bench/results/gpu-nvidia-h200.json, `linear_sweep`): one row reads the 4-bit
-blocks at 0.4-2.4 TB/s by shape (about 0.6-1.9 TB/s for an 8B's layers); sixteen rows re-read them
+blocks at 0.4-1.9 TB/s for an 8B's layers by shape and 2.4 TB/s for its head; sixteen rows re-read them
 per row (about 150 GB/s of blocks), so many rows want a tensor-core tile (`tl.dot` over a fixed
 (rows, outputs, inputs) tile) that is not written yet. A first multi-row tile, dequantizing once for
 four to sixteen rows and summing a 3-D product (bench/results/gpu-nvidia-h200-multirow.json), kept
