@@ -133,9 +133,11 @@ def step_weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every parameter and buffer once, but the input
     embedding only when it is also the head (otherwise a step reads a few of its rows)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    embedding = model.get_input_embeddings().weight
+    lookup = model.get_input_embeddings()
     head = getattr(model.get_output_embeddings(), "weight", None)
-    if head is not embedding:
+    # a float table (`weight`), a GGUF's blocks (`blocks`), or none of its own (the tied head's rows)
+    embedding = getattr(lookup, "weight", getattr(lookup, "blocks", None))
+    if embedding is not None and head is not embedding:
         tensors.pop(id(embedding), None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import decode
+from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 
 
 def test_reports_each_system_against_transformers(tiny_llama, tmp_path, capsys):
@@ -49,3 +51,30 @@ def test_an_unknown_system_is_refused(capsys):
         decode.main(["--systems", "default,vllm"])
     assert exc.value.code == 2
     assert "--systems: unknown vllm" in capsys.readouterr().err
+
+
+class _TiedToBlocks(torch.nn.Module):
+    """A model whose token lookup has no table of its own: it reads the tied head's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.norm = torch.nn.Parameter(torch.ones(8))
+        self.lookup = HeadRowsEmbedding(self.head, torch.float32)
+
+    def get_input_embeddings(self):
+        return self.lookup
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_a_lookup_over_the_tied_head_s_blocks_counts_the_head_once():
+    model = _TiedToBlocks()
+    assert decode.step_weight_bytes(model) == (16 * 8 + 8) * 4
+
+
+def test_an_untied_embedding_kept_in_blocks_is_not_a_step_s_read():
+    model = _TiedToBlocks()
+    model.lookup = BlockEmbedding("Q8_0", torch.zeros(16, 34, dtype=torch.uint8), 32, torch.float32)
+    assert decode.step_weight_bytes(model) == (16 * 8 + 8) * 4
