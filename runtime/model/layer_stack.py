@@ -33,10 +33,12 @@ class LayerStack:
         self.floats: list[float] = []
         for layer in decoder.layers:
             qkv, o, gate_up, down = layer.qkv.fused, layer.o_module, layer.gate_up.fused, layer.down_module
-            q_norm, k_norm = (None, None) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
+            # the head norms' weights for one call over every head: q's for each query head, then k's
+            head_norms = None if layer.q_norm is None else torch.cat(
+                [layer.q_norm.weight.detach().expand(self.heads, -1), layer.k_norm.weight.detach().expand(self.kv_heads, -1)])
             tensors = (layer.input_norm.weight, qkv.weight, *scales(qkv), qkv.bias, o.weight, *scales(o),
                        layer.post_norm.weight, gate_up.weight, *scales(gate_up), gate_up.bias,
-                       down.weight, *scales(down), q_norm, k_norm)
+                       down.weight, *scales(down), head_norms, None)
             self.weights += [empty if t is None else t.detach() for t in tensors]
             self.sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features,
                            layer.gate_up.sizes[0], int(layer.rotary), layer.window or 0]

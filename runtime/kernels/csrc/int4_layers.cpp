@@ -9,7 +9,8 @@
 //             float_isa)
 // returns the residual stream after every layer [T, E]. For layer l of int4 layers:
 //   qkv  = q4_linear(hidden; input norm) (+ bias)              [T, (H + 2 KVH) D]
-//   q, k = rms_norm over each head (a layer with q and k norms: Qwen3's), as the decoder's ATen ops
+//   q, k = rms_norm over each head (a layer with q and k norms: Qwen3's), as the decoder's ATen ops,
+//          in one call over the H + KVH heads
 //   q, k = rotary: x * cos + x rolled by D / 2 * sin           (`sin` with its first half negated;
 //          a layer without rotary, SmolLM3's NoPE, keeps them as they are)
 //   the keys and values are stored at slot_rows (+ the layer's offset), and every query of `rows`
@@ -28,7 +29,8 @@
 // (FloatLinear.rows), the rotary's two products and their sum each rounded to bfloat16, the
 // attention's float32 output rounded to bfloat16, the residual adds and silu in bfloat16 (ATen).
 // weights: 18 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
-// codes, d, m, bias, down codes, d, m, q norm, k norm (an empty tensor for a missing m, bias or head
+// codes, d, m, bias, down codes, d, m, the head norms' weights [H + KVH, D] (q's for each query head,
+// then k's for each KV head), an unused empty tensor (an empty tensor for a missing m, bias or head
 // norm; d and m empty for a float layer); sizes: 7 a layer (qkv, o, gate/up and down out features,
 // then gate's, 1 if the layer rotates its queries and keys, its sliding window or 0); floats: 4 a
 // layer (the two norms' eps, the attention scale, the head norms' eps).
@@ -136,15 +138,16 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
       if (w[4].numel() != 0) qkv = qkv + w[4];
     }
     TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D, "int4_layers: layer ", l, "'s qkv has ", qkv.size(1), " outputs");
-    if (w[16].numel() != 0) {  // the decoder's head norms: each over its heads' [T, heads, D] view, then joined
-      const at::Tensor q = rms_norm(qkv.narrow(1, 0, H * D).view({T, H, D}), w[16], f[3]);
-      const at::Tensor k = rms_norm(qkv.narrow(1, H * D, KVH * D).view({T, KVH, D}), w[17], f[3]);
-      qkv = at::cat({q.reshape({T, H * D}), k.reshape({T, KVH * D}), qkv.narrow(1, (H + KVH) * D, KVH * D)}, 1);
-    }
+    // the queries and keys, [T, H + KVH, D]: the decoder's head norms (a layer with them: Qwen3's) in one
+    // call over every head (each head's row is normed on its own, so its bits are the per-head call's;
+    // w[16] holds q's weight for each query head, then k's for each KV head), or qkv's own columns
+    const at::Tensor qk = w[16].numel() != 0
+                              ? rms_norm(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), w[16], f[3])
+                              : qkv;
     const bool rotary = n[5] != 0;
-    const at::Tensor qkv32 = narrow ? qkv.to(at::kFloat) : qkv;  // bfloat16 values, widened exactly
-    const float* x = qkv32.data_ptr<float>();
-    const int64_t width = qkv.size(1);
+    const at::Tensor qk32 = narrow ? qk.to(at::kFloat) : qk.contiguous();  // bfloat16 values, widened exactly
+    const float* x = qk32.data_ptr<float>();
+    const int64_t width = qk32.numel() / T, value_width = qkv.size(1);
     std::vector<c10::BFloat16> rotated(narrow ? D : 0);
     for (int64_t t = 0; t < T; ++t) {
       const float* row = x + t * width;
@@ -166,12 +169,13 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
         if (!narrow) {
           if (rotary) rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + key);
           else std::memcpy(kv + key, row + (H + h) * D, D * sizeof(float));
-          std::memcpy(kv + value, row + (H + KVH + h) * D, D * sizeof(float));
+          std::memcpy(kv + value, qkv.data_ptr<float>() + t * value_width + (H + KVH + h) * D, D * sizeof(float));
           continue;
         }
-        const c10::BFloat16* values = qkv.data_ptr<c10::BFloat16>() + t * width + (H + KVH + h) * D;
+        const c10::BFloat16* keys = qk.data_ptr<c10::BFloat16>() + t * (qk.numel() / T) + (H + h) * D;
+        const c10::BFloat16* values = qkv.data_ptr<c10::BFloat16>() + t * value_width + (H + KVH + h) * D;
         if (rotary) rotate_bf16(row + (H + h) * D, cp + t * D, sp + t * D, D, kv16 + key);
-        else std::memcpy(kv16 + key, values - KVH * D, D * sizeof(c10::BFloat16));
+        else std::memcpy(kv16 + key, keys, D * sizeof(c10::BFloat16));
         std::memcpy(kv16 + value, values, D * sizeof(c10::BFloat16));
       }
     }
