@@ -14,7 +14,8 @@ measured:
 2. the HBM bandwidth measured here (a device-to-device copy), which sets each model's limit:
    bandwidth / bytes one decode step reads (weights, and every stream's KV);
 3. decode tokens/s at 1 and 16 streams of the embedded model through ponder's model runner with its
-   Triton kernels and CUDA graphs (row padding: batch invariance on), graph replay against eager bit
+   Triton kernels and CUDA graphs (row padding: batch invariance on), where one stream's replayed step
+   spends its time (bench.gpu_split: the host's fill, the replay, the rest), graph replay against eager bit
    for bit, and eager with invariance on and off (its cost); then the embedded GGUF loaded with its
    blocks kept on the GPU (`quantize = auto`'s GPU path, runtime.model.gpu_blocks: its Q4_1 layers two
    codes a byte, its Q8_0 head a byte a code), the same figures (not in a dry run: its 30 layers in the
@@ -53,6 +54,7 @@ import torch
 
 from bench.gpu_models import (EIGHT_B, TINY, embedded_blocks_model, embedded_model, empty_cache, random_llama,
                                random_q4_blocks, sync)
+from bench.gpu_split import split
 from bench.gpu_sweep import linear_sweep
 
 PROMPT_TOKENS = 64
@@ -195,6 +197,8 @@ def figures(name: str, model, steps: int, bandwidth: float, report: dict, weight
         entry[f"streams_{streams}"] = {"tokens_per_s": round(replayed["tokens_per_s"], 1),
                                        "limit_tokens_per_s": round(limit, 1),
                                        "fraction_of_limit": round(replayed["tokens_per_s"] / limit, 4)}
+        if streams == 1:  # where a replayed step's time goes: the host's fill, the replay, the rest
+            entry["streams_1"]["split"] = split(runner, min(steps, 32))
         if streams == STREAMS[-1]:
             same = decode(eager, streams, min(steps, 16))
             compared = replayed["logits"][:len(same["logits"])]

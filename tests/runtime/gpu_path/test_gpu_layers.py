@@ -84,3 +84,22 @@ def test_graphs_need_row_padding_and_the_triton_loop(tiny_llama):
     assert (paths["layers"], paths["attention"]) == ("triton", "triton")  # as start-up logs them
     assert not engine.runner.use_graphs(capture=False)  # no row padding: batch invariance off
     assert engine.runner.graphs is None
+
+
+def test_the_device_check_splits_a_replayed_step_and_leaves_the_graphs_as_they_were(tiny_llama):
+    """bench.gpu_split on the graphs' CPU twin: every decode step is timed through the static buffers
+    (the fill, then the step the graph would replay), its parts within the step, and the runner's own
+    fill and step are back in place after it: the next step runs them, not the timers."""
+    from bench.gpu_split import split
+    from runtime.model.graphs import DecodeGraphs
+
+    engine = engine_for(tiny_llama, quantize="none", num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    assert engine.runner.use_graphs(capture=False, max_rows=4)
+    graphs = engine.runner.graphs
+    out = split(engine.runner, 3, prompt_tokens=6)
+    assert out["steps"] == 3 and out["replay_clock"] == "host (the static step run eagerly)"
+    assert 0 < out["fill_us"] and 0 < out["replay_us"] and out["fill_us"] + out["replay_us"] <= out["step_us"]
+    assert out["other_us"] == round(out["step_us"] - out["fill_us"] - out["replay_us"], 1)
+    assert "_fill" not in vars(graphs) and "_step" not in vars(graphs)
+    assert type(graphs)._fill is DecodeGraphs._fill
