@@ -57,7 +57,7 @@ from runtime.model.layer_stack import LayerStack
 from runtime.model.norms import Norm, is_kernel_form, norm_of
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes (layer_stack.py)
 
 
@@ -165,6 +165,14 @@ class _Layer:
         return (qk * cos) + (torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin)
 
 
+def _window(config, attn) -> int | None:
+    """A layer's sliding window: its attention's own (Qwen2/3, SmolLM3, Ministral, Gemma 3 set it a
+    layer), or Mistral's config-wide one (its attention passes `config.sliding_window` to every layer)."""
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None) or None
+    return getattr(attn, "sliding_window", None) or None
+
+
 class LeanDecoder:
     """transformers' forward for a llama-family model, with fewer operators (see the module docstring)."""
 
@@ -193,7 +201,7 @@ class LeanDecoder:
                 *((None, None, None) if moe else (Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn,
                                                   rows_call(mlp.down_proj))),
                 q_norm=norm_of(getattr(attn, "q_norm", None)), k_norm=norm_of(getattr(attn, "k_norm", None)),
-                rotary=bool(getattr(attn, "use_rope", True)), window=getattr(attn, "sliding_window", None) or None,
+                rotary=bool(getattr(attn, "use_rope", True)), window=_window(config, attn),
                 moe=moe, attn_out_norm=norm_of(layer.post_attention_layernorm) if sandwich else None,
                 mlp_out_norm=norm_of(layer.post_feedforward_layernorm) if sandwich else None,
                 rope=config.layer_types[attn.layer_idx] if per_type else None))

@@ -168,3 +168,38 @@ def test_gemma2_sliding_window(gemma2, batch_invariant):
     results = run(engine_for(directory, batch_invariant=batch_invariant),
                   [generate_request("r", prompt, max_tokens=MAX_TOKENS)])
     assert results["r"]["choices"][0] == expected
+
+
+@pytest.mark.parametrize("quantize", ["none", "auto", "int4"])
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_mistral_runs_in_the_lean_decoder_within_its_sliding_window(tmp_path, quantize, batch_invariant):
+    """Mistral (llama's layers, its config's sliding window on every layer, as Mistral-7B-v0.1 and the
+    math-shepherd reward model publish it) in the lean decoder: with a window shorter than the prompt,
+    transformers' greedy tokens (`quantize = none`), which the same model without the window does not
+    give; in the kernels (`auto`, `int4`, their own roundings) tokens other than the same engine's
+    without the window."""
+    directory = write_generator("mistral", tmp_path / "mistral")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "sliding_window": 12}))
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = prompt_ids(directory, [{"role": "user", "content": "Tom has 5 apples and buys 3 more. "
+                                                                "Janet has 3 ducks and they lay 16 eggs."}])
+    assert len(prompt) > 12 + MAX_TOKENS
+    engine = engine_for(directory, quantize=quantize, batch_invariant=batch_invariant)
+    decoder = engine.runner.decoder
+    assert decoder is not None and {layer.window for layer in decoder.layers} == {12}
+    results = run(engine, [generate_request("r", prompt, max_tokens=MAX_TOKENS)])
+    if quantize == "none":
+        expected = hf_greedy(reference, prompt, MAX_TOKENS)
+        windowless = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, sliding_window=None).eval()
+        assert hf_greedy(windowless, prompt, MAX_TOKENS) != expected
+        assert results["r"]["choices"][0] == expected
+    else:  # the window reaches the kernels' paths too (the stack kernel's and the loop's)
+        (tmp_path / "windowless").mkdir()
+        for path in directory.iterdir():
+            (tmp_path / "windowless" / path.name).write_bytes(path.read_bytes())
+        (tmp_path / "windowless" / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+        unwindowed = run(engine_for(tmp_path / "windowless", quantize=quantize, batch_invariant=batch_invariant),
+                         [generate_request("r", prompt, max_tokens=MAX_TOKENS)])
+        assert len(results["r"]["choices"][0]) == MAX_TOKENS
+        assert results["r"]["choices"][0] != unwindowed["r"]["choices"][0]
