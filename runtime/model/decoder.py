@@ -57,7 +57,7 @@ from runtime.model.layer_stack import LayerStack
 from runtime.model.norms import Norm, is_kernel_form, norm_of
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
+ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes (layer_stack.py)
 
 
@@ -65,9 +65,10 @@ class Projections:
     """Several linear layers that read the same input `[rows, in_features]`: one fused matmul split
     into their outputs, or (when the layers cannot be fused) one call each."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
-        self.sizes = [layer.out_features for layer in layers]
-        self.fused = fuse_linears(layers)
+    def __init__(self, layers: list[nn.Module], sizes: list[int] | None = None) -> None:
+        """`sizes`: the outputs of one layer fused already (Phi-3's qkv_proj and gate_up_proj)."""
+        self.sizes = sizes or [layer.out_features for layer in layers]
+        self.fused = layers[0] if sizes else fuse_linears(layers)
         self.calls = [rows_call(layer) for layer in layers]
         self.fused_call = None if self.fused is None else rows_call(self.fused)
 
@@ -165,10 +166,18 @@ class _Layer:
         return (qk * cos) + (torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin)
 
 
+def _gate_up(mlp: nn.Module) -> Projections:
+    if hasattr(mlp, "gate_up_proj"):  # Phi-3's: one layer, the gate's rows then the up projection's
+        half = mlp.gate_up_proj.out_features // 2
+        return Projections([mlp.gate_up_proj], [half, half])
+    return Projections([mlp.gate_proj, mlp.up_proj])
+
+
 def _window(config, attn) -> int | None:
     """A layer's sliding window: its attention's own (Qwen2/3, SmolLM3, Ministral, Gemma 3 set it a
-    layer), or Mistral's config-wide one (its attention passes `config.sliding_window` to every layer)."""
-    if config.model_type == "mistral":
+    layer), or Mistral's and Phi-3's config-wide one (their attention passes `config.sliding_window` to
+    every layer)."""
+    if config.model_type in ("mistral", "phi3"):
         return getattr(config, "sliding_window", None) or None
     return getattr(attn, "sliding_window", None) or None
 
@@ -196,9 +205,9 @@ class LeanDecoder:
             sandwich = hasattr(layer, "pre_feedforward_layernorm")
             self.layers.append(_Layer(
                 attn.layer_idx, attn.scaling, norm_of(layer.input_layernorm),
-                Projections([attn.q_proj, attn.k_proj, attn.v_proj]), rows_call(attn.o_proj),
+                self._qkv(attn), rows_call(attn.o_proj),
                 norm_of(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
-                *((None, None, None) if moe else (Projections([mlp.gate_proj, mlp.up_proj]), mlp.act_fn,
+                *((None, None, None) if moe else (_gate_up(mlp), getattr(mlp, "act_fn", None) or mlp.activation_fn,
                                                   rows_call(mlp.down_proj))),
                 q_norm=norm_of(getattr(attn, "q_norm", None)), k_norm=norm_of(getattr(attn, "k_norm", None)),
                 rotary=bool(getattr(attn, "use_rope", True)), window=_window(config, attn),
@@ -229,6 +238,12 @@ class LeanDecoder:
         # The Triton kernels' layer loop for a GPU's decode steps (runtime.model.gpu_layers), where a runner
         # asks for it (`use_gpu_layers`); None: the loops below
         self.gpu = None
+
+    def _qkv(self, attn: nn.Module) -> Projections:
+        if hasattr(attn, "qkv_proj"):  # Phi-3's: one layer, the queries', keys' and values' rows in turn
+            kv = self.num_kv_heads * self.head_dim
+            return Projections([attn.qkv_proj], [self.num_heads * self.head_dim, kv, kv])
+        return Projections([attn.q_proj, attn.k_proj, attn.v_proj])
 
     def use_gpu_layers(self) -> bool:
         """Run every step the Triton kernels' loop covers there; False where the layers are not of its form."""
@@ -263,6 +278,9 @@ class LeanDecoder:
         # judge of what such a config means; a bidirectional one is refused before load, runtime.model.families)
         if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", None):
             return None
+        # (a rotary over part of each head, Phi-4-mini's 0.75: the decoder rotates whole heads)
+        if (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0) != 1.0:
+            return None
         base = getattr(model, "base_model", None)
         if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")) \
                 or norm_of(base.norm) is None:
@@ -279,9 +297,12 @@ class LeanDecoder:
             if any(norm_of(getattr(layer, n, None)) is None for n in norms) or \
                     hasattr(attn, "q_norm") and (norm_of(attn.q_norm) is None or norm_of(attn.k_norm) is None):
                 return None
-            if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "scaling")):
+            if not all(hasattr(attn, n) for n in ("o_proj", "layer_idx", "scaling")) or not (
+                    all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")) or hasattr(attn, "qkv_proj")):
                 return None
-            if not RoutedMLP.takes(mlp) and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            if not RoutedMLP.takes(mlp) and not (hasattr(mlp, "down_proj") and (
+                    all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "act_fn")) or
+                    all(hasattr(mlp, n) for n in ("gate_up_proj", "activation_fn")))):
                 return None
         decoder = cls(model)
         model._ponder_lean_decoder = decoder

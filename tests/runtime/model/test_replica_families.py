@@ -26,7 +26,7 @@ LONG = [{"role": "user", "content": "Tom has 5 apples and buys 3 more. Janet has
 # runtime.model.experts; refused under quantize = "none".)
 ROUTED_EXPERTS = {"gpt_oss": "GptOssExperts"}
 # The families ponder's lean decoder runs (runtime.model.decoder); the others run transformers' forward.
-LEAN_DECODER = ("qwen3_moe", "gemma3_text", "smollm3")
+LEAN_DECODER = ("qwen3_moe", "gemma3_text", "smollm3", "phi3")
 
 
 def invariance(family: str, requested: bool) -> bool:
@@ -182,3 +182,23 @@ def test_a_convolution_is_not_taken_for_routed_experts():
     from runtime.model.row_padding import routed_experts
 
     assert routed_experts(torch.nn.Sequential(torch.nn.Conv1d(8, 8, 4, groups=8), torch.nn.Linear(8, 8))) == []
+
+
+@pytest.mark.parametrize("quantize", ["auto", "int4"])
+def test_phi3_s_fused_projections_run_the_stack_kernel_to_the_loop_s_tokens(quantize, tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj are each one layer already: the lean decoder splits their
+    outputs (queries, keys, values; gate, up) and its decode steps run as one stack-kernel call, to
+    the very tokens and log-probabilities of its Python loop over the same kernels."""
+    from runtime.bootstrap import engine_paths
+
+    directory = write_family("phi3", tmp_path / "phi3")
+    prompts = [prompt_ids(directory, SHORT), prompt_ids(directory, LONG)]
+    results = []
+    for stack in (True, False):
+        engine = engine_for(directory, quantize=quantize, batch_invariant=True)
+        assert engine_paths(engine)["layers"] == ("int_kernel" if quantize == "int4" else "float_kernel")
+        if not stack:
+            engine.runner.decoder.stack = None
+        results.append(run(engine, [generate_request(str(i), p, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2)
+                                    for i, p in enumerate(prompts)]))
+    assert results[0] == results[1]
