@@ -196,6 +196,14 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return out;
 }
 
+at::Tensor float_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t isa) {
+  if (x.scalar_type() == at::kFloat) return float_linear(x, weight, present(bias), isa);
+  const c10::optional<at::Tensor> given = present(bias);
+  const c10::optional<at::Tensor> wide_bias =
+      given ? c10::optional<at::Tensor>(given->to(at::kFloat)) : c10::optional<at::Tensor>();
+  return float_linear(x.to(at::kFloat), weight, wide_bias, isa).to(x.scalar_type());
+}
+
 }  // namespace ponder
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {

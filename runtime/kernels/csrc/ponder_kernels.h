@@ -16,6 +16,20 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         int64_t isa);
 
+// float_linear.cpp: FloatLinear.rows (runtime.model.float_layers): float32 rows in and out, or bfloat16
+// rows widened and the output rounded back; an empty bias is none.
+at::Tensor float_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t isa);
+
+// routed_experts.cpp: runtime.model.experts.RoutedMLP over kernel layers, for normed rows x [T, E] (see there).
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const at::Tensor& router_bias,
+                          const at::Tensor* experts, int64_t top_k, bool norm_topk_prob, int64_t gate_up_n,
+                          int64_t down_n, int64_t float_isa);
+
+// An empty (or undefined) tensor as a missing optional argument.
+inline c10::optional<at::Tensor> present(const at::Tensor& t) {
+  return !t.defined() || t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
+}
+
 // decode_attention.cpp: each query of `rows` attends to its own paged context (see there).
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,
                       const at::Tensor& tables, const at::Tensor& ctx, int64_t layer, double scale, at::Tensor out,
