@@ -14,7 +14,9 @@ blocks where they lie, so nothing is gathered or padded and no query's result de
 bfloat16 weights as nn.Linear holds them, each output's sum in one fixed order, whatever the batch.
 
 `int4_layers` runs a whole int4 decoder stack (`runtime/kernels/csrc/int4_layers.cpp`) through those two
-kernels in one call, operator for operator as runtime.model.decoder's int4 loop, so with the same bits.
+kernels in one call, operator for operator as runtime.model.decoder's int4 loop, so with the same bits;
+a layer routed over experts (Qwen3-MoE's) as runtime.model.experts.RoutedMLP computes it
+(`runtime/kernels/csrc/routed_experts.cpp`).
 
 `gated_delta` runs one sequence's tokens through a Gated DeltaNet layer past its projections
 (`runtime/kernels/csrc/gated_delta.cpp`): the causal convolution, the normalisations and the recurrent
@@ -44,7 +46,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
-_FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "float_linear.cpp", "gated_delta.cpp")
+_FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "routed_experts.cpp", "float_linear.cpp",
+          "gated_delta.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"

@@ -29,8 +29,9 @@ Qwen3's per-head RMS norms on queries and keys (over head_dim, which need not be
 between the qkv projection and the rotary, as transformers runs them; SmolLM3's NoPE layers skip the
 rotary; a layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel
 does the same, in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts'
-`RoutedMLP` (transformers' reference loop's arithmetic, rows grouped by expert); a model with one has
-no stack kernel, its steps run the Python loop. So do Gemma 3's (gemma3_text): its (1 + w) norms
+`RoutedMLP` (transformers' reference loop's arithmetic, rows grouped by expert); over kernel experts
+and router the stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators).
+Gemma 3's layers (gemma3_text) run the Python loop: its (1 + w) norms
 (runtime.model.norms), the norms of the attention's and the MLP's outputs, GeGLU, and a rotary of
 their own for its sliding layers are the Python loop's only; its scaled embedding is its module's
 call, `query_pre_attn_scalar` its layers' scaling, and its final soft-capping (if set) follows the head.

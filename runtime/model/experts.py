@@ -114,6 +114,8 @@ class RoutedMLP:
         router, experts = mlp.gate, mlp.experts
         self.top_k, self.norm_topk_prob = router.top_k, router.norm_topk_prob
         self.act = experts.act_fn
+        # the router's kernel layer (None: transformers' weight in torch's matmul)
+        self.router_linear = router.linear if isinstance(router, KernelRouter) else None
         if isinstance(router, KernelRouter):
             self.router = router.linear.rows
         else:

@@ -1,5 +1,6 @@
 """The lean decoder's layers as one call of ponder's CPU `int4_layers` kernel (runtime/kernels/csrc):
-the stack a decode step runs where every layer is int4 (or float in ponder's float kernel) with SiLU."""
+the stack a decode step runs where every layer is int4 (or float in ponder's float kernel) with SiLU,
+its MLP dense or routed over experts (Qwen3-MoE's `RoutedMLP` over kernel experts and router)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers.activations import SiLUActivation
 from runtime.kernels.cpu_kernels import float_isa
 from runtime.model.attention import AttentionMetadata
 from runtime.model.block_embedding import embedding_dtype
+from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation the kernel computes
@@ -21,7 +23,9 @@ class LayerStack:
     kernel (`covers`): the same operators in the same order, so the same bits (tested), without the
     Python operator calls a layer otherwise costs. Built where every layer is int4 (or float in
     ponder's float kernel) with silu, its cache layer is its place in the stack, and the kernel loads;
-    float layers with bfloat16 activations too (a bfloat16 model: the loop's roundings to bfloat16 kept)."""
+    float layers with bfloat16 activations too (a bfloat16 model: the loop's roundings to bfloat16 kept).
+    A routed MLP (runtime.model.experts.RoutedMLP over kernel experts and a kernel router) is in the
+    stack too where `routed_takes` it: the router, its top-k and the experts' sum as RoutedMLP computes them."""
 
     def __init__(self, decoder, kernel) -> None:  # (a runtime.model.decoder.LeanDecoder)
         self.kernel = kernel
@@ -31,17 +35,30 @@ class LayerStack:
         self.weights: list[torch.Tensor] = []
         self.sizes: list[int] = []
         self.floats: list[float] = []
+        self.experts: list[torch.Tensor] = []  # a routed layer's experts, 6 tensors each (the kernel's order)
         for layer in decoder.layers:
-            qkv, o, gate_up, down = layer.qkv.fused, layer.o_module, layer.gate_up.fused, layer.down_module
+            qkv, o = layer.qkv.fused, layer.o_module
             # the head norms' weights for one call over every head: q's for each query head, then k's
             head_norms = None if layer.q_norm is None else torch.cat(
                 [layer.q_norm.weight.detach().expand(self.heads, -1), layer.k_norm.weight.detach().expand(self.kv_heads, -1)])
+            if layer.moe is None:
+                gate_up, down = layer.gate_up.fused, layer.down_module
+                mlp = (gate_up.weight, *scales(gate_up), gate_up.bias, down.weight, *scales(down))
+                mlp_sizes = [gate_up.out_features, down.out_features, layer.gate_up.sizes[0], 0, 0]
+            else:  # the router in the gate/up slots, an expert's sizes for all (`routed_takes`)
+                moe, router = layer.moe, layer.moe.router_linear
+                mlp = (router.weight, None, None, router.bias, None, None, None)
+                gate_up, down = moe.modules[0]
+                mlp_sizes = [gate_up.out_features, down.out_features, gate_up.out_features // 2, moe.top_k,
+                             int(moe.norm_topk_prob)]
+                for gate_up, down in moe.modules:
+                    self.experts += [empty if t is None else t.detach()
+                                     for t in (gate_up.weight, *scales(gate_up), down.weight, *scales(down))]
             tensors = (layer.input_norm.weight, qkv.weight, *scales(qkv), qkv.bias, o.weight, *scales(o),
-                       layer.post_norm.weight, gate_up.weight, *scales(gate_up), gate_up.bias,
-                       down.weight, *scales(down), head_norms, None)
+                       layer.post_norm.weight, *mlp, head_norms, None)
             self.weights += [empty if t is None else t.detach() for t in tensors]
-            self.sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features,
-                           layer.gate_up.sizes[0], int(layer.rotary), layer.window or 0]
+            self.sizes += [qkv.out_features, o.out_features, *mlp_sizes[:3], int(layer.rotary), layer.window or 0,
+                           *mlp_sizes[3:]]
             scale = layer.scaling if layer.scaling is not None else decoder.head_dim ** -0.5
             head_eps = 0.0 if layer.q_norm is None else layer.q_norm.eps
             self.floats += [layer.input_norm.eps, layer.post_norm.eps, scale, head_eps]
@@ -51,7 +68,8 @@ class LayerStack:
         from runtime.kernels.cpu_kernels import KernelUnavailable, layers_kernel
 
         dtype = embedding_dtype(decoder.embed)  # the activations'
-        if any(layer.index != i or layer.moe is not None or type(layer.act) not in _SILU or len(layer.gate_up.sizes) != 2
+        if any(layer.index != i or not (routed_takes(layer.moe) if layer.moe is not None else
+                                         type(layer.act) in _SILU and len(layer.gate_up.sizes) == 2)
                or layer.input_norm.weight.dtype != dtype or layer.post_norm.weight.dtype != dtype
                or any(n is not None and n.weight.dtype != dtype for n in (layer.q_norm, layer.k_norm))
                or (layer.q_norm is not None and layer.q_norm.eps != layer.k_norm.eps)
@@ -74,8 +92,22 @@ class LayerStack:
         # (a bfloat16 model's cos and sin widened exactly: the kernel rounds as the loop does)
         cos, sin = cos.reshape(num_tokens, -1).float().contiguous(), sin.reshape(num_tokens, -1).float().contiguous()
         return self.kernel(hidden, cos, sin,
-                           self.weights, self.sizes, self.floats, self.heads, self.kv_heads, meta.cache.kv,
+                           self.weights, self.sizes, self.floats, self.experts, self.heads, self.kv_heads, meta.cache.kv,
                            meta.slot_rows.contiguous(), d.rows, d.tables, d.ctx, float_isa())
+
+
+def routed_takes(moe) -> bool:  # (a runtime.model.experts.RoutedMLP)
+    """Whether the kernel computes a routed block: a float-kernel router without a bias, SiLU, every
+    expert's gate/up and down in one kind of kernel layer without a bias, all of one size."""
+    router = moe.router_linear
+    if not isinstance(router, FloatLinear) or router.bias is not None or type(moe.act) not in _SILU or \
+            not (moe.all_kernel(Int4Linear) or moe.all_kernel(FloatLinear)) or len(moe.modules) != router.out_features:
+        return False
+    shapes = {(g.out_features, g.in_features, d.out_features, d.in_features) for g, d in moe.modules}
+    if len(shapes) != 1:
+        return False
+    (gate_up, hidden, down, inner), = shapes
+    return 0 < moe.top_k <= len(moe.modules) and hidden == down == router.in_features and gate_up == 2 * inner
 
 
 def scales(layer: QuantizedLinear) -> tuple:

@@ -46,8 +46,8 @@ GATHER_TOKENS = 1 << 16
 
 log = logging.getLogger("ponder.runtime")
 # The sources whose code decides which layers and attention run, and how they are probed.
-_CODE = ("model/row_padding.py", "model/decoder.py", "model/layer_stack.py", "model/norms.py", "model/quantize.py",
-         "model/float_layers.py", "model/attention.py",
+_CODE = ("model/row_padding.py", "model/decoder.py", "model/layer_stack.py", "model/experts.py", "model/norms.py",
+         "model/quantize.py", "model/float_layers.py", "model/attention.py",
          "kernels/cpu_kernels.py")
 
 

@@ -196,6 +196,59 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return out;
 }
 
+at::Tensor float_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t isa) {
+  if (x.scalar_type() == at::kFloat) return float_linear(x, weight, present(bias), isa);
+  const c10::optional<at::Tensor> given = present(bias);
+  const c10::optional<at::Tensor> wide_bias =
+      given ? c10::optional<at::Tensor>(given->to(at::kFloat)) : c10::optional<at::Tensor>();
+  return float_linear(x.to(at::kFloat), weight, wide_bias, isa).to(x.scalar_type());
+}
+
+at::Tensor float_linear_segments(const at::Tensor& x, const std::vector<int64_t>& starts,
+                                 const std::vector<const at::Tensor*>& weights, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "float_linear_segments: x must be float32 or bfloat16 [rows, in]");
+  const int64_t R = x.size(0), K = x.size(1), S = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(S > 0 && static_cast<int64_t>(starts.size()) == S + 1 && starts[0] == 0 && starts[S] == R && K % 16 == 0,
+              "float_linear_segments: segments must cover the rows, in_features a multiple of 16");
+  const int64_t N = weights[0]->size(0);
+  std::vector<int> kinds(S);
+  for (int64_t s = 0; s < S; ++s) {
+    const at::Tensor& w = *weights[s];
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(0) == N && w.size(1) == K &&
+                (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+                "float_linear_segments: every weight must be contiguous float32, bfloat16 or float16 [out, in]");
+    kinds[s] = w.scalar_type() == at::kBFloat16 ? BF16 : w.scalar_type() == at::kHalf ? F16 : F32;
+  }
+  if (isa < 0) isa = has_avx512() ? 1 : has_avx2() ? 0 : -1;
+  TORCH_CHECK(isa == 0 ? has_avx2() : isa == 1 && has_avx512(), "float_linear: this CPU lacks instruction set ", isa);
+  const at::Tensor xc = x.to(at::kFloat).contiguous();  // bfloat16 rows widened exactly (FloatLinear.rows)
+  at::Tensor out = at::empty({R, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // One region over every segment's runs of 48 columns (float_linear's), segment after segment.
+  const int64_t chunks = (N + 47) / 48;
+  at::parallel_for(0, S * chunks, 1, [&](int64_t a, int64_t b) {
+    for (int64_t s = a / chunks; s < S && s * chunks < b; ++s) {
+      const int64_t c0 = (std::max(a, s * chunks) - s * chunks) * 48;
+      const int64_t c1 = std::min(N, (std::min(b, (s + 1) * chunks) - s * chunks) * 48);
+      const int64_t r = starts[s], rows = starts[s + 1] - r;
+      const void* wp = weights[s]->data_ptr();
+      const int kind = kinds[s];
+#define SEGMENT_COLUMNS(NS) \
+  kind == BF16 ? NS::columns<BF16>(xp + r * K, rows, K, wp, nullptr, op + r * N, N, c0, c1) \
+  : kind == F16 ? NS::columns<F16>(xp + r * K, rows, K, wp, nullptr, op + r * N, N, c0, c1) \
+                : NS::columns<F32>(xp + r * K, rows, K, wp, nullptr, op + r * N, N, c0, c1)
+      if (isa == 1)
+        SEGMENT_COLUMNS(avx512);
+      else
+        SEGMENT_COLUMNS(avx2);
+#undef SEGMENT_COLUMNS
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 }  // namespace ponder
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {

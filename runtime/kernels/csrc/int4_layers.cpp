@@ -4,7 +4,7 @@
 // stream comes out with the same bits, without the dozens of Python operator calls a layer otherwise
 // costs (most of one stream's decode step on a small model).
 //
-// int4_layers(hidden [T, E], cos [T, D], sin [T, D], weights, sizes, floats, heads, kv_heads,
+// int4_layers(hidden [T, E], cos [T, D], sin [T, D], weights, sizes, floats, experts, heads, kv_heads,
 //             cache [blocks, layers, 2, KVH, bs, D], slot_rows [2, T, KVH], rows [G], tables [G, W], ctx [G],
 //             float_isa)
 // returns the residual stream after every layer [T, E]. For layer l of int4 layers:
@@ -19,6 +19,10 @@
 //   hidden = hidden + q4_linear(attention)                     (the o projection)
 //   gate, up = q4_linear(hidden; post-attention norm) (+ bias)
 //   hidden = hidden + q4_linear(silu(gate) * up)               (the down projection)
+// A layer whose MLP is routed over experts (Qwen3-MoE's; its top_k size is not 0) runs instead
+//   hidden = hidden + routed_experts(rms_norm(hidden; post-attention norm))
+// (routed_experts.cpp: runtime.model.experts.RoutedMLP's operators), its router's weight and bias in
+// the gate/up slots, its experts' 6 tensors each in `experts`, layer after layer.
 // A layer whose qkv "codes" are float weights (float32, bfloat16 or float16: FloatLinear's) is the
 // float loop's instead: qkv = float_linear(rms_norm(hidden), W, bias), hidden = hidden +
 // float_linear(attention, W_o), gate, up likewise, hidden = hidden + float_linear(silu(gate) * up, W_down),
@@ -31,9 +35,10 @@
 // weights: 18 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
 // codes, d, m, bias, down codes, d, m, the head norms' weights [H + KVH, D] (q's for each query head,
 // then k's for each KV head), an unused empty tensor (an empty tensor for a missing m, bias or head
-// norm; d and m empty for a float layer); sizes: 7 a layer (qkv, o, gate/up and down out features,
-// then gate's, 1 if the layer rotates its queries and keys, its sliding window or 0); floats: 4 a
-// layer (the two norms' eps, the attention scale, the head norms' eps).
+// norm; d and m empty for a float layer); sizes: 9 a layer (qkv, o, gate/up and down out features
+// (an expert's, for a routed layer), then gate's, 1 if the layer rotates its queries and keys, its
+// sliding window or 0, its experts a token (0: a dense MLP), 1 if their weights are renormalised);
+// floats: 4 a layer (the two norms' eps, the attention scale, the head norms' eps).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -45,11 +50,10 @@
 
 namespace {
 
-constexpr int64_t kTensors = 18, kSizes = 7, kFloats = 4;
+constexpr int64_t kTensors = 18, kSizes = 9, kFloats = 4, kExpertTensors = 6;
 
-c10::optional<at::Tensor> present(const at::Tensor& t) {
-  return !t.defined() || t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
-}
+using ponder::float_rows;
+using ponder::present;
 
 // runtime.model.decoder._Norm, operator for operator: on float32 rows, or on bfloat16 ones (computed
 // in float32, then rounded back before the weight's product).
@@ -59,15 +63,6 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
   const at::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
   const at::Tensor normed = x * at::rsqrt(variance + eps);
   return weight * (wide ? normed : normed.to(hidden.scalar_type()));
-}
-
-// FloatLinear.rows: float32 in and out, or a bfloat16 input widened and the output rounded back.
-at::Tensor float_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t float_isa) {
-  if (x.scalar_type() == at::kFloat) return ponder::float_linear(x, weight, present(bias), float_isa);
-  const c10::optional<at::Tensor> given = present(bias);
-  const c10::optional<at::Tensor> wide_bias =
-      given ? c10::optional<at::Tensor>(given->to(at::kFloat)) : c10::optional<at::Tensor>();
-  return ponder::float_linear(x.to(at::kFloat), weight, wide_bias, float_isa).to(x.scalar_type());
 }
 
 // The decoder's rotary arithmetic, element for element: two products, each rounded, then their sum
@@ -93,13 +88,20 @@ inline void rotate_bf16(const float* x, const float* cos, const float* sin, int6
 }
 
 at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const at::Tensor& sin,
-                       at::TensorList weights, at::IntArrayRef sizes, at::ArrayRef<double> floats, int64_t H,
+                       at::TensorList weights, at::IntArrayRef sizes, at::ArrayRef<double> floats,
+                       at::TensorList experts, int64_t H,
                        int64_t KVH, const at::Tensor& cache, const at::Tensor& slot_rows, const at::Tensor& rows,
                        const at::Tensor& tables, const at::Tensor& ctx, int64_t float_isa) {
   const int64_t L = static_cast<int64_t>(weights.size()) / kTensors;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kTensors &&
               static_cast<int64_t>(sizes.size()) == L * kSizes && static_cast<int64_t>(floats.size()) == L * kFloats,
-              "int4_layers: weights, sizes and floats must hold 18, 7 and 4 entries a layer");
+              "int4_layers: weights, sizes and floats must hold 18, 9 and 4 entries a layer");
+  int64_t expert_tensors = 0;
+  for (int64_t l = 0; l < L; ++l)
+    if (sizes[l * kSizes + 7] != 0) expert_tensors += kExpertTensors * weights[l * kTensors + 9].size(0);
+  TORCH_CHECK(static_cast<int64_t>(experts.size()) == expert_tensors,
+              "int4_layers: experts must hold 6 tensors an expert of every routed layer");
+  const at::Tensor* expert = experts.data();
   const bool narrow = hidden_in.scalar_type() == at::kBFloat16;
   TORCH_CHECK(hidden_in.dim() == 2 && (hidden_in.scalar_type() == at::kFloat || narrow),
               "int4_layers: hidden must be float32 or bfloat16 [T, E]");
@@ -181,13 +183,22 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     }
     attended.zero_();
     ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, n[6], std::nullopt);
-    at::Tensor gate_up;
     if (is_float) {
       const at::Tensor out = narrow ? attended.to(at::kBFloat16) : attended;  // attention's output in the model's dtype
       hidden = hidden + float_rows(out.view({T, H * D}), w[5], at::Tensor(), float_isa);
-      gate_up = float_rows(rms_norm(hidden, w[8], f[1]), w[9], w[12], float_isa);
     } else {
       hidden = ponder::q4_linear(attended.view({T, H * D}), w[5], w[6], present(w[7]), n[1], {}, 0.0, hidden, -1);
+    }
+    if (n[7] != 0) {  // routed experts
+      hidden = hidden + ponder::routed_experts(rms_norm(hidden, w[8], f[1]), w[9], w[12], expert, n[7], n[8] != 0,
+                                               n[2], n[3], float_isa);
+      expert += kExpertTensors * w[9].size(0);
+      continue;
+    }
+    at::Tensor gate_up;
+    if (is_float) {
+      gate_up = float_rows(rms_norm(hidden, w[8], f[1]), w[9], w[12], float_isa);
+    } else {
       gate_up = ponder::q4_linear(hidden, w[9], w[10], present(w[11]), n[2], w[8], f[1], {}, -1);
       if (w[12].numel() != 0) gate_up = gate_up + w[12];
     }
@@ -205,7 +216,7 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
 
 TORCH_LIBRARY_FRAGMENT(ponder, m) {
   m.def("int4_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] sizes, float[] floats, "
-        "int heads, int kv_heads, Tensor(a!) cache, Tensor slot_rows, Tensor rows, Tensor tables, Tensor ctx, "
+        "Tensor[] experts, int heads, int kv_heads, Tensor(a!) cache, Tensor slot_rows, Tensor rows, Tensor tables, Tensor ctx, "
         "int float_isa=-1) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(ponder, CPU, m) { m.impl("int4_layers", &int4_layers); }

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 namespace ponder {
 
@@ -15,6 +16,30 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // float_linear.cpp: x @ W.T + bias for float32 x [R, K], W float32, bfloat16 or float16 (see there).
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                         int64_t isa);
+
+// float_linear.cpp: rows [starts[s], starts[s + 1]) of x (float32, or bfloat16 widened and the output
+// rounded back) times weights[s] [N, K], each output float_linear's, in one parallel region.
+at::Tensor float_linear_segments(const at::Tensor& x, const std::vector<int64_t>& starts,
+                                 const std::vector<const at::Tensor*>& weights, int64_t isa);
+
+// q4_linear.cpp: rows [starts[s], starts[s + 1]) of float32 x times the int4 layer whose codes, d and m
+// (empty: none) are layers[s][0..2], N outputs each, each output q4_linear's, in one parallel region.
+at::Tensor q4_linear_segments(const at::Tensor& x, const std::vector<int64_t>& starts,
+                              const std::vector<const at::Tensor*>& layers, int64_t N);
+
+// float_linear.cpp: FloatLinear.rows (runtime.model.float_layers): float32 rows in and out, or bfloat16
+// rows widened and the output rounded back; an empty bias is none.
+at::Tensor float_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t isa);
+
+// routed_experts.cpp: runtime.model.experts.RoutedMLP over kernel layers, for normed rows x [T, E] (see there).
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const at::Tensor& router_bias,
+                          const at::Tensor* experts, int64_t top_k, bool norm_topk_prob, int64_t gate_up_n,
+                          int64_t down_n, int64_t float_isa);
+
+// An empty (or undefined) tensor as a missing optional argument.
+inline c10::optional<at::Tensor> present(const at::Tensor& t) {
+  return !t.defined() || t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
+}
 
 // decode_attention.cpp: each query of `rows` attends to its own paged context (see there).
 void decode_attention(const at::Tensor& queries, const at::Tensor& rows, const at::Tensor& cache,

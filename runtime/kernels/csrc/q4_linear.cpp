@@ -148,6 +148,35 @@ int format_of(const at::Tensor& codes, const at::Tensor& d, const c10::optional<
   return split ? 6 : bits == 4 ? 3 : bits == 5 ? 4 : 5;
 }
 
+// Column blocks [b0, b1) of out [R, N] for rows already prepared, in `format` on `isa`.
+void run_blocks(int format, int64_t isa, const int8_t* xq, const float* xscale, const float* xsum, int64_t R, int64_t K,
+                const uint8_t* cp, const void* dp, const void* mp, const float* rp, float* op, int64_t N, int64_t b0,
+                int64_t b1) {
+  const auto* dh = static_cast<const uint16_t*>(dp);
+  const auto* mh = static_cast<const uint16_t*>(mp);
+  if (format == 0 && isa == 1)
+    vnni::blocks(xq, xscale, xsum, R, K, cp, dh, mh, rp, op, N, b0, b1);
+  else if (format == 0)
+    avx2::blocks(xq, xscale, xsum, R, K, cp, dh, mh, rp, op, N, b0, b1);
+  else if (isa == 1)
+    vnni::any_blocks(format, xq, xscale, xsum, R, K, cp, dp, mp, rp, op, N, b0, b1);
+  else
+    avx2::any_blocks(format, xq, xscale, xsum, R, K, cp, dp, mp, rp, op, N, b0, b1);
+}
+
+// Each row of x [R, K] quantized per group for the kernel (`prepare`), without a norm.
+void prepare_rows(const float* xp, int64_t R, int64_t K, int64_t isa, int8_t* xq, float* xscale, float* xsum) {
+  const int64_t G = K / 32;
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (isa == 1)
+        vnni::prepare(xp + r * K, K, nullptr, 0.0f, nullptr, xq + r * K, xscale + r * G, xsum + r * G);
+      else
+        avx2::prepare(xp + r * K, K, nullptr, 0.0f, nullptr, xq + r * K, xscale + r * G, xsum + r * G);
+    }
+  });
+}
+
 }  // namespace
 
 namespace ponder {
@@ -192,17 +221,41 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const void* mp = with_m ? m->data_ptr() : nullptr;
   const float* rp = with_residual ? residual->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const auto* dh = static_cast<const uint16_t*>(dp);
-  const auto* mh = static_cast<const uint16_t*>(mp);
   at::parallel_for(0, B, 2, [&](int64_t b0, int64_t b1) {
-    if (format == 0 && isa == 1)
-      vnni::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dh, mh, rp, op, N, b0, b1);
-    else if (format == 0)
-      avx2::blocks(xq.data(), xscale.data(), xsum.data(), R, K, cp, dh, mh, rp, op, N, b0, b1);
-    else if (isa == 1)
-      vnni::any_blocks(format, xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
-    else
-      avx2::any_blocks(format, xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
+    run_blocks(format, isa, xq.data(), xscale.data(), xsum.data(), R, K, cp, dp, mp, rp, op, N, b0, b1);
+  });
+  return out;
+}
+
+at::Tensor q4_linear_segments(const at::Tensor& x, const std::vector<int64_t>& starts,
+                              const std::vector<const at::Tensor*>& layers, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "q4_linear_segments: x must be contiguous float32 [rows, in]");
+  const int64_t R = x.size(0), K = x.size(1), G = K / 32, S = static_cast<int64_t>(layers.size()), B = (N + 7) / 8;
+  TORCH_CHECK(K % 32 == 0 && N > 0 && static_cast<int64_t>(starts.size()) == S + 1 && starts[0] == 0 && starts[S] == R,
+              "q4_linear_segments: segments must cover the rows, in_features a multiple of 32");
+  std::vector<int> formats(S);
+  for (int64_t s = 0; s < S; ++s) {
+    const at::Tensor* w = layers[s];
+    const c10::optional<at::Tensor> m = present(w[2]);
+    formats[s] = format_of(w[0], w[1], m, m.has_value(), K, B);
+  }
+  const int64_t isa = best_isa();
+  TORCH_CHECK(isa >= 0, "q4_linear_segments: this CPU lacks AVX2");
+  std::vector<int8_t> xq(R * K);
+  std::vector<float> xscale(R * G), xsum(R * G);
+  prepare_rows(x.data_ptr<float>(), R, K, isa, xq.data(), xscale.data(), xsum.data());
+  at::Tensor out = at::empty({R, N}, x.options());
+  float* op = out.data_ptr<float>();
+  // One region over every segment's column blocks (segment after segment), grains as q4_linear's.
+  at::parallel_for(0, S * B, 2, [&](int64_t a, int64_t b) {
+    for (int64_t s = a / B; s < S && s * B < b; ++s) {
+      const int64_t b0 = std::max(a, s * B) - s * B, b1 = std::min(b, (s + 1) * B) - s * B, r = starts[s];
+      const at::Tensor* w = layers[s];
+      run_blocks(formats[s], isa, xq.data() + r * K, xscale.data() + r * G, xsum.data() + r * G, starts[s + 1] - r,
+                 K, w[0].data_ptr<uint8_t>(), w[1].data_ptr(), w[2].numel() == 0 ? nullptr : w[2].data_ptr(), nullptr,
+                 op + r * N, N, b0, b1);
+    }
   });
   return out;
 }

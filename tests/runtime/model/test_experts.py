@@ -13,7 +13,7 @@ from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear
 from tests.replicas.families import EXPERTS_PER_TOKEN, NUM_EXPERTS, write_family
 from tests.runtime.engine_helpers import engine_for, request, run
-from tests.runtime.model.test_decoder import recorded_logits
+from tests.runtime.model.test_decoder import LONG_PROMPT, recorded_logits
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 5, 6, 7, 8, 9, 20, 21], [1, 40]]
 
@@ -97,3 +97,63 @@ def test_batch_invariance_is_served_over_kernel_experts(moe_dir, quantize):
     for i, prompt in enumerate(PROMPTS):
         alone = sampled(engine_for(moe_dir, quantize=quantize, batch_invariant=True, num_blocks=64), [prompt], i)["0"]
         assert alone["choices"] == crowd[str(i)]["choices"], i
+
+
+@pytest.mark.parametrize("mode, dtype", [("int4", "auto"), ("auto", "auto"), ("auto", "bfloat16")])  # auto:
+@pytest.mark.parametrize("invariant", [True, False])  # every projection and expert in ponder's float kernel
+def test_the_stack_kernel_gives_the_python_loop_s_bits(moe_dir, invariant, mode, dtype):
+    """A step whose every row the decode kernel attends runs the whole stack, routed experts and all, in
+    one kernel call (LayerStack); the Python loop (RoutedMLP over the same kernel layers) gives the very
+    same logits and tokens (a bfloat16 model too)."""
+    results, logits, covered = [], [], []
+    for stack in (True, False):
+        engine = engine_for(moe_dir, quantize=mode, dtype=dtype, batch_invariant=invariant, num_blocks=64)
+        decoder = engine.runner.decoder
+        assert decoder.stack is not None and (decoder.int4, decoder.floats) == (mode == "int4", mode == "auto")
+        assert all(layer.moe is not None for layer in decoder.layers) and len(decoder.stack.experts) == \
+            6 * NUM_EXPERTS * len(decoder.layers)
+        assert engine.runner.cache.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        if stack:
+            covers = decoder.stack.covers
+            decoder.stack.covers = lambda meta: covered.append(covers(meta)) or covered[-1]
+        else:
+            decoder.stack = None
+        logits.append(recorded_logits(engine))
+        requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
+                    for i, p in enumerate([*PROMPTS, LONG_PROMPT])]
+        results.append(run(engine, requests))
+    assert results[0] == results[1]
+    assert len(logits[0]) == len(logits[1]) and all(torch.equal(a, b) for a, b in zip(*logits))
+    # Under batch invariance the prompts are attended by the decode kernel too: every step is covered.
+    assert all(covered) if invariant else covered.count(True) == len(covered) - 1
+
+
+def test_the_stack_kernel_is_under_test(moe_dir):
+    """Routing every token by unnormalised top-k weights in the stack kernel alone changes its logits:
+    the test above holds the kernel's routing, not only its attention and its dense parts."""
+    logits = []
+    for renormalise in (True, False):
+        engine = engine_for(moe_dir, batch_invariant=True, num_blocks=64)
+        stack = engine.runner.decoder.stack
+        if not renormalise:  # the last size of each layer: 1 if its top-k weights are renormalised
+            stack.sizes = [0 if i % 9 == 8 else size for i, size in enumerate(stack.sizes)]
+        logits.append(recorded_logits(engine))
+        run(engine, [request("0", PROMPTS[0], max_tokens=2)])
+    assert len(logits[0]) == len(logits[1]) == 2 and not torch.equal(logits[0][0], logits[1][0])
+
+
+@pytest.mark.parametrize("quantize", ["auto", "int4"])
+def test_the_stack_kernel_on_the_avx2_path_gives_the_same_bits(moe_dir, quantize):
+    from runtime.kernels import cpu_kernels
+
+    logits = []
+    for isa in ("auto", "avx2"):
+        cpu_kernels.use_isa(isa)
+        try:
+            engine = engine_for(moe_dir, quantize=quantize, batch_invariant=True, num_blocks=64)
+            assert engine.runner.decoder.stack is not None
+            logits.append(recorded_logits(engine))
+            run(engine, [request(str(i), p, max_tokens=9) for i, p in enumerate(PROMPTS)])
+        finally:
+            cpu_kernels.use_isa("auto")
+    assert len(logits[0]) == len(logits[1]) == 9 and all(torch.equal(a, b) for a, b in zip(*logits))

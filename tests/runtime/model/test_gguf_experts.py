@@ -46,6 +46,7 @@ def test_an_f32_file_serves_transformers_tokens_on_the_same_weights(replica, tmp
     assert all(isinstance(layer, FloatLinear) and layer.weight.dtype == torch.float32
                for layer in [*mlp.experts.gate_up, *mlp.experts.down])
     assert engine.runner.decoder.layers[0].moe.all_kernel(FloatLinear)
+    assert engine.runner.decoder.stack is not None  # its decode steps one call of the stack kernel
     assert engine.quantized.describe() == (
         "model.quantize = auto: float (15 layers run in ponder's float kernel in the file's own type (15 F32); "
         "linear tensors in the file: 15 F32)")
@@ -62,6 +63,7 @@ def test_a_quantized_file_keeps_each_expert_s_blocks_and_serves_generate_s_token
     engine = engine_for(path, batch_invariant=True)
     decoder, model = engine.runner.decoder, engine.runner.model
     assert decoder.int4 and all(layer.moe.all_kernel(Int4Linear) for layer in decoder.layers)
+    assert decoder.stack is not None  # its steps one call of the stack kernel (batch invariance: prompts too)
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     for i, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts

@@ -96,9 +96,9 @@ def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
 
 
 @pytest.mark.parametrize("family, paths", [
-    # the lean decoder's Python loop (routed experts, no stack kernel), every projection and expert
-    # in ponder's float kernel
-    ("qwen3_moe", {"family": "qwen3_moe", "layers": "lean", "linear": "float_kernel",
+    # the lean decoder, its decode steps one call of the float stack kernel (routed experts and all),
+    # every projection and expert in ponder's float kernel
+    ("qwen3_moe", {"family": "qwen3_moe", "layers": "float_kernel", "linear": "float_kernel",
                    "attention": "cpu_kernel"}),
     # transformers' forward (no lean decoder for these), its projections in ponder's float kernel
     # its sinks are applied by ponder's CPU decode kernel too
