@@ -25,6 +25,7 @@ from torch import nn
 from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.experts import KernelExperts, with_routed_experts
 from runtime.model.float_layers import FloatLinear, float_layers
+from runtime.model.gguf_qwen35 import InputOrder
 from runtime.model.loader import CheckpointMismatch, ModelSource, gguf_model_config, load_causal_lm
 from runtime.model.quantize import Int4Linear, Quantized, apply_quantize
 from runtime.startup_cache import Entry, file_identity, runtime_sources, sources_hash
@@ -37,7 +38,7 @@ _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
 _CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
          "model/float_layers.py", "model/block_embedding.py", "model/gguf_config.py", "model/cached_model.py",
-         "model/experts.py", "model/gguf_experts.py", "startup_cache.py")
+         "model/experts.py", "model/gguf_experts.py", "model/gguf_qwen35.py", "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):
@@ -103,7 +104,8 @@ def load_quantized_model(source: ModelSource, device: torch.device, dtype: torch
         quantized = with_routed_experts(model, quantized)  # (runtime.model.experts)
     # (a model with routed experts in kernel layers, runtime.model.experts, is not cached: its skeleton
     # from the config holds transformers' stacked experts, which the entry's tensors would not fill)
-    holds_experts = any(isinstance(module, KernelExperts) for module in model.modules())
+    # (nor one with a layer gathering its input into the file's column order, runtime.model.gguf_qwen35)
+    holds_experts = any(isinstance(module, (KernelExperts, InputOrder)) for module in model.modules())
     if entry is not None and quantized.mode in ("int4", "float") and not holds_experts and \
             entry.write(lambda directory: write_model(directory, model, quantized)):
         log.info("model saved to the start-up cache %s", entry.path)

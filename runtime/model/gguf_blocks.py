@@ -202,9 +202,14 @@ def open_gguf(model: nn.Module, path: str):
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
+    from runtime.model.gguf_qwen35 import ARCHITECTURES, Qwen35Tensors
+
     reader = GGUFReader(path)
     field = reader.fields["general.architecture"]
     architecture = bytes(field.parts[field.data[0]]).decode()
+    if architecture in ARCHITECTURES:  # (transformers has no GGUF mapping for Qwen3.5: gguf's name map, ponder's processor)
+        processor = Qwen35Tensors(config=model.config.to_dict())
+        return reader, processor, get_gguf_hf_weights_map(model, processor, model_type=architecture)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     return reader, processor, get_gguf_hf_weights_map(model, processor)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Callable
 
 # llama.cpp's architecture -> transformers' model_type
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen3_5_text",
+               "qwen35moe": "qwen3_5_moe_text"}
 
 # `{arch}.KEY` -> the config field it gives (llama.cpp's LLM_KV names)
 FIELDS = {
@@ -119,7 +120,37 @@ def _qwen3_biases(meta: Metadata, fields: dict) -> None:
     fields["attention_bias"] = "blk.0.attn_q.bias" in meta.shapes
 
 
-_FAMILY_STEPS: dict[str, Callable[[Metadata, dict], None]] = {"llama": _llama_biases, "qwen3": _qwen3_biases}
+def _qwen35(meta: Metadata, fields: dict) -> None:
+    """Qwen3.5's keys as llama.cpp's qwen35 / qwen35moe `load_arch_hparams` reads them: the Gated
+    DeltaNet's sizes from `ssm.*` (one head size for keys and values: `state_size`; the value width
+    `inner_size`), which layers are recurrent (`attention.recurrent_layers`, else every layer but each
+    `full_attention_interval`-th), the partial interleaved mrope (`rope.dimension_count` of the head,
+    `rope.dimension_sections`); multi-token-prediction blocks (`nextn_predict_layers`, counted in
+    `block_count`) are not served."""
+    layers = fields["num_hidden_layers"] = fields["num_hidden_layers"] - meta.get("nextn_predict_layers", 0)
+    value_heads = meta.get("ssm.time_step_rank")
+    fields.update(linear_conv_kernel_dim=meta.get("ssm.conv_kernel"), linear_key_head_dim=meta.get("ssm.state_size"),
+                  linear_num_key_heads=meta.get("ssm.group_count"), linear_num_value_heads=value_heads,
+                  linear_value_head_dim=meta.get("ssm.inner_size") // value_heads)
+    recurrent = meta.get("attention.recurrent_layers")
+    if recurrent is None:
+        interval = meta.get("full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    fields["layer_types"] = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:layers]]
+    rotary = meta.get("rope.dimension_count", fields["head_dim"] // 4)
+    sections = list(meta.get("rope.dimension_sections") or [11, 11, 10, 0])  # (the converter's default)
+    rope = fields.get("rope_parameters") or {"rope_type": "default", "rope_theta": fields.pop("rope_theta", 10000000.0)}
+    fields["rope_parameters"] = {**rope, "partial_rotary_factor": rotary / fields["head_dim"], "mrope_interleaved": True,
+                                 "mrope_section": sections[:3]}
+    for key, name in (("expert_count", "num_experts"), ("expert_used_count", "num_experts_per_tok"),
+                      ("expert_feed_forward_length", "moe_intermediate_size"),
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if meta.get(key) is not None:
+            fields[name] = meta.get(key)
+
+
+_FAMILY_STEPS: dict[str, Callable[[Metadata, dict], None]] = {"llama": _llama_biases, "qwen3": _qwen3_biases,
+                                                              "qwen3_5_text": _qwen35, "qwen3_5_moe_text": _qwen35}
 
 
 def _rope_scaling(meta: Metadata, fields: dict) -> None:

@@ -8,7 +8,8 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
 
 - a linear layer's weight of a type the kernel runs (runtime.model.gguf_blocks.SUPPORTED) becomes an
   int layer holding the file's codes and scales (`Int4Linear.from_blocks`), its rows in the order
-  transformers' tensor processor puts them (llama's q/k);
+  transformers' tensor processor puts them (llama's q/k; Qwen3.5's value heads, runtime.model.gguf_qwen35,
+  whose `ssm_out` keeps its columns in the file's order and gathers its input into it);
 - a linear layer's F32, F16 or BF16 weight runs in ponder's float kernel (runtime.model.float_layers)
   in the file's own type, so an F16 file is served in the memory it takes, not widened to float32;
 - a quantized token embedding keeps its blocks, its rows dequantized on lookup
@@ -44,6 +45,7 @@ from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
 from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
 from runtime.model.gguf_experts import ExpertTensors
+from runtime.model.gguf_qwen35 import InputOrder
 from runtime.model.gpu_blocks import GpuBlockLinear, gpu_block_layer
 from runtime.model.loader import CheckpointMismatch, ModelSource
 from runtime.model.quantize import Int4Linear, Quantized, blocks_detail
@@ -269,6 +271,9 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                     raw = _read(file, tensor) if in_order else _read(file, tensor)[order]
                     served = FloatLinear.from_weight(_float_weight(kind, raw, shape))
                     in_float_kernel[kind] = in_float_kernel.get(kind, 0) + 1
+                stored_order = getattr(processor, "input_order", lambda name: None)(tensor.name)
+                if stored_order is not None:  # columns stored in another order: kept so, the input gathered
+                    served = InputOrder(served, stored_order)
                 setattr(model.get_submodule(parent_name), attribute, served)
                 if is_linear:
                     continue
