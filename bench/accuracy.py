@@ -61,17 +61,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import paired
+from bench.accuracy_configs import METHODS, VERIFIED, VERIFIERS, Config, names, parse_configs, plan, with_baselines
+from bench.accuracy_inputs import choose_problems, int_list, runtime_options
 from bench.accuracy_report import pilot_lines, plot, table
-from bench.datasets import load_problems
-from bench.problems import LEVELS, Problem, problem_set, select_levels
+from bench.problems import Problem
 from bench.report import emit, plot_path
 from bench.threads import torch_threads
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
-METHODS = ("greedy", "majority", "best_of_n", "beam", "dvts", "particle_filtering", "deepconf")
-VERIFIED = ("best_of_n", "beam", "dvts", "particle_filtering")
-UNVERIFIED = ("majority", "deepconf")  # N samples that vote, with no verifier
-VERIFIERS = ("judge", "confidence", "calculator")  # the verifiers that run on the generator itself
 BEAM_WIDTH = 4
 Z_95 = 1.959963984540054
 
@@ -96,19 +93,6 @@ class Setup:
 
 
 @dataclass(frozen=True)
-class Config:
-    """One line of the results: a method, its verifier (None when it has none) and N."""
-
-    method: str
-    verifier: str | None
-    n: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.method}:{self.verifier}" if self.verifier else self.method
-
-
-@dataclass(frozen=True)
 class Outcome:
     """One problem answered by one configuration."""
 
@@ -122,53 +106,7 @@ class Outcome:
 
 
 # ---------------------------------------------------------------------------------------------
-# plan and grading
-
-
-def plan(methods: list[str], verifiers: list[str], ns: list[int],
-         known_verifiers: tuple[str, ...] = VERIFIERS) -> list[Config]:
-    """Every configuration to run, in order; a ValueError names the first bad input."""
-    for method in methods:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-    for verifier in verifiers:
-        if verifier not in known_verifiers:
-            raise ValueError(f"unknown verifier {verifier!r}; expected one of {', '.join(known_verifiers)}")
-    for n in ns:
-        if n < 1:
-            raise ValueError(f"N must be at least 1, got {n}")
-    configs = []
-    for method in methods:
-        if method == "greedy":
-            configs.append(Config("greedy", None, 1))
-        elif method in UNVERIFIED:
-            configs += [Config(method, None, n) for n in ns]
-        else:
-            configs += [Config(method, verifier, n) for verifier in verifiers for n in ns]
-    return configs
-
-
-def parse_configs(text: str, known_verifiers: tuple[str, ...] = VERIFIERS) -> list[Config]:
-    """`method[:verifier]@N,...` (e.g. `beam:calculator@8,majority@8`) as configurations; a ValueError names
-    the first bad one."""
-    configs = []
-    for item in _names(text):
-        label, at, n = item.partition("@")
-        method, _, verifier = label.partition(":")
-        if not at or not n.strip().isdigit():
-            raise ValueError(f"--configs takes method[:verifier]@N, got {item!r}")
-        if bool(verifier) != (method in VERIFIED):
-            raise ValueError(f"{item!r}: {', '.join(VERIFIED)} take a verifier, greedy, majority and deepconf none")
-        configs += [c for c in plan([method], [verifier] if verifier else [], [int(n)], known_verifiers)
-                    if c.n == int(n)]
-    return configs
-
-
-def with_baselines(configs: list[Config]) -> list[Config]:
-    """`configs` with greedy and majority voting at every N the others use, the baselines first."""
-    ns = sorted({c.n for c in configs if c.method != "greedy"})
-    baselines = [Config("greedy", None, 1)] + [Config("majority", None, n) for n in ns]
-    return baselines + [c for c in configs if c not in baselines]
+# grading (what runs: bench.accuracy_configs; the problems and the engine: bench.accuracy_inputs)
 
 
 def grade(answer: str | None, problem: Problem) -> str:
@@ -317,17 +255,6 @@ def run(options, configs: list[Config], problems: list[Problem], setup: Setup, p
             "comparisons": paired.comparisons(rows), "alpha": paired.ALPHA, "gold": [p.gold for p in problems]}
 
 
-def _int_list(text: str, what: str = "N") -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 QUICK = dict(methods="greedy,majority,best_of_n", verifiers="confidence", n="1,4,16", per_level=2,
              max_tokens=48, max_steps=4, max_step_tokens=24)
 DEFAULT = dict(methods=",".join(METHODS), verifiers=",".join(VERIFIERS), n="1,4,16", per_level=8,
@@ -350,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--concurrency above 1 needs --deterministic: otherwise a problem's answer would depend "
                              "on the problems that share its batches")
         options, known = runtime_options(args.model, args.config, args.deterministic)
-        configs = plan(_names(args.methods or chosen["methods"]), _names(args.verifiers or chosen["verifiers"]),
-                       _int_list(args.n or chosen["n"]), known)
+        configs = plan(names(args.methods or chosen["methods"]), names(args.verifiers or chosen["verifiers"]),
+                       int_list(args.n or chosen["n"]), known)
         configs += [c for c in parse_configs(args.configs or "", known) if c not in configs]
         per_level = args.per_level or chosen["per_level"]
         if per_level < 1:
@@ -373,47 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, path)
     emit(results, table(results), args.json_path)
     return 0
-
-
-def runtime_options(model: str | None, config: str | None, deterministic: bool = False):
-    """The engine's options and the verifier names a run may use. Without `config`: the model on the CPU,
-    as the other benchmarks run; with it: what `ponder serve --config` would load, reward models too.
-    `deterministic` insists on batch invariance, as `ponder serve --deterministic` does (without it,
-    the default: invariant wherever the device can be)."""
-    from runtime.wire.options import RuntimeOptions
-
-    if config is None:
-        return RuntimeOptions(model=model, device="cpu", batch_invariant=True if deterministic else "auto"), VERIFIERS
-    from pydantic import ValidationError
-
-    from server.config import Settings
-
-    try:
-        settings = Settings.load(config, model={"path": model},
-                                 scheduler={"batch_invariant": deterministic or None})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ValueError(f"{config}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-    except (OSError, ValueError) as exc:  # a missing file, TOML that does not parse
-        raise ValueError(f"{config}: {exc}") from None
-    return settings.runtime_options(), VERIFIERS + tuple(settings.verifiers)
-
-
-def choose_problems(dataset: str | None, levels: str | None, limit: int | None, seed: int,
-                    per_level: int) -> list[Problem]:
-    """The user's file, or the generated set; only `levels` of it, and its first `limit` problems."""
-    chosen_levels = tuple(_int_list(levels, "--levels")) if levels else None
-    if dataset is not None:
-        problems = load_problems(dataset)
-        if chosen_levels:
-            problems = select_levels(problems, chosen_levels)
-    else:
-        problems = problem_set(seed, per_level, chosen_levels or LEVELS)
-    if limit is not None:
-        if limit < 1:
-            raise ValueError(f"--limit must be at least 1, got {limit}")
-        problems = problems[:limit]
-    return problems
 
 
 def _power(args) -> int:

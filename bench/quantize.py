@@ -24,7 +24,7 @@ from runtime.bootstrap import build_engine
 from runtime.wire.params import SamplingParams
 from runtime.wire.protocol import GenerateRequest
 from runtime.wire.options import RuntimeOptions
-from runtime.model.quantize import QUANTIZE_MODES
+from runtime.model.quantize_setting import QUANTIZE_MODES
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "declaration.txt"
 PROMPT = "The history of the present King of Great Britain is"

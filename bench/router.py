@@ -35,7 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import _round, build_tiny_model, free_port, percentile, serve, stop, wait_until
+from bench.live_server import build_tiny_model, free_port, serve, stop, wait_until
+from bench.load import _round, percentile
 from bench.report import columns, emit
 
 ROUTED = "x-smg-routed-worker-id"  # smg's response header naming the replica it chose

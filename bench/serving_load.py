@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import free_port, serve, stop, wait_until
+from bench.live_server import free_port, serve, stop, wait_until
 from bench.report import columns, emit
 
 PROMPT = "Write a short story about robot number {client}-{request}, who learns to paint."

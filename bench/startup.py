@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.load import free_port, stop
+from bench.live_server import free_port, stop
 from bench.report import columns, emit
 
 # Log lines marking the end of each phase, in order; a phase runs from the previous mark to its own.

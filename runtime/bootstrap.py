@@ -19,7 +19,7 @@ from runtime.model.cached_model import load_quantized_model
 from runtime.model.loader import ModelSource, SettingError, load_tokenizer, pick_device, pick_dtype, resolve_model
 from runtime.startup_cache import file_identity
 from runtime.wire.options import RuntimeOptions
-from runtime.model.quantize import check_mode
+from runtime.model.quantize_setting import check_mode
 from storage.disk_tier import DiskTier
 from storage.host_tier import HostTier
 from storage.tiers import TierChain

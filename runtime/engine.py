@@ -111,7 +111,7 @@ class Engine:
         self.quantized = quantized or Quantized("none", "none", 0, "float weights")
         self.kv_split = kv_split
         self.kv_caps = None  # its batch caps for the search load now
-        self.plain = PlainRequests(self, tokenizer, self.eos_ids, self.device, config.max_model_len, self.streamed)
+        self.plain = PlainRequests(self, tokenizer, self.eos_ids, self.device, config.max_model_len)
         self.requests: dict[str, RequestState] = self.plain.requests
         # Searches, scorers, the rewards route and speculation's slots: one owner, called around the forward pass.
         self.work = StepWork(self, lambda judge_host: build_scorers(judge_host, model, tokenizer, config,
@@ -195,7 +195,7 @@ class Engine:
         self.plain.abort(request_id)
         self.work.abort(request_id)
 
-    # -- the engine's port to the step's work (runtime.steps.host; runtime.search.host reads) ---------
+    # -- its ports: sequences (runtime.kv.sequence_host), steps/, requests/ (their host.py); search/ reads --
     def has_waiting(self) -> bool:
         return bool(self.scheduler.waiting)
 
@@ -203,15 +203,12 @@ class Engine:
         self.kv.fork(parent, child, num_tokens)
         self.scheduler.hold(child)
 
-    def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence:
-        """A prompt of `token_ids` whose first `num_shared` tokens are `parent`'s: it shares their
-        blocks (the KV of all but the last of them; a partly filled block is copied on first write),
-        and prefills the rest when it runs. Parked until resumed."""
-        assert parent.token_ids[:num_shared] == token_ids[:num_shared]
-        child = Sequence(token_ids)
+    def fork_prompt(self, parent: Sequence, child: Sequence, num_shared: int) -> None:
+        """`child` shares the blocks of `parent`'s first `num_shared` tokens (the KV of all but the last
+        of them; a partly filled block is copied on first write) and prefills the rest when it runs."""
+        assert parent.token_ids[:num_shared] == child.token_ids[:num_shared]
         self.kv.fork_prompt(parent, child, num_shared)
         self.scheduler.hold(child)
-        return child
 
     def add_sequence(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -225,6 +222,12 @@ class Engine:
     def release_sequence(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq)
+
+    def stream_sequence(self, seq: Sequence) -> None:  # (runtime.requests.host, as `readmit`)
+        self.streamed.add(seq)
+
+    def readmit(self, seq: Sequence, num_new_tokens: int, max_cached_tokens: int) -> bool:
+        return self.kv.readmit(seq, num_new_tokens, max_cached_tokens)
 
     def prefetch(self, seqs: list[Sequence], reserve: int) -> None:
         self.planner.prefetch(seqs, reserve)
@@ -364,7 +367,7 @@ class Engine:
     def runtime_stats(self) -> RuntimeStats:
         """The counters since the last call (verifier seconds are handed out once)."""
         pool, tier = self.pool, "gpu" if self.device.type == "cuda" else "cpu"
-        stats = RuntimeStats(
+        return RuntimeStats(
             requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches) + len(self.rewards),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
@@ -378,10 +381,8 @@ class Engine:
             speculative_tokens=dict(self.stats["speculative_tokens"]),
             verifier_seconds=self.work.take_verifier_seconds(),
         )
-        return stats
 
-    def transfer_bytes(self) -> dict[str, int]:
-        """Bytes moved between tiers, as {"src/dst": bytes}, since the tiers were attached."""
+    def transfer_bytes(self) -> dict[str, int]:  # bytes moved between tiers, {"src/dst": bytes}, since attached
         return self.residency.bytes_moved() if self.residency is not None else {}
 
     def transfer_stall_seconds(self) -> float:  # seconds the engine loop was blocked on transfers between tiers

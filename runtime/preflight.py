@@ -22,7 +22,7 @@ from runtime.model.loader import (
 )
 from runtime.wire.protocol import SettingsChecked
 from runtime.wire.options import RuntimeOptions, decode_options
-from runtime.model.quantize import check_device, check_mode
+from runtime.model.quantize_setting import check_device, check_mode
 from runtime.model import families, generation_config
 
 

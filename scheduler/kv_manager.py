@@ -156,10 +156,15 @@ class KVManager:
         if self.states is not None:
             self.states.fork(parent.seq_id, child.seq_id)
 
-    def uncount_prefix_query(self, num_query: int, num_hit: int) -> None:
-        """Take back a first admission's prefix statistics (its cached prefix was given up, to be computed)."""
-        self.prefix_stats.query_tokens -= num_query
-        self.prefix_stats.hit_tokens -= num_hit
+    def readmit(self, seq: Sequence, max_new_tokens: int, max_cached_tokens: int) -> bool:
+        """`admit` again a sequence admitted this step, with at most `max_cached_tokens` tokens from the
+        prefix cache: its blocks go back first, and a first admission's prefix statistics are taken
+        back (the cached prefix it gives up is to be computed)."""
+        if seq.num_preemptions == 0:  # the first admission counted this query and its hit
+            self.prefix_stats.query_tokens -= len(seq.token_ids)
+            self.prefix_stats.hit_tokens -= seq.num_computed_tokens
+        self.free(seq)
+        return self.admit(seq, max_new_tokens, max_cached_tokens=max_cached_tokens)
 
     def fork_prompt(self, parent: Sequence, child: Sequence, num_shared: int) -> None:
         """`fork` for a new prompt beginning with `parent`'s first `num_shared` tokens: what it shares it

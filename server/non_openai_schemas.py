@@ -2,7 +2,7 @@
 /v1/rewards (server.rewards).
 
 Apart from the OpenAI endpoints' bodies (server.schemas) because none of them generates: they share
-only the message shape and the wire checks (`Body`), which they take from there.
+the message shape and the wire checks (`Body`, server.bodies) and the template's kwargs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from runtime.wire.params import SearchParams
-from server.schemas import Body, ChatMessage, TemplateKwargs
+from server.bodies import Body, ChatMessage
+from server.schemas import TemplateKwargs
 
 
 class TokenizeBody(Body):

@@ -101,3 +101,36 @@ def test_the_rule_sees_a_foreign_write():
     fields = declared(tree)
     writes = [_written(t) for n in ast.walk(tree) for t in _targets(n)]
     assert [w.attr for w in writes if w is not None and w.attr not in fields] == ["num_computed_tokens", "block_table"]
+
+
+# The rooms that ask the engine for changes: each sequence change goes through the one port every
+# room uses (runtime.kv.sequence_host); only block counts are read off the engine's KV manager.
+ASKERS = ("runtime/requests/", "runtime/search/", "runtime/verify/", "runtime/steps/")
+KV_READS = {"num_blocks_for"}
+
+
+def reaches_past_the_port(tree: ast.AST) -> list[str]:
+    """Calls of a method of a scheduler or KV manager held by another object (`host.scheduler.add(...)`,
+    `self.host.kv.fork(...)`); a room's own (`self.kv`, a verifier store's pool) is its own to change."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            held = node.func.value
+            if isinstance(held, ast.Attribute) and held.attr in ("scheduler", "kv") \
+                    and not (isinstance(held.value, ast.Name) and held.value.id == "self") \
+                    and not (held.attr == "kv" and node.func.attr in KV_READS):
+                found.append(f"{node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_every_room_changes_sequences_through_the_one_port():
+    found = [f"{path.relative_to(ROOT)}:{hit}" for path in sorted(RUNTIME.rglob("*.py"))
+             if str(path.relative_to(ROOT)).startswith(ASKERS)
+             for hit in reaches_past_the_port(ast.parse(path.read_text(), str(path)))]
+    assert found == []
+
+
+def test_the_rule_sees_a_call_past_the_port():
+    tree = ast.parse("def f(self, seq, host):\n    self.host.scheduler.finish(seq)\n    host.kv.fork(seq, seq)\n"
+                     "    self.host.kv.num_blocks_for(3)\n    self.kv.free(seq)\n    self.host.release_sequence(seq)\n")
+    assert reaches_past_the_port(tree) == ["2: self.host.scheduler.finish", "3: host.kv.fork"]

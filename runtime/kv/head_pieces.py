@@ -16,6 +16,10 @@ so `resident + num_slices + num_buffers * staging_pieces <= budget_pieces`, plan
 longest context the run reaches. Every other full piece lives in the tier chain and is loaded into
 a staging buffer each time its slice computes: `loads(start)` pieces for a forward whose tokens
 start at position `start`.
+
+A budget that cannot hold a plan is a result, not an exception: `plan_pieces` returns `NoFit`, saying
+why, and the caller decides (start-up names the setting, admission refuses the request, sizing
+searches for the longest context that fits).
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ import torch
 from storage.block_hash import BlockHash, hash_block
 from storage.piece_transfers import PieceLost, PiecePipeline
 from storage.tiers import piece_key
+
+
+@dataclass(frozen=True)
+class NoFit:
+    """A compute budget that cannot stream a sequence: why, for the message its caller writes."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,7 @@ class PiecePlan:
 
 
 def plan_pieces(*, num_layers: int, num_kv_heads: int, group_heads: int, head_dim: int,
-                block_size: int, max_tokens: int, budget_pieces: int, prefetch: bool) -> PiecePlan:
+                block_size: int, max_tokens: int, budget_pieces: int, prefetch: bool) -> PiecePlan | NoFit:
     if group_heads < 1 or num_kv_heads % group_heads:
         raise ValueError(f"group_heads {group_heads} must divide num_kv_heads {num_kv_heads}")
     num_slices = num_layers * (num_kv_heads // group_heads)
@@ -82,7 +93,7 @@ def plan_pieces(*, num_layers: int, num_kv_heads: int, group_heads: int, head_di
     staging = -(-max_tokens // block_size)
     spare = budget_pieces - num_slices - num_buffers * staging
     if spare < 0:
-        raise MemoryError(
+        return NoFit(
             f"a compute tier of {budget_pieces} pieces cannot hold {num_slices} write buffers and "
             f"{num_buffers} staging buffers of {staging} pieces (one slice's context of "
             f"{max_tokens} tokens); raise the budget or use fewer KV heads per group")
@@ -114,8 +125,8 @@ class HeadwiseStore:
         def carve(*shape: int) -> torch.Tensor:
             nonlocal free
             n = math.prod(shape)
-            if n > free.numel():
-                raise MemoryError(f"the compute tier has {free.numel()} elements left, {n} are needed")
+            if n > free.numel():  # the plan fits its budget, and the arena is that budget: a bug
+                raise RuntimeError(f"the compute tier has {free.numel()} elements left, {n} are needed")
             out, free = free[:n].view(shape), free[n:]
             return out.zero_()
 
@@ -143,7 +154,7 @@ class HeadwiseStore:
         if start != len(self._token_ids) or self._futures:
             raise RuntimeError(f"a forward at {start} after {len(self._token_ids)} tokens")
         if start + len(token_ids) > self.plan.max_tokens:
-            raise MemoryError(f"{start + len(token_ids)} tokens exceed the planned "
+            raise RuntimeError(f"{start + len(token_ids)} tokens exceed the planned "
                               f"{self.plan.max_tokens}")
         self._token_ids.extend(token_ids)
         self._start = start

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from runtime.kv.head_pieces import HeadwiseStore, PiecePlan, plan_pieces
+from runtime.kv.head_pieces import HeadwiseStore, NoFit, PiecePlan, plan_pieces
 from runtime.kv.host import StreamHost
 from runtime.kv.residency import Residency
 from scheduler.scheduler import Scheduler, ScheduledSequence, SchedulerOutput
@@ -83,8 +83,8 @@ class HeadwiseResidency:
         self.num_rebuilt = 0  # KV rebuilds after a lost or corrupt piece
 
     # ---- sizes ---------------------------------------------------------------------------------
-    def plan(self, num_tokens: int) -> PiecePlan:
-        """The pieces of a sequence of `num_tokens` tokens; MemoryError if it cannot stream."""
+    def plan(self, num_tokens: int) -> PiecePlan | NoFit:
+        """The pieces of a sequence of `num_tokens` tokens, or why it cannot stream."""
         shape = self.host.cache.shape
         return plan_pieces(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                            group_heads=self.group_heads, head_dim=shape.head_dim,
@@ -97,9 +97,8 @@ class HeadwiseResidency:
                 disk.capacity_bytes if disk is not None and disk.is_enabled else 0)
 
     def fits(self, num_tokens: int) -> bool:
-        try:
-            plan = self.plan(num_tokens)
-        except MemoryError:
+        plan = self.plan(num_tokens)
+        if isinstance(plan, NoFit):
             return False
         below = self.num_slices * (num_tokens // plan.block_size) - plan.resident_pieces
         return below * self.piece_bytes <= sum(self._tier_bytes())
@@ -191,6 +190,8 @@ class HeadwiseResidency:
         self.host.pool.reset_prefix_cache()  # the compute tier is lent whole: nothing cached survives
         self.drain()
         plan = self.plan(seq.num_prompt_tokens + seq.owner.request.max_tokens - 1)  # a rebuild's too
+        if isinstance(plan, NoFit):  # admission streams only what `fits`
+            raise RuntimeError(f"a streamed request admitted that cannot stream: {plan.reason}")
         host_bytes, disk_bytes = self._tier_bytes()
         chain = self.chain
         needed = plan.total_pieces * self.piece_bytes

@@ -32,19 +32,14 @@ from torch import nn
 from runtime.kernels.cpu_kernels import KernelUnavailable, q4_kernel, q4_unavailable
 from runtime.model.block_pack import (pack_codes, pack_compact, pack_nibbles, pack_scales, unpack_codes,
                                       unpack_scales)
-from runtime.model.loader import SettingError
+from runtime.model.quantize_setting import QuantizeError, check_device, check_mode
 
-QUANTIZE_MODES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # the kernel's group, a GGUF block
 INT4_BLOCK_COLUMNS = 8  # output columns the kernel computes side by side
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY = torch.finfo(torch.float32).tiny
 _TINY_HALF = torch.finfo(torch.float16).tiny
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
-
-
-class QuantizeError(SettingError):
-    """A `quantize` setting the model's layers cannot take; the message is one line naming it."""
 
 
 class QuantizedLinear(nn.Module):
@@ -276,18 +271,6 @@ def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Linear
             if isinstance(child, nn.Linear):
                 found.append((f"{parent_name}.{attribute}" if parent_name else attribute, parent, attribute, child))
     return found
-
-
-def check_mode(mode: str) -> None:
-    if mode not in QUANTIZE_MODES:
-        raise QuantizeError(f"model.quantize = {mode!r} is not one of {', '.join(QUANTIZE_MODES)}")
-
-
-def check_device(mode: str, device: torch.device, where: str = "model.device is") -> None:
-    """Raise `QuantizeError` unless `mode` can run on `device` (the quantized kernels are the CPU's)."""
-    if mode not in ("none", "auto") and device.type != "cpu":
-        raise QuantizeError(f"model.quantize = {mode!r} runs on the CPU only, and {where} {device.type}; "
-                            "set model.quantize = \"none\" or model.device = \"cpu\"")
 
 
 def check_quantizable(model: nn.Module, mode: str) -> None:

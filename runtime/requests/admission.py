@@ -7,7 +7,7 @@ from collections.abc import Collection, Container
 from typing import TYPE_CHECKING
 
 from runtime.grammar.thinking import ThinkingMarkers, ThinkingStart
-from runtime.kv.head_pieces import plan_pieces
+from runtime.kv.head_pieces import NoFit, plan_pieces
 from runtime.model.loader import SettingError
 from runtime.wire.protocol import GenerateRequest
 from runtime.requests.state import InvalidRequest, prompt_token_ids
@@ -98,13 +98,12 @@ def check_budget(shape, num_blocks: int, max_model_len: int, granularity: str) -
         raise SettingError(f"cache.num_blocks = {num_blocks}: one path needs at least 2 blocks (the block it "
                            f"writes and a copy-on-write copy of it)")
     if granularity == "head":
-        try:
-            plan_pieces(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, group_heads=1,
-                        head_dim=shape.head_dim, block_size=shape.block_size, max_tokens=max_model_len,
-                        budget_pieces=num_blocks * shape.num_layers * shape.num_kv_heads, prefetch=True)
-        except MemoryError as exc:
+        plan = plan_pieces(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, group_heads=1,
+                           head_dim=shape.head_dim, block_size=shape.block_size, max_tokens=max_model_len,
+                           budget_pieces=num_blocks * shape.num_layers * shape.num_kv_heads, prefetch=True)
+        if isinstance(plan, NoFit):
             raise SettingError(f"scheduler.kv_granularity = head: a compute budget of {num_blocks} blocks cannot "
-                               f"stream one sequence of max_model_len {max_model_len} tokens: {exc}") from None
+                               f"stream one sequence of max_model_len {max_model_len} tokens: {plan.reason}")
 
 
 def check_granularity(host: StreamHost, config, model_key: bytes) -> HeadwiseResidency | None:

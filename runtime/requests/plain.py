@@ -20,15 +20,13 @@ from scheduler.sequence import Sequence
 
 
 class PlainRequests:
-    def __init__(self, host: RequestsHost, tokenizer, eos_ids: frozenset[int], device, max_model_len: int,
-                 streamed) -> None:
-        """`streamed`: the head-wise residency (runtime.kv.headwise), or None."""
+    def __init__(self, host: RequestsHost, tokenizer, eos_ids: frozenset[int], device, max_model_len: int) -> None:
+        """`host`: the engine, through which every change to a sequence goes (runtime.requests.host)."""
         self.host = host
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.device = device
         self.max_model_len = max_model_len
-        self.streamed = streamed
         self.requests: dict[str, RequestState] = {}
         self.touched: dict[str, RequestState] = {}
         self.tokens_cached = 0  # prompt tokens the prefix cache served, over every request
@@ -57,9 +55,9 @@ class PlainRequests:
         state.choices[0].seq = Sequence(ids, owner=state.choices[0])
         self.requests[state.request_id] = state
         if streamed:
-            self.streamed.add(state.choices[0].seq)
+            self.host.stream_sequence(state.choices[0].seq)
         else:
-            self.host.scheduler.add(state.choices[0].seq)
+            self.host.add_sequence(state.choices[0].seq)
         return state
 
     def abort(self, request_id: str) -> None:
@@ -67,7 +65,7 @@ class PlainRequests:
         if state is not None:
             for choice in state.choices:
                 if choice.seq is not None and not choice.seq.is_finished:
-                    self.host.scheduler.finish(choice.seq)
+                    self.host.release_sequence(choice.seq)
 
     # -- prompt logprobs --------------------------------------------------------------------------
     def prompt_rows(self, scheduled: list[ScheduledSequence]) -> list[tuple[int, int]]:
@@ -96,14 +94,9 @@ class PlainRequests:
     def _uncache(self, entry: ScheduledSequence, max_cached_tokens: int) -> ScheduledSequence:
         """Admit `entry`'s sequence again (it was admitted this step) with at most `max_cached_tokens`
         tokens from the prefix cache, undoing the first admission's prefix statistics."""
-        kv = self.host.kv
-        seq = entry.seq
-        if seq.num_preemptions == 0:  # the first admission counted this query and its hit
-            kv.uncount_prefix_query(len(seq.token_ids), seq.num_computed_tokens)
-        kv.free(seq)
-        is_admitted = kv.admit(seq, entry.num_new_tokens, max_cached_tokens=max_cached_tokens)
+        is_admitted = self.host.readmit(entry.seq, entry.num_new_tokens, max_cached_tokens)
         assert is_admitted, "the blocks just given back hold the same prompt chunk"
-        return ScheduledSequence(seq, entry.num_new_tokens)
+        return ScheduledSequence(entry.seq, entry.num_new_tokens)
 
     def on_prompt_logits(self, scheduled: list[ScheduledSequence], rows: list[tuple[int, int]], logits) -> None:
         """Score the prompt tokens of `rows` (from `prompt_rows`) with their `logits`, before the step's
@@ -128,18 +121,17 @@ class PlainRequests:
         request.is_forked = True
         request.num_cached_tokens = seq.num_cached_tokens
         self.tokens_cached += seq.num_cached_tokens
-        scheduler = self.host.scheduler
         if request.max_tokens == 0:  # the prompt alone (echo, prompt logprobs): nothing is sampled
             for other in request.choices:
                 other.finish_reason = "length"
-            scheduler.finish(seq)
+            self.host.release_sequence(seq)
             self.touched[request.request_id] = request
             return []
         targets = []
         for other in request.choices[1:]:
             child = Sequence(seq.token_ids, seq.num_prompt_tokens, owner=other)
-            self.host.kv.fork(seq, child)
-            scheduler.add_running(child)
+            self.host.fork_sequence(seq, child, None)
+            self.host.resume_sequence(child)  # it holds blocks: it runs, and samples from this row now
             other.seq = child
             targets.append(child)
         return targets + [seq]
@@ -159,7 +151,7 @@ class PlainRequests:
         elif seq.num_output_tokens >= choice.request.max_tokens or len(seq) >= self.max_model_len:
             choice.finish_reason = "length"
         if choice.finish_reason is not None:
-            self.host.scheduler.finish(seq)
+            self.host.release_sequence(seq)
         self.touched[choice.request.request_id] = choice.request
 
     def emit(self) -> list[FromRuntime]:

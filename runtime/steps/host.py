@@ -2,32 +2,22 @@
 
 The engine owns the compute pool, its queues and the outbox; the work changes none of them itself.
 Every change a search (or the judge it asked) wants reaches the engine through these calls, made
-from one place: `StepWork` carrying out a plan (`runtime.search.plan`), action by action, in order.
+from one place: `StepWork` carrying out a plan (`runtime.search.plan`), action by action, in order,
+each sequence's change through the port every room uses (runtime.kv.sequence_host).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from runtime.kv.sequence_host import SequenceHost
 from runtime.search.host import SearchHost
 from runtime.wire.protocol import FromRuntime
 from scheduler.sequence import Sequence
 
 
-class StepsHost(SearchHost, Protocol):
+class StepsHost(SearchHost, SequenceHost, Protocol):
     def has_waiting(self) -> bool: ...  # whether other work waits for slots (speculation gives its back)
-
-    def fork_sequence(self, parent: Sequence, child: Sequence, num_tokens: int | None) -> None: ...  # parked
-
-    def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence: ...  # parked
-
-    def add_sequence(self, seq: Sequence) -> None: ...  # queued to run
-
-    def resume_sequence(self, seq: Sequence) -> None: ...
-
-    def park_sequence(self, seq: Sequence) -> None: ...
-
-    def release_sequence(self, seq: Sequence) -> None: ...
 
     def plan_step(self, seqs: list[Sequence], step_tokens: list[int]) -> list[list[int]]: ...  # groups that fit
 

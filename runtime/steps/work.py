@@ -24,7 +24,6 @@ from runtime.search.controller import SearchController
 from runtime.search.plan import AbandonScoring, Answered, Emit, Fork, GroupStep, Park, Prefetch, Release, Resume, Verify
 from runtime.steps.host import StepsHost
 from runtime.verify.rewards import RewardScoring
-from runtime.verify.verifier_store import VerifierStore
 from runtime.wire.protocol import FromRuntime, GenerateRequest, Reward, Rewarded, RewardRequest
 from scheduler.sequence import Sequence
 
@@ -78,9 +77,7 @@ class StepWork:
                           for c in request.candidates]
             scoring = RewardScoring(request.request_id, question_of(request), candidates,
                                     lambda done: self.host.emit(self._rewarded(done, request.aggregation)))
-            limit = self.max_model_len
-            if isinstance(scorer, VerifierStore):
-                limit = min(limit, scorer.pool.num_blocks * scorer.pool.block_size)
+            limit = min(self.max_model_len, scorer.max_input_tokens or self.max_model_len)
             for candidate, tokens in zip(request.candidates, scoring.input_lengths(scorer)):
                 if tokens > limit:
                     raise InvalidRequest(f"the {request.verifier} verifier's input for this response is {tokens} "
@@ -195,17 +192,21 @@ class StepWork:
                     host.search_finished(controller)
         return advance
 
-    # -- what the judge asks for its questions (runtime.verify.host.JudgeHost) ------------------
-    def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence:
-        return self.host.fork_prompt(parent, token_ids, num_shared)
-
-    def add_scoring_sequence(self, seq: Sequence, client) -> None:
-        self.scoring.setdefault(client.request_id, []).append(seq)
+    # -- the judge's questions (runtime.verify.host.JudgeHost): through to the engine, each new one
+    # kept under its request (its owner names it) until that request ends ---------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        self.scoring.setdefault(seq.owner.request_id, []).append(seq)
         self.host.add_sequence(seq)
 
-    def add_scoring_fork(self, seq: Sequence, client) -> None:
-        """A question from `fork_prompt`: it runs from the next step."""
-        self.scoring.setdefault(client.request_id, []).append(seq)
+    def fork_prompt(self, parent: Sequence, child: Sequence, num_shared: int) -> None:
+        self.scoring.setdefault(child.owner.request_id, []).append(child)
+        self.host.fork_prompt(parent, child, num_shared)
+
+    def fork_sequence(self, parent: Sequence, child: Sequence, num_tokens: int | None) -> None:
+        self.scoring.setdefault(child.owner.request_id, []).append(child)
+        self.host.fork_sequence(parent, child, num_tokens)
+
+    def resume_sequence(self, seq: Sequence) -> None:
         self.host.resume_sequence(seq)
 
     def park_sequence(self, seq: Sequence) -> None:

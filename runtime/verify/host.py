@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from scheduler.sequence import Sequence
+from runtime.kv.sequence_host import SequenceHost
 
 
 class ScoreClient(Protocol):
@@ -31,6 +31,12 @@ class ScoreClient(Protocol):
     def on_next_score(self, path, unit: str, score: float) -> None: ...  # that next step's score
 
 
+class GroundedClient(ScoreClient, Protocol):
+    """A client whose prompt grounds a score (the calculator's operands): a search's controller."""
+
+    prompt_ids: list[int]
+
+
 class VerifierHost(Protocol):
     def fail_request(self, request_id: str, message: str, status: int = 503,
                      code: str = "kv_cache_exhausted") -> None: ...
@@ -38,15 +44,8 @@ class VerifierHost(Protocol):
     def observe_verifier(self, seconds: float) -> None: ...
 
 
-class JudgeHost(Protocol):
-    def fork_prompt(self, parent: Sequence, token_ids: list[int], num_shared: int) -> Sequence: ...
-
-    def add_scoring_fork(self, seq: Sequence, controller) -> None: ...
-
-    def add_scoring_sequence(self, seq: Sequence, controller) -> None: ...
-
-    def park_sequence(self, seq: Sequence) -> None: ...
-
-    def release_sequence(self, seq: Sequence) -> None: ...
+class JudgeHost(SequenceHost, Protocol):
+    """The judge's questions change through the port every room uses; its host keeps each request's
+    questions (a question's owner names its request) and releases them when the request ends."""
 
     def observe_verifier(self, seconds: float) -> None: ...

@@ -14,9 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.verify.scoring import JudgeScorer
-from runtime.verify.verifier_store import VerifierStore
-
 
 @dataclass(eq=False)
 class GivenPath:
@@ -49,14 +46,11 @@ class RewardScoring:
     @staticmethod
     def can_score(scorer) -> bool:
         """Whether `scorer` reads the steps' text alone (a reward model, the judge), not logprobs of sampling."""
-        return isinstance(scorer, (JudgeScorer, VerifierStore))
+        return scorer.reads_text
 
     def input_lengths(self, scorer) -> list[int]:
         """Per candidate, the tokens of the longest input the scorer reads about it: its last step's."""
-        if isinstance(scorer, JudgeScorer):
-            return [len(scorer.judge.build_input(self.question, steps, len(steps)).token_ids)
-                    for steps in self.candidates]
-        return [len(scorer.verifier.build_inputs(self.question, steps)[-1].token_ids) for steps in self.candidates]
+        return [scorer.input_tokens(self.question, steps) for steps in self.candidates]
 
     def start(self, scorer) -> None:
         """Submit every step of every candidate in one verification; `on_done` once all are scored."""

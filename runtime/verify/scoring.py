@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.verify.host import JudgeHost, ScoreClient
+from runtime.verify.host import GroundedClient, JudgeHost, ScoreClient
 from runtime.verify.verifiers import calculator
 from runtime.verify.verifiers.confidence import confidence_from_logprobs
 from runtime.verify.verifiers.judge import JudgeVerifier
@@ -46,6 +46,7 @@ def higher(score: float, anchor_score: float) -> bool:
 class ConfidenceScorer:
     name = "confidence"
     is_free = True  # scores from logprobs already at hand: still worth taking past a search's deadline
+    reads_text = False  # the logprobs sampled for the step: a given response (/v1/rewards) has none
     outranks = staticmethod(higher)
 
     def submit(self, controller: ScoreClient, paths) -> None:
@@ -62,6 +63,10 @@ class ConfidenceScorer:
 class CalculatorScorer:
     name = "calculator"
     is_free = True  # no model: a regular expression and exact arithmetic over the path's text
+    reads_text = False  # orders a tier by the step's sampled logprobs, which a given response has none of
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer  # decodes a prompt given as token ids, whose numbers ground the operands
 
     @staticmethod
     def outranks(score: float, anchor_score: float) -> bool:
@@ -73,18 +78,17 @@ class CalculatorScorer:
         """None: the calculator reads the path's text, which only verifying has."""
         return None
 
-    def submit(self, controller, paths) -> None:
-        question = calculator_question(controller)
+    def submit(self, controller: GroundedClient, paths) -> None:
+        question = self.question_of(controller)
         for path in paths:
             controller.on_score(path, calculator.step_score(path.scoring_units(), unit_confidence(path), question))
 
-
-def calculator_question(controller) -> str:
-    """The text whose numbers ground the calculator's operands: the search's question, or, for a
-    prompt given as token ids (no text), the prompt decoded."""
-    if controller.question:
-        return controller.question
-    return controller.host.tokenizer.decode(controller.prompt_ids, skip_special_tokens=True)
+    def question_of(self, controller: GroundedClient) -> str:
+        """The text whose numbers ground the calculator's operands: the search's question, or, for a
+        prompt given as token ids (no text), the prompt decoded."""
+        if controller.question:
+            return controller.question
+        return self.tokenizer.decode(controller.prompt_ids, skip_special_tokens=True)
 
 
 @dataclass(eq=False)
@@ -135,6 +139,8 @@ class _ScoreJob:
 class JudgeScorer:
     name = "judge"
     is_free = False  # a model's questions, prefilled in later steps: not started past a search's deadline
+    reads_text = True  # the steps' text alone: it scores given responses too (/v1/rewards)
+    max_input_tokens = None  # its questions run in the engine's own pool: the model's context is the limit
     outranks = staticmethod(higher)
 
     @staticmethod
@@ -148,6 +154,10 @@ class JudgeScorer:
         # Each search's questions of its latest verification, parked with their blocks: the next
         # question about a path begins with its previous one up to where that one's suffix began.
         self.kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def input_tokens(self, question: str, steps: list[str]) -> int:
+        """The tokens of its question about the last of `steps`."""
+        return len(self.judge.build_input(question, steps, len(steps)).token_ids)
 
     def submit(self, controller: ScoreClient, paths) -> None:
         """One question per distinct text asked: paths whose steps read the same (siblings that
@@ -166,14 +176,14 @@ class JudgeScorer:
         kept = self.kept.pop(controller, [])
         for token_ids, job in jobs.items():
             parent, num_shared = longest_shared(kept, token_ids)
+            seq = Sequence(list(token_ids), owner=job)
             if num_shared > 1:
                 # Its KV up to the last shared token, the partial block too (the prefix cache
                 # matches whole blocks only): only the rest is prefilled.
-                seq = self.host.fork_prompt(parent, list(token_ids), num_shared)
-                seq.own(job)
-                self.host.add_scoring_fork(seq, controller)
+                self.host.fork_prompt(parent, seq, num_shared)
+                self.host.resume_sequence(seq)
             else:
-                self.host.add_scoring_sequence(Sequence(list(token_ids), owner=job), controller)
+                self.host.add_sequence(seq)
         for seq in kept:
             self.host.release_sequence(seq)
 

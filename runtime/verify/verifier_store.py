@@ -70,6 +70,7 @@ class StoreScore:
 
 class VerifierStore:
     is_free = False  # a reward model's forwards: not started past a search's deadline
+    reads_text = True  # the steps' text alone: it scores given responses too (/v1/rewards)
     outranks = staticmethod(higher)
 
     @staticmethod
@@ -100,6 +101,15 @@ class VerifierStore:
         self.tokens_prefilled = 0
         self.tokens_cached = 0
         self.scores_ahead = 0  # next-step scores read along with a step's (LookAhead verification)
+
+    @property
+    def max_input_tokens(self) -> int:
+        """The most tokens one input may have: what its own pool holds."""
+        return self.pool.num_blocks * self.pool.block_size
+
+    def input_tokens(self, question: str, steps: list[str]) -> int:
+        """The tokens of its input about the last of `steps`."""
+        return len(self.verifier.build_inputs(question, steps)[-1].token_ids)
 
     @property
     def has_work(self) -> bool:
@@ -204,7 +214,7 @@ def build_scorers(host, model, tokenizer, config, reward_models: dict[str, tuple
     ({name: scorer}, [the stores]). `host` is the engine; `padding`: whether the generator is served
     padded for batch invariance (its reward models are served likewise)."""
 
-    scorers: dict[str, object] = {"confidence": ConfidenceScorer(), "calculator": CalculatorScorer()}
+    scorers: dict[str, object] = {"confidence": ConfidenceScorer(), "calculator": CalculatorScorer(tokenizer)}
     try:
         scorers["judge"] = JudgeScorer(host, JudgeVerifier(model, tokenizer))
     except ValueError as exc:  # a tokenizer with no distinct Yes/No tokens cannot judge

@@ -15,8 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from server.bodies import Body
 from server.errors import APIError
-from server.schemas import Body, ChatCompletionRequest, SearchRequest
+from server.schemas import ChatCompletionRequest, SearchRequest
 from server.structured import _openai_name
 
 

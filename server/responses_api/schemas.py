@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
+from server.bodies import Body
 from server.errors import APIError
-from server.schemas import MAX_LOGPROBS, Body, ChatCompletionRequest, SearchRequest
+from server.schemas import MAX_LOGPROBS, ChatCompletionRequest, SearchRequest
 from server.structured import _openai_name
 
 

@@ -183,3 +183,23 @@ def test_a_sequence_no_empty_pool_can_hold_is_reported_blocked_not_raised():
     out = sched.schedule()
     assert out.blocked is None and [s.seq for s in out.scheduled] == [small]
     pool.check_integrity([small.block_table])
+
+
+def test_readmit_caps_the_cached_prefix_and_takes_back_the_first_admissions_statistics():
+    pool, kv = make()
+    first = Sequence(list(range(10)))
+    kv.admit(first, 100)
+    compute_all(kv, first)
+    kv.free(first)  # blocks 0 and 1 stay cached under their names
+    second = Sequence(list(range(8)) + [50, 51, 52])
+    assert kv.admit(second, 3)
+    assert second.block_table == [0, 1, 3] and second.num_computed_tokens == 8  # block 2 went back last
+    assert kv.readmit(second, 3, max_cached_tokens=4)  # its prompt scored from position 4 on
+    assert second.block_table == [0, 4] and second.num_computed_tokens == 4 and second.num_cached_tokens == 4
+    # The query counted once, with the hit it kept: 10 (first) + 11, hits 0 + 4 (not 8).
+    assert (kv.prefix_stats.query_tokens, kv.prefix_stats.hit_tokens) == (10 + 11, 4)
+    pool.check_integrity([second.block_table])
+    second.num_preemptions = 1  # a recomputed sequence's admissions count nothing, so nothing is taken back
+    assert kv.readmit(second, 3, max_cached_tokens=0)
+    assert second.block_table == [5] and second.num_computed_tokens == 0 and (kv.prefix_stats.query_tokens, kv.prefix_stats.hit_tokens) == (21, 4)
+    pool.check_integrity([second.block_table])

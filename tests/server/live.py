@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import free_port, stop  # noqa: F401 - re-exported for the tests that stop servers
+from bench.live_server import free_port, stop  # noqa: F401 - re-exported for the tests that stop servers
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -86,7 +86,9 @@ class ConfidenceVerifier(Verifier):
                                 tuple(len(ps) for ps in per_step))]
 
     def run(self, inputs: Sequence[ScoringInput]) -> list[list[float]]:
-        results: list[list[float]] = [[1.0] * len(getattr(x, "tokens_per_step", ())) for x in inputs]
+        """`inputs`: this verifier's own (`build_inputs`), each counting its steps' tokens; a step with
+        none (an input with no read positions is in no batch) scores 1.0."""
+        results: list[list[float]] = [[1.0] * len(x.tokens_per_step) for x in inputs]
         for batch in length_batches(inputs, self.batch_size):
             input_ids, attention_mask = pad_right([inputs[i].token_ids for i in batch],
                                                   self.pad_token_id, self.device)

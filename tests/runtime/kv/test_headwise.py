@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model import attention
-from runtime.kv.head_pieces import HeadwiseStore, plan_pieces
+from runtime.kv.head_pieces import HeadwiseStore, NoFit, PiecePlan, plan_pieces
 from runtime.kv.headwise import HeadwiseResidency, attend
 from runtime.model.loader import ModelSource, load_causal_lm
 from runtime.model.model_runner import ModelRunner
@@ -212,9 +212,17 @@ def test_seeded_sampling_is_the_same_over_any_budget(models, prompt):
     assert runs[0].store.num_loaded > runs[1].store.num_loaded
 
 
-def test_a_budget_below_one_slice_of_staging_is_refused(models, prompt):
-    with pytest.raises(MemoryError, match="staging buffers"):
-        generate_headwise(models["llama"], prompt, NEW, budget_pieces=LAYERS * KV_HEADS + 2 * STAGING - 1)
+def test_a_budget_below_one_slice_of_staging_is_a_no_fit_saying_why():
+    def plan(budget_pieces: int):
+        return plan_pieces(num_layers=LAYERS, num_kv_heads=KV_HEADS, group_heads=1, head_dim=HEAD_DIM,
+                           block_size=BLOCK, max_tokens=MAX_TOKENS, budget_pieces=budget_pieces, prefetch=True)
+
+    least = LAYERS * KV_HEADS + 2 * STAGING  # a write buffer per slice, two staging buffers
+    assert plan(least - 1) == NoFit(
+        f"a compute tier of {least - 1} pieces cannot hold 32 write buffers and 2 staging buffers of 39 pieces "
+        f"(one slice's context of 307 tokens); raise the budget or use fewer KV heads per group")
+    fits = plan(least)
+    assert isinstance(fits, PiecePlan) and fits.working_pieces == least and fits.quotas == (0,) * 32
 
 
 def test_disk_tier_carries_what_the_host_tier_cannot(models, prompt, tmp_path):

@@ -131,7 +131,7 @@ def test_scorer_scores_each_path_from_its_units_and_logprobs():
                              chunk_logprobs=[-0.5], lookahead_logprobs=[])]
     for path in paths:
         path.scoring_units = (lambda p: lambda: p.chunks + p.lookahead_units)(path)
-    CalculatorScorer().submit(controller, paths)
+    CalculatorScorer(tokenizer=None).submit(controller, paths)  # the question is text: nothing to decode
     assert heard == [("right", (3 + confidence_from_logprobs([-0.1, -0.3])) / 4),
                      ("wrong", (0 + confidence_from_logprobs([-0.5])) / 4)]
 
@@ -160,9 +160,8 @@ def test_a_prompt_given_as_token_ids_grounds_in_its_decoded_text():
     decoded = []
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: decoded.append(ids) or "What is 8 + 8?")
     heard = []
-    controller = SimpleNamespace(on_score=lambda path, score: heard.append(score), question="", prompt_ids=[5, 6],
-                                 host=SimpleNamespace(tokenizer=tokenizer))
+    controller = SimpleNamespace(on_score=lambda path, score: heard.append(score), question="", prompt_ids=[5, 6])
     path = SimpleNamespace(chunks=["8 + 8 = 16."], lookahead_units=[], chunk_logprobs=[-0.2], lookahead_logprobs=[],
                            scoring_units=lambda: ["8 + 8 = 16."])
-    CalculatorScorer().submit(controller, [path])
+    CalculatorScorer(tokenizer).submit(controller, [path])
     assert decoded == [[5, 6]] and heard == [(3 + confidence_from_logprobs([-0.2])) / 4]
