@@ -42,8 +42,7 @@ from storage.piece_transfers import PieceLost
 from storage.tiers import TierChain
 
 
-# Where a template opens a thinking block, it is the generation prompt's last few tokens.
-PROMPT_TAIL_TOKENS = 16
+PROMPT_TAIL_TOKENS = 16  # where a template opens a thinking block: among the generation prompt's last tokens
 
 log = logging.getLogger("ponder.runtime")
 
