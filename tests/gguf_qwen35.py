@@ -17,7 +17,7 @@ import torch
 from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
 from gguf.quants import quantize
 
-from tests.gguf_model import blocks_of, write_tiny_vocabulary
+from tests.gguf_model import write_tiny_vocabulary
 from tests.replicas.hybrid import _meta_shapes, _tensor, qwen35_text_config
 from tests.replicas.generators import generator
 
@@ -73,11 +73,27 @@ def replica_tensors(config: dict, seed_name: str = "qwen35_wide") -> dict[str, t
     return {key: _tensor(key, shape, g) for key, shape in sorted(_meta_shapes(config).items())}
 
 
+def centered_q4_k(rows: int, cols: int, rng: np.random.Generator, scale: float = 0.004) -> np.ndarray:
+    """Q4_K blocks of random codes whose groups are centred on zero (a min of 7.5 times the scale, the
+    super-block's dmin equal to its d): gguf has no Q4_K quantizer, and random bytes' groups, each with
+    an offset of its own, drive a random model to one token whatever the prompt."""
+    blocks = rows * cols // 256
+    d = (rng.random(blocks) * scale / 2 + scale / 2).astype(np.float16)
+    sc = rng.integers(1, 9, (blocks, 8), dtype=np.uint8)
+    mn = np.round(7.5 * sc).astype(np.uint8)
+    packed = np.empty((blocks, 12), np.uint8)  # ggml's get_scale_min_k4 layout
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    codes = rng.integers(0, 256, (blocks, 128), dtype=np.uint8)
+    halves = d.view(np.uint8).reshape(blocks, 2)
+    return np.concatenate([halves, halves, packed, codes], axis=1).reshape(rows, -1)
+
+
 def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path, kind: str = "F32",
                       embedding: str | None = None) -> Path:
     """`tensors` (transformers' Qwen3.5 text names, `config` its text config as a dict) at `path`, every
-    projection `kind` (F32, a type gguf quantizes, or Q4_K's block layout with random codes and small
-    scales), the token embedding `embedding` (default: `kind`'s, F32 for F32), the rest F32."""
+    projection `kind` (F32, a type gguf quantizes, or Q4_K: `centered_q4_k`), the token embedding `embedding` (default: `kind`'s, F32 for F32), the rest F32."""
     layers = config["num_hidden_layers"]
     names = get_tensor_name_map(MODEL_ARCH.QWEN35, layers)
     writer = GGUFWriter(str(path), ARCH)
@@ -109,7 +125,7 @@ def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
             return
         if qtype == "Q4_K":
-            data = blocks_of(qtype, *value.shape, seed=int(rng.integers(1 << 30)), scale=0.002)
+            data = centered_q4_k(*value.shape, rng)
         else:
             data = quantize(np.ascontiguousarray(value, dtype=np.float32), GGMLQuantizationType[qtype])
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[qtype])
