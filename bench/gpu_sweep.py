@@ -40,13 +40,15 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
     `tiles`, each checked to give a row the same bits alone as in a batch of 16. Of the tiles that keep
     the bits, the fastest at one row becomes the shape's block tile for the rest of the run
     (runtime.kernels.gpu.linear.CHOSEN, keyed on the shape alone, so the sum's order still never
-    depends on the rows)."""
+    depends on the rows); a later layer of the same shape keeps that tile (`chosen_by` names the
+    layer that chose it), so no two timings of one shape can disagree."""
     import torch.nn.functional as F
 
     from runtime.kernels.gpu import linear as triton_linear
 
     tiles = tiles or triton_linear.TILES
     table = report.setdefault("linear_sweep", {})
+    chosen_here: dict[tuple[int, int], str] = {}  # (out, in) -> the layer whose timings chose its tile
     for name, (outs, ins) in layer_shapes(shapes).items():
         entry = table.setdefault(name, {"shape": [outs, ins]})
         weight = torch.randn(outs, ins, device=device, dtype=dtype) * 0.02
@@ -77,9 +79,13 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
             entry[f"torch_rows_{rows}"] = {"ms": round(ms, 4), "gbs": round(weight.nbytes / ms / 1e6, 1)}
         entry["rows_keep_their_bits"] = kept
         candidates = [tile for tile in tiles if kept["x".join(map(str, tile))]]
-        if candidates:
+        if (outs, ins) in chosen_here:  # a shape has one tile: the first layer of that shape chose it
+            entry["chosen_tile"] = "x".join(map(str, triton_linear.CHOSEN[(outs, ins, True)]))
+            entry["chosen_by"] = chosen_here[(outs, ins)]
+        elif candidates:
             best = min(candidates, key=lambda tile: one_row_ms["x".join(map(str, tile))])
             triton_linear.CHOSEN[(outs, ins, True)] = best
+            chosen_here[(outs, ins)] = name
             entry["chosen_tile"] = "x".join(map(str, best))
         else:
             report["errors"].append(f"linear_sweep {name}: no tile keeps a row's bits in a batch")

@@ -119,6 +119,9 @@ def test_the_sweep_chooses_a_tile_that_keeps_a_row_s_bits(monkeypatch):
     for name, entry in sweep.items():
         assert all(entry["rows_keep_their_bits"].values())
         assert tuple(map(int, entry["chosen_tile"].split("x"))) == linear.CHOSEN[(*entry["shape"], True)]
+    # o and gate/up are both 64 x 64 here: one tile for the shape, the first layer's, whatever the timings
+    assert sweep["o"]["shape"] == sweep["gate_up"]["shape"] and sweep["gate_up"]["chosen_by"] == "o"
+    assert "chosen_by" not in sweep["o"]
 
 
 def test_the_embedded_gguf_with_its_blocks_kept_on_the_device(tmp_path, monkeypatch):
