@@ -100,6 +100,7 @@ def test_the_device_check_splits_a_replayed_step_and_leaves_the_graphs_as_they_w
     out = split(engine.runner, 3, prompt_tokens=6)
     assert out["steps"] == 3 and out["replay_clock"] == "host (the static step run eagerly)"
     assert 0 < out["fill_us"] and 0 < out["replay_us"] and out["fill_us"] + out["replay_us"] <= out["step_us"]
-    assert out["other_us"] == round(out["step_us"] - out["fill_us"] - out["replay_us"], 1)
+    # (each figure rounded to a tenth on its own: their difference may be a tenth off)
+    assert out["other_us"] == pytest.approx(out["step_us"] - out["fill_us"] - out["replay_us"], abs=0.15)
     assert "_fill" not in vars(graphs) and "_step" not in vars(graphs)
     assert type(graphs)._fill is DecodeGraphs._fill

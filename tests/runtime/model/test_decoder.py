@@ -72,18 +72,17 @@ def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transfor
     assert flipped <= 2
 
 
-@pytest.mark.parametrize("mode, dtype", [("int4", "auto"), ("auto", "auto"), ("auto", "bfloat16")])  # auto:
-@pytest.mark.parametrize("invariant", [True, False])  # every layer in ponder's float kernel
-def test_the_stack_kernel_gives_the_python_loop_s_bits(model_dir, invariant, mode, dtype):
-    # A step whose every row the decode kernel attends runs the whole stack in one kernel call
-    # (LayerStack); the Python loop over the same kernels must give the very same logits and tokens
-    # (a bfloat16 model too: every rounding of the loop's bfloat16 operators kept).
+def stack_against_loop(model_dir, mode: str, dtype: str, invariant: bool, prompts, check=lambda decoder: None):
+    """The same sampled requests (logprobs too) served twice, first with the decoder's stack kernel,
+    then with its Python loop; returns (their results, the logits each step gave, whether the stack
+    covered each step, each step's padded rows). `check(decoder)` looks at each engine's decoder first."""
     results, logits, covered, padded = [], [], [], []
     for stack in (True, False):
         engine = engine_for(model_dir, quantize=mode, dtype=dtype, batch_invariant=invariant, num_blocks=64)
         decoder = engine.runner.decoder
         assert decoder.stack is not None and (decoder.int4, decoder.floats) == (mode == "int4", mode == "auto")
         assert engine.runner.cache.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        check(decoder)
         if stack:
             covers = decoder.stack.covers
             decoder.stack.covers = lambda meta: padded.append(meta.num_padding) or covered.append(covers(meta)) \
@@ -92,10 +91,20 @@ def test_the_stack_kernel_gives_the_python_loop_s_bits(model_dir, invariant, mod
             decoder.stack = None
         logits.append(recorded_logits(engine))
         requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
-                    for i, p in enumerate([*PROMPTS, LONG_PROMPT])]
+                    for i, p in enumerate(prompts)]
         results.append(run(engine, requests))
+    return results, logits, covered, padded
+
+
+@pytest.mark.parametrize("mode, dtype", [("int4", "auto"), ("auto", "auto"), ("auto", "bfloat16")])  # auto:
+@pytest.mark.parametrize("invariant", [True, False])  # every layer in ponder's float kernel
+def test_the_stack_kernel_gives_the_python_loop_s_bits(model_dir, invariant, mode, dtype):
+    # A step whose every row the decode kernel attends runs the whole stack in one kernel call
+    # (LayerStack); the Python loop over the same kernels must give the very same logits and tokens
+    # (a bfloat16 model too: every rounding of the loop's bfloat16 operators kept).
+    results, logits, covered, padded = stack_against_loop(model_dir, mode, dtype, invariant, [*PROMPTS, LONG_PROMPT])
     assert results[0] == results[1]
-    assert all(torch.equal(a, b) for a, b in zip(*logits))
+    assert len(logits[0]) == len(logits[1]) and all(torch.equal(a, b) for a, b in zip(*logits))
     # Under batch invariance the prompts are attended by the decode kernel too: every step is covered.
     assert all(covered) if invariant else covered.count(True) == len(covered) - 1
     # Every layer and attention is ponder's own kernel, so no step is padded, invariant or not.

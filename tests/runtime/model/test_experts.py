@@ -13,7 +13,7 @@ from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear
 from tests.replicas.families import EXPERTS_PER_TOKEN, NUM_EXPERTS, write_family
 from tests.runtime.engine_helpers import engine_for, request, run
-from tests.runtime.model.test_decoder import LONG_PROMPT, recorded_logits
+from tests.runtime.model.test_decoder import LONG_PROMPT, recorded_logits, stack_against_loop
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 5, 6, 7, 8, 9, 20, 21], [1, 40]]
 
@@ -105,23 +105,12 @@ def test_the_stack_kernel_gives_the_python_loop_s_bits(moe_dir, invariant, mode,
     """A step whose every row the decode kernel attends runs the whole stack, routed experts and all, in
     one kernel call (LayerStack); the Python loop (RoutedMLP over the same kernel layers) gives the very
     same logits and tokens (a bfloat16 model too)."""
-    results, logits, covered = [], [], []
-    for stack in (True, False):
-        engine = engine_for(moe_dir, quantize=mode, dtype=dtype, batch_invariant=invariant, num_blocks=64)
-        decoder = engine.runner.decoder
-        assert decoder.stack is not None and (decoder.int4, decoder.floats) == (mode == "int4", mode == "auto")
+    def routed_everywhere(decoder) -> None:
         assert all(layer.moe is not None for layer in decoder.layers) and len(decoder.stack.experts) == \
             6 * NUM_EXPERTS * len(decoder.layers)
-        assert engine.runner.cache.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
-        if stack:
-            covers = decoder.stack.covers
-            decoder.stack.covers = lambda meta: covered.append(covers(meta)) or covered[-1]
-        else:
-            decoder.stack = None
-        logits.append(recorded_logits(engine))
-        requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
-                    for i, p in enumerate([*PROMPTS, LONG_PROMPT])]
-        results.append(run(engine, requests))
+
+    results, logits, covered, _ = stack_against_loop(moe_dir, mode, dtype, invariant, [*PROMPTS, LONG_PROMPT],
+                                                     routed_everywhere)
     assert results[0] == results[1]
     assert len(logits[0]) == len(logits[1]) and all(torch.equal(a, b) for a, b in zip(*logits))
     # Under batch invariance the prompts are attended by the decode kernel too: every step is covered.
