@@ -55,7 +55,7 @@ class LayerStack:
                     self.experts += [empty if t is None else t.detach()
                                      for t in (gate_up.weight, *scales(gate_up), down.weight, *scales(down))]
             tensors = (layer.input_norm.weight, qkv.weight, *scales(qkv), qkv.bias, o.weight, *scales(o),
-                       layer.post_norm.weight, *mlp, head_norms, None)
+                       layer.post_norm.weight, *mlp, head_norms)
             self.weights += [empty if t is None else t.detach() for t in tensors]
             self.sizes += [qkv.out_features, o.out_features, *mlp_sizes[:3], int(layer.rotary), layer.window or 0,
                            *mlp_sizes[3:]]

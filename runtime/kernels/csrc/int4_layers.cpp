@@ -32,10 +32,10 @@
 // loop as it runs in bfloat16: each float_linear's input widened and its output rounded to bfloat16
 // (FloatLinear.rows), the rotary's two products and their sum each rounded to bfloat16, the
 // attention's float32 output rounded to bfloat16, the residual adds and silu in bfloat16 (ATen).
-// weights: 18 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
+// weights: 17 tensors a layer: input norm, qkv codes, d, m, bias, o codes, d, m, post norm, gate/up
 // codes, d, m, bias, down codes, d, m, the head norms' weights [H + KVH, D] (q's for each query head,
-// then k's for each KV head), an unused empty tensor (an empty tensor for a missing m, bias or head
-// norm; d and m empty for a float layer); sizes: 9 a layer (qkv, o, gate/up and down out features
+// then k's for each KV head) (an empty tensor for a missing m, bias or head norm; d and m empty for a
+// float layer); sizes: 9 a layer (qkv, o, gate/up and down out features
 // (an expert's, for a routed layer), then gate's, 1 if the layer rotates its queries and keys, its
 // sliding window or 0, its experts a token (0: a dense MLP), 1 if their weights are renormalised);
 // floats: 4 a layer (the two norms' eps, the attention scale, the head norms' eps).
@@ -50,7 +50,7 @@
 
 namespace {
 
-constexpr int64_t kTensors = 18, kSizes = 9, kFloats = 4, kExpertTensors = 6;
+constexpr int64_t kTensors = 17, kSizes = 9, kFloats = 4, kExpertTensors = 6;
 
 using ponder::float_rows;
 using ponder::present;
@@ -95,7 +95,7 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
   const int64_t L = static_cast<int64_t>(weights.size()) / kTensors;
   TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * kTensors &&
               static_cast<int64_t>(sizes.size()) == L * kSizes && static_cast<int64_t>(floats.size()) == L * kFloats,
-              "int4_layers: weights, sizes and floats must hold 18, 9 and 4 entries a layer");
+              "int4_layers: weights, sizes and floats must hold 17, 9 and 4 entries a layer");
   int64_t expert_tensors = 0;
   for (int64_t l = 0; l < L; ++l)
     if (sizes[l * kSizes + 7] != 0) expert_tensors += kExpertTensors * weights[l * kTensors + 9].size(0);
