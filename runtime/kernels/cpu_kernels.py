@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
 _FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "routed_experts.cpp", "float_linear.cpp",
-          "gated_delta.cpp")
+          "gated_delta.cpp", "small_ops.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"
@@ -169,6 +169,16 @@ def gated_delta_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's Gated DeltaNet kernel cannot run here: {reason}")
     return torch.ops.ponder.gated_delta.default
+
+
+def small_ops():
+    """(`torch.ops.ponder.head_norms`, `torch.ops.ponder.silu_mul`): the int4 decoder's head norms and
+    silu(gate) * up in ponder's own arithmetic (`runtime/kernels/csrc/small_ops.cpp`, the stack kernel's);
+    raises KernelUnavailable where they cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
+    return torch.ops.ponder.head_norms.default, torch.ops.ponder.silu_mul.default
 
 
 def q4_unavailable() -> str | None:

@@ -15,10 +15,9 @@ dtypes, so its logits are transformers' bits (tested; int4 layers aside, see bel
 - no module calls in the layer loop: the weights are read from the modules once.
 
 With int4 layers throughout (and float32 activations), a layer is four calls of ponder's int4 kernel
-(runtime.kernels.cpu_kernels), which also computes the RMS norm before the qkv and gate/up projections and
-adds the residual after the o and down projections, plus rotary, attention and the activation: the
-kernel's own arithmetic, so those logits are close to transformers' (tested), not its bits. Each row
-is still computed from its own inputs only, so batching never changes a row.
+(runtime.kernels.cpu_kernels; it also computes the norms before the qkv and gate/up projections and adds
+the residuals), rotary, attention, and the head norms and silu(gate) * up in ponder's own arithmetic
+(small_ops): logits close to transformers' (tested), not its bits; a row is computed from its own inputs.
 
 A step whose every row the decode kernel attends runs the whole layer stack as one call of ponder's
 `int4_layers` kernel (`LayerStack`), with the same operators in the same order as the Python loop (the
@@ -48,18 +47,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import SiLUActivation
 
+from runtime.kernels.cpu_kernels import small_ops
 from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.block_embedding import embedding_dtype
 from runtime.model.experts import RoutedMLP
 from runtime.model.float_layers import FloatLinear
-from runtime.model.layer_stack import LayerStack
+from runtime.model.layer_stack import SILU, LayerStack, head_norm_weights
 from runtime.model.norms import Norm, is_kernel_form, norm_of
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
 ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
-_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes (layer_stack.py)
 
 
 class Projections:
@@ -150,16 +148,19 @@ class _Layer:
     attn_out_norm: Norm | None = None
     mlp_out_norm: Norm | None = None
     rope: str | None = None
+    # an int4 layer's head norms' weights (head_norm_weights) and silu(gate) * up in small_ops.cpp's arithmetic
+    head_norms: torch.Tensor | None = None
+    silu_mul: bool = False
 
     def is_kernel_form(self) -> bool:
         """Whether ponder's kernels, which fuse llama's norm into a projection, compute this layer."""
         return self.attn_out_norm is None and self.mlp_out_norm is None and \
             is_kernel_form(self.input_norm, self.post_norm, self.q_norm, self.k_norm)
 
-    def queries_and_keys(self, qk: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`qk` [T, H + KVH, D] (the qkv projection's queries then keys) normed per head and rotated as
-        transformers does: each norm over its heads, then x * cos + x rolled by D / 2 * sin."""
-        if self.q_norm is not None:
+    def queries_and_keys(self, qk: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor, normed=False):
+        """`qk` [T, H + KVH, D] (the qkv projection's queries then keys) normed per head (unless `normed`),
+        rotated as transformers does: each norm over its heads, then x * cos + x rolled by D / 2 * sin."""
+        if self.q_norm is not None and not normed:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         if not self.rotary:
             return qk
@@ -232,6 +233,11 @@ class LeanDecoder:
         if self.int4 or self.floats:
             for layer, (o_proj, down) in zip(self.layers, sources):
                 layer.o_module, layer.down_module = o_proj, down
+        self.small_ops = small_ops() if self.int4 else None
+        for layer in self.layers if self.int4 else ():
+            layer.silu_mul = layer.moe is None and type(layer.act) in SILU and len(set(layer.gate_up.sizes)) == 1
+            if layer.q_norm is not None and layer.q_norm.eps == layer.k_norm.eps:
+                layer.head_norms = head_norm_weights(layer, self.num_heads, self.num_kv_heads)
         head = self.head
         self.head_int4 = head if self.int4 and isinstance(head, Int4Linear) and head.bias is None and \
             self.final_softcap is None else None
@@ -363,8 +369,10 @@ class LeanDecoder:
             qkv = layer.qkv.fused.fused_rows(hidden, norm.weight, norm.eps)
             if layer.qkv.fused.bias is not None:
                 qkv = qkv + layer.qkv.fused.bias
-            qk = qkv[:, :(heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)
-            qk = layer.queries_and_keys(qk, heads, cos, sin)
+            normed = layer.head_norms is not None  # (then in ponder's own arithmetic, as the stack kernel's)
+            qk = self.small_ops[0](qkv, heads + kv_heads, layer.head_norms, layer.q_norm.eps) if normed else \
+                qkv[:, :(heads + kv_heads) * dim].view(num_tokens, -1, dim)
+            qk = layer.queries_and_keys(qk, heads, cos, sin, normed=normed)
             v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling, window=layer.window)
             hidden = layer.o_module.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
@@ -375,8 +383,9 @@ class LeanDecoder:
             gate_up = layer.gate_up.fused.fused_rows(hidden, norm.weight, norm.eps)
             if layer.gate_up.fused.bias is not None:
                 gate_up = gate_up + layer.gate_up.fused.bias
-            gate, up = gate_up.split(layer.gate_up.sizes, dim=-1)
-            hidden = layer.down_module.fused_rows(layer.act(gate) * up, residual=hidden)
+            gate, up = gate_up.split(layer.gate_up.sizes, dim=-1)  # silu(gate) * up: small_ops.cpp's, as the stack's
+            act = self.small_ops[1](gate_up, gate.shape[1]) if layer.silu_mul else layer.act(gate) * up
+            hidden = layer.down_module.fused_rows(act, residual=hidden)
         return hidden
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -14,7 +14,7 @@ from runtime.model.block_embedding import embedding_dtype
 from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation the kernel computes
+SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation the kernel computes
 
 
 class LayerStack:
@@ -39,8 +39,7 @@ class LayerStack:
         for layer in decoder.layers:
             qkv, o = layer.qkv.fused, layer.o_module
             # the head norms' weights for one call over every head: q's for each query head, then k's
-            head_norms = None if layer.q_norm is None else torch.cat(
-                [layer.q_norm.weight.detach().expand(self.heads, -1), layer.k_norm.weight.detach().expand(self.kv_heads, -1)])
+            head_norms = None if layer.q_norm is None else head_norm_weights(layer, self.heads, self.kv_heads)
             if layer.moe is None:
                 gate_up, down = layer.gate_up.fused, layer.down_module
                 mlp = (gate_up.weight, *scales(gate_up), gate_up.bias, down.weight, *scales(down))
@@ -69,7 +68,8 @@ class LayerStack:
 
         dtype = embedding_dtype(decoder.embed)  # the activations'
         if any(layer.index != i or not (routed_takes(layer.moe) if layer.moe is not None else
-                                         type(layer.act) in _SILU and len(layer.gate_up.sizes) == 2)
+                                         type(layer.act) in SILU and len(layer.gate_up.sizes) == 2
+                                         and len(set(layer.gate_up.sizes)) == 1)
                or layer.input_norm.weight.dtype != dtype or layer.post_norm.weight.dtype != dtype
                or any(n is not None and n.weight.dtype != dtype for n in (layer.q_norm, layer.k_norm))
                or (layer.q_norm is not None and layer.q_norm.eps != layer.k_norm.eps)
@@ -100,7 +100,7 @@ def routed_takes(moe) -> bool:  # (a runtime.model.experts.RoutedMLP)
     """Whether the kernel computes a routed block: a float-kernel router without a bias, SiLU, every
     expert's gate/up and down in one kind of kernel layer without a bias, all of one size."""
     router = moe.router_linear
-    if not isinstance(router, FloatLinear) or router.bias is not None or type(moe.act) not in _SILU or \
+    if not isinstance(router, FloatLinear) or router.bias is not None or type(moe.act) not in SILU or \
             not (moe.all_kernel(Int4Linear) or moe.all_kernel(FloatLinear)) or len(moe.modules) != router.out_features:
         return False
     shapes = {(g.out_features, g.in_features, d.out_features, d.in_features) for g, d in moe.modules}
@@ -108,6 +108,12 @@ def routed_takes(moe) -> bool:  # (a runtime.model.experts.RoutedMLP)
         return False
     (gate_up, hidden, down, inner), = shapes
     return 0 < moe.top_k <= len(moe.modules) and hidden == down == router.in_features and gate_up == 2 * inner
+
+
+def head_norm_weights(layer, heads: int, kv_heads: int) -> torch.Tensor:
+    """A layer's q and k norms' weights for one call over every head `[heads + kv_heads, D]`: q's for
+    each query head, then k's for each KV head."""
+    return torch.cat([layer.q_norm.weight.detach().expand(heads, -1), layer.k_norm.weight.detach().expand(kv_heads, -1)])
 
 
 def scales(layer: QuantizedLinear) -> tuple:

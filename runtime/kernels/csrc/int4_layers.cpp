@@ -9,8 +9,8 @@
 //             float_isa)
 // returns the residual stream after every layer [T, E]. For layer l of int4 layers:
 //   qkv  = q4_linear(hidden; input norm) (+ bias)              [T, (H + 2 KVH) D]
-//   q, k = rms_norm over each head (a layer with q and k norms: Qwen3's), as the decoder's ATen ops,
-//          in one call over the H + KVH heads
+//   q, k = rms_norm over each head (a layer with q and k norms: Qwen3's) in one call over the H + KVH
+//          heads: small_ops.cpp's head_norms, as the int4 loop calls it
 //   q, k = rotary: x * cos + x rolled by D / 2 * sin           (`sin` with its first half negated;
 //          a layer without rotary, SmolLM3's NoPE, keeps them as they are)
 //   the keys and values are stored at slot_rows (+ the layer's offset), and every query of `rows`
@@ -18,7 +18,7 @@
 //   (the other rows' outputs are 0: padding)
 //   hidden = hidden + q4_linear(attention)                     (the o projection)
 //   gate, up = q4_linear(hidden; post-attention norm) (+ bias)
-//   hidden = hidden + q4_linear(silu(gate) * up)               (the down projection)
+//   hidden = hidden + q4_linear(silu(gate) * up)               (the down projection; small_ops.cpp's silu_mul)
 // A layer whose MLP is routed over experts (Qwen3-MoE's; its top_k size is not 0) runs instead
 //   hidden = hidden + routed_experts(rms_norm(hidden; post-attention norm))
 // (routed_experts.cpp: runtime.model.experts.RoutedMLP's operators), its router's weight and bias in
@@ -143,9 +143,10 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     // the queries and keys, [T, H + KVH, D]: the decoder's head norms (a layer with them: Qwen3's) in one
     // call over every head (each head's row is normed on its own, so its bits are the per-head call's;
     // w[16] holds q's weight for each query head, then k's for each KV head), or qkv's own columns
-    const at::Tensor qk = w[16].numel() != 0
-                              ? rms_norm(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), w[16], f[3])
-                              : qkv;
+    // (an int4 layer's in ponder's own arithmetic, small_ops.cpp, as the int4 loop's)
+    const at::Tensor qk = w[16].numel() == 0 ? qkv
+                          : is_float ? rms_norm(qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D}), w[16], f[3])
+                                     : ponder::head_norms(qkv, H + KVH, w[16], f[3]);
     const bool rotary = n[5] != 0;
     const at::Tensor qk32 = narrow ? qk.to(at::kFloat) : qk.contiguous();  // bfloat16 values, widened exactly
     const float* x = qk32.data_ptr<float>();
@@ -203,9 +204,10 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
       if (w[12].numel() != 0) gate_up = gate_up + w[12];
     }
     const int64_t gate = n[4];
-    // silu through ATen, as the decoder calls it (its vectorized exp is part of the bits); the product
-    // is exact elementwise arithmetic.
-    at::Tensor act = at::silu(gate_up.narrow(1, 0, gate)).mul_(gate_up.narrow(1, gate, gate_up.size(1) - gate));
+    // a float layer's silu through ATen, as the float loop calls it (its vectorized exp is part of the
+    // bits; the product is exact elementwise arithmetic); an int4 layer's in ponder's own, as the int4 loop's
+    at::Tensor act = is_float ? at::silu(gate_up.narrow(1, 0, gate)).mul_(gate_up.narrow(1, gate, gate_up.size(1) - gate))
+                              : ponder::silu_mul(gate_up, gate);
     hidden = is_float ? hidden + float_rows(act, w[13], at::Tensor(), float_isa)
                     : ponder::q4_linear(act, w[13], w[14], present(w[15]), n[3], {}, 0.0, hidden, -1);
   }

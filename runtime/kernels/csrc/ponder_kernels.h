@@ -36,6 +36,10 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const a
                           const at::Tensor* experts, int64_t top_k, bool norm_topk_prob, int64_t gate_up_n,
                           int64_t down_n, int64_t float_isa);
 
+// small_ops.cpp: the int4 decoder's head norms and silu(gate) * up in ponder's own arithmetic (see there).
+at::Tensor head_norms(const at::Tensor& x, int64_t heads, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& x, int64_t gate);
+
 // An empty (or undefined) tensor as a missing optional argument.
 inline c10::optional<at::Tensor> present(const at::Tensor& t) {
   return !t.defined() || t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);
