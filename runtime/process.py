@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m runtime.process")
     parser.add_argument("--fd", type=int, required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PONDER_LOG_LEVEL", "INFO"), stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get("PONDER_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=args.fd)
 

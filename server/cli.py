@@ -6,6 +6,7 @@ import argparse
 import importlib
 import ipaddress
 import logging
+import os
 import sys
 
 from pydantic import ValidationError
@@ -65,6 +66,8 @@ def serve(args: argparse.Namespace) -> int:
 
     # The runtime process starts now: its imports and its settings check run while this process
     # imports the HTTP side, and no port is bound before it has said the settings hold.
+    # (its logs at the server's level: PONDER_LOG_LEVEL, where set, is the runtime's own)
+    os.environ.setdefault("PONDER_LOG_LEVEL", settings.server.log_level)
     runtime = SpawnedRuntime(settings.runtime_options())
     import uvicorn
 

@@ -17,6 +17,9 @@ from runtime.wire.protocol import check_template_kwargs
 from runtime.wire.options import RuntimeOptions
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -35,6 +38,15 @@ class ServerSettings(_Section):
     # A request field no schema declares: error, a 400 naming it (OpenAI's behaviour); warn, one logged
     # warning and the field ignored (for clients that send extras of their own).
     unknown_fields: Literal["error", "warn"] = "error"
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        """One of Python's logging levels, in any case (`warning` is `WARNING`)."""
+        level = value.upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"log_level {value!r} is not one of {', '.join(LOG_LEVELS)}")
+        return level
 
 
 class ModelSettings(_Section):

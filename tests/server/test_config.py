@@ -1,5 +1,7 @@
-import sys
+import logging
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,22 @@ def test_an_unknown_policy_or_granularity_stops_start_up(tmp_path, section, line
                          text=True, cwd=ROOT)
     assert out.returncode == 2
     assert out.stderr == f"ponder: invalid settings: {message}\n"
+
+
+def test_log_level_is_a_logging_level_in_any_case(monkeypatch):
+    monkeypatch.setenv("PONDER_SERVER__LOG_LEVEL", "warning")
+    assert Settings.load().server.log_level == "WARNING"
+    monkeypatch.setenv("PONDER_SERVER__LOG_LEVEL", "verbose")
+    with pytest.raises(ValidationError, match="log_level 'verbose' is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):
+        Settings.load()
+
+
+def test_the_runtime_process_logs_at_the_level_it_is_given():
+    # `ponder serve` hands the server's level to the runtime process as PONDER_LOG_LEVEL, in any case (the
+    # process stops at its socket here, given none, after setting up its logging)
+    code = ("import logging, runtime.process as p\n"
+            "try:\n    p.main(['--fd', '-1'])\nexcept ValueError:  # negative file descriptor\n    pass\n"
+            "print(logging.getLogger().level)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PONDER_LOG_LEVEL": "debug"},
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == str(logging.DEBUG), out.stderr[-2000:]
