@@ -32,11 +32,13 @@ def blocks_of(kind: str, rows: int, cols: int, seed: int = 0, scale: float = 0.0
     return data.reshape(rows, -1)
 
 
-def write_tiny_vocabulary(writer: GGUFWriter, vocab: int) -> None:
+def write_tiny_vocabulary(writer: GGUFWriter, vocab: int, unk: bool = False) -> None:
     """The tests' tiny vocabulary in a GGUF's tokenizer metadata: `vocab` tokens `<t0>`, `<t1>`, ...
-    (1 the first, 2 the last of a text)."""
+    (1 the first, 2 the last of a text); `unk`: token 0 is `<unk>` (Gemma's tokenizer wants one)."""
     writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"<t{i}>".encode() for i in range(vocab)])
+    writer.add_token_list([b"<unk>" if unk and i == 0 else f"<t{i}>".encode() for i in range(vocab)])
+    if unk:
+        writer.add_unk_token_id(0)
     writer.add_token_scores([0.0] * vocab)
     writer.add_token_types([1] * vocab)
     writer.add_bos_token_id(1)
@@ -51,7 +53,9 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
     `ffn` multiples of 256), and the embedding (the tied head) as `embedding`. `arch="qwen3"` writes
     Qwen3's q/k norms (attn_q_norm, attn_k_norm) and its head size as llama.cpp's converter does
     (`attention.key_length` / `value_length`, `head_dim` wide, default hidden / heads). `head` (a type)
-    writes a head of its own (`output.weight`) instead of the tied one."""
+    writes a head of its own (`output.weight`) instead of the tied one. `arch="gemma3"` writes Gemma 3's
+    layers as llama.cpp's converter does (q/k norms, the attention's and the MLP's output norms, a
+    sliding window of 8), which transformers reads as a `gemma3_text` model with a scaled embedding."""
     HIDDEN, FFN = hidden, ffn  # noqa: N806 - the module's sizes, overridden
     rng = np.random.default_rng(seed)
     path = directory / "tiny.gguf"
@@ -68,7 +72,9 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    write_tiny_vocabulary(writer, VOCAB)
+    if arch == "gemma3":
+        writer.add_sliding_window(8)
+    write_tiny_vocabulary(writer, VOCAB, unk=arch == "gemma3")
 
     def blocks(name: str, shape: tuple[int, int], qtype: GGMLQuantizationType) -> None:
         if qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):
@@ -90,7 +96,10 @@ def write_tiny_gguf(directory: Path, kind: str = "Q4_1", seed: int = 0, kinds: d
     for i in range(LAYERS):
         floats(f"blk.{i}.attn_norm.weight")
         floats(f"blk.{i}.ffn_norm.weight")
-        if arch == "qwen3":
+        if arch == "gemma3":
+            floats(f"blk.{i}.post_attention_norm.weight")
+            floats(f"blk.{i}.post_ffw_norm.weight")
+        if arch in ("qwen3", "gemma3"):
             for norm in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
         for name, shape in [("attn_q", (HEADS * head_dim, HIDDEN)), ("attn_k", (KV_HEADS * head_dim, HIDDEN)),

@@ -11,7 +11,9 @@ llama.cpp's get_rows does, instead of the whole table widened to float32 at load
   values (tested type by type), where a zero may have the other sign (Q4_0's d * (q - 8) is -0 for a
   negative d, d * q - 8 d is +0), which no sum, product or norm after it can tell apart.
 
-A row's floats are computed from its own bytes only: they do not depend on the other ids of the step.
+Both take Gemma's scaled embeddings too (`SCALED`: transformers' `* embed_scale.to(weight.dtype)` after
+the lookup, the same product here). A row's floats are computed from its own bytes only: they do not
+depend on the other ids of the step.
 """
 
 from __future__ import annotations
@@ -23,16 +25,27 @@ from torch import nn
 from runtime.model.block_pack import BLOCK_COLUMNS, GROUP_SIZE
 
 _ROWS_AT_ONCE = 64  # rows decoded at a time: bounds the codes, scales and floats in flight on a long prompt
+# transformers' embeddings whose forward is the lookup times `embed_scale.to(weight.dtype)`, and nothing else
+SCALED = ("GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding",
+          "Gemma4TextScaledWordEmbedding")
+
+
+def row_scale(embedding: nn.Module) -> torch.Tensor | None:
+    """The scale a `SCALED` embedding multiplies its rows by (None: a plain `nn.Embedding`), as the float
+    its buffer is made from (float64): transformers makes the buffer in the model's dtype, and the lookup
+    rounds this to it likewise (the module may be a skeleton on the meta device, its buffer unread)."""
+    return torch.tensor(embedding.scalar_embed_scale, dtype=torch.float64) if type(embedding).__name__ in SCALED else None
 
 
 class BlockEmbedding(nn.Module):
     """`nn.Embedding`'s lookup over a GGUF tensor's own blocks of `kind` (a GGMLQuantizationType's name)."""
 
-    def __init__(self, kind: str, blocks: torch.Tensor, embedding_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, kind: str, blocks: torch.Tensor, embedding_dim: int, dtype: torch.dtype,
+                 scale: torch.Tensor | None = None) -> None:
         from gguf import GGMLQuantizationType
 
         super().__init__()
-        self.kind, self.dtype = kind, dtype
+        self.kind, self.dtype, self.scale = kind, dtype, scale
         self.qtype = GGMLQuantizationType[kind]
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.register_buffer("blocks", blocks)
@@ -41,10 +54,10 @@ class BlockEmbedding(nn.Module):
         from gguf.quants import dequantize
 
         return _looked_up(input_ids, self.embedding_dim, self.dtype,
-                          lambda ids: dequantize(self.blocks.numpy()[ids], self.qtype))
+                          lambda ids: dequantize(self.blocks.numpy()[ids], self.qtype), self.scale)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind} blocks"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind} blocks" + _scaled(self.scale)
 
 
 class HeadRowsEmbedding(nn.Module):
@@ -52,14 +65,14 @@ class HeadRowsEmbedding(nn.Module):
     to: w = d * q + m per group, as `Int4Linear.dequantized` computes it, for the looked-up rows only
     (each read from its lane of its block of 8 columns in the kernel's layout, runtime.model.block_pack)."""
 
-    def __init__(self, head: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, head: nn.Module, dtype: torch.dtype, scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.__dict__["head"] = head  # not a submodule: the head's buffers have one owner, the head
-        self.dtype = dtype
+        self.dtype, self.scale = dtype, scale
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return _looked_up(input_ids, self.embedding_dim, self.dtype, self._rows)
+        return _looked_up(input_ids, self.embedding_dim, self.dtype, self._rows, self.scale)
 
     def _rows(self, ids: np.ndarray) -> np.ndarray:
         head = self.head
@@ -72,17 +85,23 @@ class HeadRowsEmbedding(nn.Module):
         return w.reshape(len(ids), -1)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, the tied head's blocks"
+        return f"{self.num_embeddings}, {self.embedding_dim}, the tied head's blocks" + _scaled(self.scale)
 
 
-def _looked_up(input_ids: torch.Tensor, width: int, dtype: torch.dtype, rows) -> torch.Tensor:
-    """`rows(ids)` (float32 [n, width] numpy) for every id, a chunk of ids at a time. In numpy: the
-    lookup of a decode step is a few rows, too little work for torch's threads to be worth waking."""
+def _scaled(scale: torch.Tensor | None) -> str:
+    return "" if scale is None else f", rows times {scale.item():g}"
+
+
+def _looked_up(input_ids: torch.Tensor, width: int, dtype: torch.dtype, rows, scale: torch.Tensor | None) -> torch.Tensor:
+    """`rows(ids)` (float32 [n, width] numpy) for every id, a chunk of ids at a time, in `dtype`, times
+    `scale` rounded to `dtype` where there is one (Gemma's). In numpy: the lookup of a decode step is a few rows,
+    too little work for torch's threads to be worth waking."""
     ids = input_ids.reshape(-1).numpy()
     out = np.empty((len(ids), width), np.float32)
     for start in range(0, len(ids), _ROWS_AT_ONCE):
         out[start:start + _ROWS_AT_ONCE] = rows(ids[start:start + _ROWS_AT_ONCE])
-    return torch.from_numpy(out).to(dtype).reshape(*input_ids.shape, width)
+    looked_up = torch.from_numpy(out).to(dtype).reshape(*input_ids.shape, width)
+    return looked_up if scale is None else looked_up * scale.to(dtype)
 
 
 def _lane_codes(packed: np.ndarray, lane: np.ndarray, bits: int, in_features: int) -> np.ndarray:

@@ -152,6 +152,8 @@ def write_model(directory: Path, model: nn.Module, quantized: Quantized) -> None
                   for name, m in modules.items() if isinstance(m, BlockEmbedding)}
     embeddings.update({name: {"head": next(n for n, h in modules.items() if h is m.head)}
                        for name, m in modules.items() if isinstance(m, HeadRowsEmbedding)})
+    for name, spec in embeddings.items():  # Gemma's row scale, a float64 (exact as a JSON number)
+        spec["scale"] = None if modules[name].scale is None else modules[name].scale.item()
     tensors = {name: tensor.detach().contiguous() for name, tensor in _tensors(model).items()}
     shared = {}
     for name, tensor in tensors.items():  # safetensors stores no tensor twice: later names point to the first
@@ -192,11 +194,12 @@ def read_model(directory: Path, dtype: torch.dtype, attn_implementation: str,
         setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
     for name, spec in layout.get("embeddings", {}).items():  # kept in the GGUF's blocks
         parent_name, _, attribute = name.rpartition(".")
+        scale = None if spec.get("scale") is None else torch.tensor(spec["scale"], dtype=torch.float64)
         if "head" in spec:
-            placeholder = HeadRowsEmbedding(model.get_submodule(spec["head"]), dtype)  # its int4 placeholder
+            placeholder = HeadRowsEmbedding(model.get_submodule(spec["head"]), dtype, scale)  # its int4 placeholder
         else:
             blocks = torch.empty(spec["shape"], dtype=torch.uint8, device="meta")
-            placeholder = BlockEmbedding(spec["kind"], blocks, spec["dim"], dtype)
+            placeholder = BlockEmbedding(spec["kind"], blocks, spec["dim"], dtype, scale)
         setattr(modules[parent_name] if parent_name else model, attribute, placeholder)
     tensors = load_tensors(directory / _TENSORS)
     for name, first in layout["aliases"].items():

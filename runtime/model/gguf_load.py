@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
-from runtime.model.block_embedding import BlockEmbedding, HeadRowsEmbedding
+from runtime.model.block_embedding import SCALED, BlockEmbedding, HeadRowsEmbedding, row_scale
 from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
 from runtime.model.gguf_experts import ExpertTensors
@@ -213,9 +213,10 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     tied = getattr(model.config, "tie_word_embeddings", False) and isinstance(head, nn.Linear)
     embedding = model.get_input_embeddings()
     embed_name = next(n for n, m in modules.items() if m is embedding)
-    # (a subclass may do more than look rows up, e.g. Gemma's scale: it keeps its float rows; a GPU's
-    # embedding is float: the block lookup is the CPU's)
-    keeps_blocks = type(embedding) is nn.Embedding and device is None
+    # (a subclass that does more than look rows up, or scale them as Gemma's do, keeps its float rows; a
+    # GPU's embedding is float: the block lookup is the CPU's)
+    keeps_blocks = (type(embedding) is nn.Embedding or type(embedding).__name__ in SCALED) and device is None
+    scale = row_scale(embedding)
     head_name = next((n for n, m in modules.items() if m is head), None)
     kinds: dict[str, int] = {}
     kept: dict[str, int] = {}
@@ -278,7 +279,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                 if is_linear:
                     continue
                 if kind in SUPPORTED and keeps_blocks:  # the embedding reads its rows from the head's blocks
-                    _replace(model, embed_name, HeadRowsEmbedding(served, dtype))
+                    _replace(model, embed_name, HeadRowsEmbedding(served, dtype, scale))
                     continue
                 # (else the embedding standing for the head goes on to its float rows below)
             elif is_linear or stands_for_head:
@@ -287,7 +288,8 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                 if shape != (embedding.num_embeddings, embedding.embedding_dim):
                     raise CheckpointMismatch(f"{source.path}: {tensor.name} is {shape}, {embed_name} wants "
                                              f"{(embedding.num_embeddings, embedding.embedding_dim)}")
-                _replace(model, embed_name, BlockEmbedding(kind, torch.from_numpy(_read(file, tensor)), shape[1], dtype))
+                _replace(model, embed_name, BlockEmbedding(kind, torch.from_numpy(_read(file, tensor)), shape[1], dtype,
+                                                            scale))
                 continue
             raw = _read(file, tensor) if raw is None else raw
             weights = processor.process(weights=dequantize(raw, tensor.tensor_type), name=tensor.name,

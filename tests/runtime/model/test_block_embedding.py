@@ -66,3 +66,34 @@ def test_a_bfloat16_model_s_rows_are_gguf_s_rounded_once():
     data, expected = file_rows("Q4_K")
     embedding = BlockEmbedding("Q4_K", torch.from_numpy(data), WIDTH, torch.bfloat16)
     assert torch.equal(embedding(IDS), expected[IDS].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_s_scaled_embedding_kept_in_blocks_gives_its_scaled_rows(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from runtime.model.block_embedding import row_scale
+
+    data, expected = file_rows("Q4_K")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as transformers makes a model of `dtype`: the scale's buffer in it too
+    try:
+        gemma = Gemma3TextScaledWordEmbedding(ROWS, WIDTH, 0, embed_scale=WIDTH ** 0.5)  # 22.627..., not exact
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        gemma.weight.copy_(expected)
+    scale = row_scale(gemma)
+    assert gemma.embed_scale.dtype == dtype and torch.equal(scale.to(dtype), gemma.embed_scale)
+    assert row_scale(torch.nn.Embedding(2, 2)) is None
+    embedding = BlockEmbedding("Q4_K", torch.from_numpy(data), WIDTH, dtype, scale)
+    assert "rows times 22.6274" in repr(embedding)
+    with torch.no_grad():
+        assert torch.equal(embedding(IDS), gemma(IDS))  # transformers' product, in the model's dtype
+        assert not torch.equal(embedding(IDS), BlockEmbedding("Q4_K", torch.from_numpy(data), WIDTH, dtype)(IDS))
+    if dtype is torch.float32 and q4_unavailable() is None:
+        from runtime.model.quantize import Int4Linear
+
+        tied = HeadRowsEmbedding(Int4Linear.from_blocks(decode("Q4_K", data)), dtype, scale)
+        with torch.no_grad():
+            assert_same_values(tied(IDS), gemma(IDS))

@@ -253,3 +253,30 @@ def test_an_embedding_in_blocks_comes_back_from_the_start_up_cache_as_it_was(tmp
     assert_same_bits(first(ids), cached(ids))
     with torch.no_grad():
         assert torch.equal(loads[0](ids).logits, loads[1](ids).logits)
+
+
+def test_gemma_s_scaled_embedding_keeps_its_blocks_from_the_file_and_the_start_up_cache(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from runtime import startup_cache
+    from runtime.model import cached_model
+
+    path = write_tiny_gguf(tmp_path, "Q4_1", arch="gemma3", hidden=96, ffn=192)  # a scale of sqrt(96), not exact
+    reference, expected, model, quantized = both_ways(path)
+    assert quantized == expected and type(reference.model.embed_tokens).__name__ == "Gemma3TextScaledWordEmbedding"
+    embed = model.model.embed_tokens
+    assert isinstance(embed, HeadRowsEmbedding) and embed.head is model.lm_head and embed.scale.item() == 96 ** 0.5
+    every_row = torch.arange(model.config.vocab_size)
+    with torch.no_grad():
+        assert_same_bits(embed(every_row) + 0.0, reference.model.embed_tokens(every_row) + 0.0)  # scaled as transformers does
+        ids = torch.tensor([[1, 5, 6, 7, 8]])
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    monkeypatch.setattr(startup_cache, "cache_root", lambda: tmp_path / "cache")
+    caplog.set_level(logging.INFO, logger="runtime.model.cached_model")
+    loads = [cached_model.load_quantized_model(resolve_model(str(path)), torch.device("cpu"), torch.float32, "sdpa",
+                                               "auto")[0] for _ in range(2)]  # from the file, then from the cache
+    assert caplog.text.count("model loaded from the start-up cache") == 1
+    assert loads[1].model.embed_tokens.scale.item() == 96 ** 0.5
+    with torch.no_grad():
+        assert torch.equal(loads[1](ids).logits, reference(ids).logits)
+    assert_serves_generate_s_tokens(engine_for(path, batch_invariant=False), path)
