@@ -1,5 +1,5 @@
 """A lean forward pass for llama-family decoders over the paged KV cache (llama, qwen2, qwen3, smollm3,
-qwen3_moe, gemma3_text).
+qwen3_moe, gemma3_text, gpt_oss).
 
 transformers' modules spend most of a small model's decode step on Python and on many small
 operators: three projections where one matmul would do, rotary embeddings applied to queries and
@@ -31,7 +31,9 @@ rotary; a layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attent
 does the same, in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts'
 `RoutedMLP` (transformers' reference loop's arithmetic, rows grouped by expert); over kernel experts
 and router the stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators).
-Gemma 3's layers (gemma3_text) run the Python loop: its (1 + w) norms
+gpt-oss's layers run the Python loop (biased o projections and experts are not the stack kernel's):
+its yarn rotary (one angle a pair of halves), sinks and sliding layers, norms (runtime.model.norms) and
+`RoutedMLP` (top-k, softmax, clamped SwiGLU). Gemma 3's layers (gemma3_text) run the Python loop: its (1 + w) norms
 (runtime.model.norms), the norms of the attention's and the MLP's outputs, GeGLU, and a rotary of
 their own for its sliding layers are the Python loop's only; its scaled embedding is its module's
 call, `query_pre_attn_scalar` its layers' scaling, and its final soft-capping (if set) follows the head.
@@ -58,7 +60,7 @@ from runtime.model.layer_stack import LayerStack
 from runtime.model.norms import Norm, is_kernel_form, norm_of
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
+ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text", "gpt_oss")
 _SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation LayerStack's kernel computes (layer_stack.py)
 
 
@@ -150,6 +152,8 @@ class _Layer:
     attn_out_norm: Norm | None = None
     mlp_out_norm: Norm | None = None
     rope: str | None = None
+    # gpt-oss's attention sinks `[heads]` (None: none), one logit a head in the softmax's denominator
+    sinks: torch.Tensor | None = None
 
     def is_kernel_form(self) -> bool:
         """Whether ponder's kernels, which fuse llama's norm into a projection, compute this layer."""
@@ -214,7 +218,7 @@ class LeanDecoder:
                 rotary=bool(getattr(attn, "use_rope", True)), window=_window(config, attn),
                 moe=moe, attn_out_norm=norm_of(layer.post_attention_layernorm) if sandwich else None,
                 mlp_out_norm=norm_of(layer.post_feedforward_layernorm) if sandwich else None,
-                rope=config.layer_types[attn.layer_idx] if per_type else None))
+                rope=config.layer_types[attn.layer_idx] if per_type else None, sinks=getattr(attn, "sinks", None)))
         self.rope_kinds = tuple(dict.fromkeys(layer.rope for layer in self.layers))
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
         # also apply the norms and add the residuals (see the module docstring).
@@ -331,7 +335,7 @@ class LeanDecoder:
             qk, v = layer.qkv.split_last(layer.input_norm(hidden))
             qk = layer.queries_and_keys(qk.view(num_tokens, heads + kv_heads, dim), heads, *rotations[layer.rope])
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v.view(num_tokens, kv_heads, dim),
-                         layer.scaling, window=layer.window)
+                         layer.scaling, window=layer.window, sinks=layer.sinks)
             out = layer.o_proj(out.view(num_tokens, heads * dim))
             hidden = residual + (out if layer.attn_out_norm is None else layer.attn_out_norm(out))
             residual = hidden
@@ -347,6 +351,8 @@ class LeanDecoder:
         """(cos, sin) `[T, 1, D]` of the rotary of layers of type `kind` (None: the model's one rotary)."""
         cos, sin = self.rotary(hidden, position_ids=positions, **({} if kind is None else {"layer_type": kind}))
         half = self.head_dim // 2
+        if cos.shape[-1] == half:  # gpt-oss's: one angle a pair, x1 * cos - x2 * sin and x2 * cos + x1 * sin
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (the same products)
         # transformers rotates x as x * cos + cat(-x2, x1) * sin; cat(x2, x1) * cat(-sin1, sin2) is the
         # same bits ((-a) * b == a * (-b) exactly), one operator fewer a layer.
         return cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]
