@@ -9,7 +9,9 @@ fourth layer without rotary; `qwen3_moe`: Qwen3's attention with every MLP route
 token, each 768 wide, so a token's active MLP is SmolLM2's 1536; `gemma3_text`: Gemma 3's layers, head_dim 64
 and query_pre_attn_scalar 64, five sliding layers (window 512) to a global one, GeGLU, its scaled
 embedding; `qwen3_5`: Qwen3.5's text model, three Gated DeltaNet layers (3 key heads, 6 value heads of
-64) to each gated full-attention one), saved as safetensors in `--dtype`, with SmolLM2's tokenizer read from the
+64) to each gated full-attention one; `gpt_oss`: gpt-oss's layers, biased projections, sinks, sliding and
+full layers alternating (window 128), yarn rope (theta 150000, factor 2), every MLP routed over 8 biased experts with
+the clamped SwiGLU, 2 a token, each 768 wide), saved as safetensors in `--dtype`, with SmolLM2's tokenizer read from the
 embedded model's GGUF. Time them with `ponder bench decode --model OUT_DIR/<family>`; prints what it
 wrote as JSON and a table.
 """
@@ -26,10 +28,15 @@ from bench.report import emit
 SIZES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
              rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = ("llama", "qwen3", "smollm3", "qwen3_moe", "gemma3_text", "qwen3_5")
+FAMILIES = ("llama", "qwen3", "smollm3", "qwen3_moe", "gemma3_text", "qwen3_5", "gpt_oss")
 GEMMA3 = dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=512, sliding_window_pattern=6,
               hidden_activation="gelu_pytorch_tanh")
 EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True)
+# gpt-oss's published rope (its yarn factor that of the replica's 8192 positions, not 131072's 32) and
+# window; its experts' width is `intermediate_size`
+GPT_OSS = dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2, intermediate_size=768, sliding_window=128,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
 # Qwen3.5's Gated DeltaNet (key and value heads one size, as llama.cpp reads them; fewer key heads, as published)
 QWEN35 = dict(head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
               linear_num_key_heads=3, linear_num_value_heads=6)
@@ -52,6 +59,9 @@ def replica(family: str):
     elif family == "qwen3_5":  # (three Gated DeltaNet layers to a full-attention one; its (1 + w) norms)
         sizes = {k: v for k, v in SIZES.items() if k != "rope_theta"}
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**sizes, **QWEN35))
+    elif family == "gpt_oss":
+        sizes = {k: v for k, v in SIZES.items() if k not in ("rope_theta", "intermediate_size")}
+        model = tf.GptOssForCausalLM(tf.GptOssConfig(**sizes, **GPT_OSS))
     elif family == "gemma3_text":  # (its own rope bases: 1e6 global, 1e4 sliding)
         sizes = {k: v for k, v in SIZES.items() if k != "rope_theta"}
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**sizes, **GEMMA3))

@@ -46,7 +46,7 @@ def falcon_refusal() -> str:
 def paths_line() -> str:
     from runtime.model.paths import describe
 
-    return "paths: " + describe({"family": "gpt_oss", "layers": "transformers", "linear": "float_kernel",
+    return "paths: " + describe({"family": "gpt_oss", "layers": "lean", "linear": "float_kernel",
                                  "attention": "cpu_kernel"}) + "\n"
 
 
@@ -76,7 +76,7 @@ COMPARED = {
     ("docs/models.md", "ponder: refusing the model /models/Falcon-H1-1.5B: falcon_h1: 'hybrid' layers, which "
                        "ponder's paged attention does not run; Mamba-2 layers keep a recurrent state ponder does "
                        "not hold; ponder refuses it rather than serve wrong tokens"): falcon_refusal,
-    ("docs/models.md", "paths: family gpt_oss: layers transformers, linear float_kernel, attention cpu_kernel"):
+    ("docs/models.md", "paths: family gpt_oss: layers lean, linear float_kernel, attention cpu_kernel"):
         paths_line,
     ("docs/gguf-types.md", "model.quantize = auto: int4 (13 layers keep the GGUF's blocks (12 Q4_1, 1 Q8_0), 2 keep "
                            "float weights"): gguf_quantize_lines,

@@ -196,7 +196,8 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
         kernel_sinks = None if sinks is None else sinks.detach().float().contiguous()
         if queries.dtype != torch.float32 and d.widen:  # a bfloat16 model: widened, the output rounded back
             attended = out.new_zeros(out.shape, dtype=torch.float32)
-            d.kernel(queries.float(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
+            # (.float() keeps a transposed view's strides: gpt-oss's rotary leaves [H, T, D] contiguous)
+            d.kernel(queries.float().contiguous(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
                      int(window or 0), kernel_sinks)
             out.copy_(attended)
         else:

@@ -1,5 +1,5 @@
 """A lean forward pass for llama-family decoders over the paged KV cache (llama, qwen2, qwen3, smollm3,
-qwen3_moe, gemma3_text).
+qwen3_moe, gemma3_text, gpt_oss).
 
 transformers' modules spend most of a small model's decode step on Python and on many small
 operators: three projections where one matmul would do, rotary embeddings applied to queries and
@@ -24,16 +24,18 @@ A step whose every row the decode kernel attends runs the whole layer stack as o
 same bits, tested): where every layer is int4, and where every projection runs in ponder's float kernel
 (runtime.model.float_layers: a float model on a CPU, an F16 GGUF).
 
-Qwen3's per-head RMS norms on queries and keys (over head_dim, which need not be hidden / heads) run
-between the qkv projection and the rotary, as transformers runs them; SmolLM3's NoPE layers skip the
-rotary; a layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel
-does the same, in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts'
-`RoutedMLP` (transformers' reference loop's arithmetic, rows grouped by expert); over kernel experts
-and router the stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators).
-Gemma 3's layers (gemma3_text) run the Python loop: its (1 + w) norms
-(runtime.model.norms), the norms of the attention's and the MLP's outputs, GeGLU, and a rotary of
-their own for its sliding layers are the Python loop's only; its scaled embedding is its module's
-call, `query_pre_attn_scalar` its layers' scaling, and its final soft-capping (if set) follows the head.
+Qwen3's per-head RMS norms on queries and keys (over head_dim, which need not be hidden / heads) run between
+the qkv projection and the rotary, as transformers runs them; SmolLM3's NoPE layers skip the rotary; a
+layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel does the same,
+in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts' `RoutedMLP`
+(transformers' reference loop's arithmetic, rows grouped by expert); over kernel experts and router the
+stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators). gpt-oss's layers
+run the Python loop (biased o projections and experts are not the stack kernel's): its yarn rotary (one
+angle a pair of halves), sinks, sliding layers, norms and `RoutedMLP` (top-k, softmax, clamped SwiGLU).
+Gemma 3's layers (gemma3_text) run the Python loop: its (1 + w) norms (runtime.model.norms), the norms of
+the attention's and the MLP's outputs, GeGLU, and a rotary of their own for its sliding layers are the
+Python loop's only; its scaled embedding is its module's call, `query_pre_attn_scalar` its layers'
+scaling, and its final soft-capping (if set) follows the head.
 
 A model it does not know (another architecture, a projection it cannot fuse) is run by transformers'
 forward; `LeanDecoder.build` says which by returning None.
@@ -45,7 +47,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.kernels.cpu_kernels import small_ops
@@ -55,68 +56,10 @@ from runtime.model.experts import RoutedMLP
 from runtime.model.float_layers import FloatLinear
 from runtime.model.layer_stack import SILU, LayerStack, head_norm_weights
 from runtime.model.norms import Norm, is_kernel_form, norm_of
+from runtime.model.projections import Projections, rows_call
 from runtime.model.quantize import Int4Linear, QuantizedLinear
 
-ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text")
-
-
-class Projections:
-    """Several linear layers that read the same input `[rows, in_features]`: one fused matmul split
-    into their outputs, or (when the layers cannot be fused) one call each."""
-
-    def __init__(self, layers: list[nn.Module], sizes: list[int] | None = None) -> None:
-        """`sizes`: the outputs of one layer fused already (Phi-3's qkv_proj and gate_up_proj)."""
-        self.sizes = sizes or [layer.out_features for layer in layers]
-        self.fused = layers[0] if sizes else fuse_linears(layers)
-        self.calls = [rows_call(layer) for layer in layers]
-        self.fused_call = None if self.fused is None else rows_call(self.fused)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.fused_call is None:
-            return tuple(call(x) for call in self.calls)
-        return self.fused_call(x).split(self.sizes, dim=-1)
-
-    def split_last(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(every output but the last side by side, the last output): a view of the fused output."""
-        if self.fused_call is None:
-            *rest, last = (call(x) for call in self.calls)
-            return torch.cat(rest, dim=-1), last
-        y = self.fused_call(x)
-        width = y.shape[-1] - self.sizes[-1]
-        return y[:, :width], y[:, width:]
-
-
-def rows_call(layer: nn.Module):
-    """The layer's computation for `[rows, in_features]` without a module call: transformers' bits."""
-    if isinstance(layer, QuantizedLinear):
-        return layer.rows
-    if type(layer) is nn.Linear:
-        return lambda x: F.linear(x, layer.weight, layer.bias)
-    return layer
-
-
-def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
-    """One layer computing `layers`' outputs side by side, the layers' weights becoming views of its
-    weight; None when they are not all of one kind that can be fused."""
-    kind = type(layers[0])
-    if any(type(layer) is not kind or (layer.bias is None) != (layers[0].bias is None) for layer in layers):
-        return None
-    if kind is nn.Linear:
-        first = layers[0].weight
-        fused = nn.Linear(first.shape[1], sum(layer.out_features for layer in layers),
-                          bias=layers[0].bias is not None, device=first.device, dtype=first.dtype)
-        fused.weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]), requires_grad=False)
-        if fused.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]), requires_grad=False)
-        start = 0
-        for layer in layers:
-            rows = layer.out_features
-            layer.weight = nn.Parameter(fused.weight[start:start + rows], requires_grad=False)
-            start += rows
-        return fused
-    if issubclass(kind, QuantizedLinear) and hasattr(kind, "concatenated"):
-        return kind.concatenated(layers)
-    return None
+ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "qwen3_moe", "gemma3_text", "gpt_oss")
 
 
 @dataclass
@@ -148,7 +91,9 @@ class _Layer:
     attn_out_norm: Norm | None = None
     mlp_out_norm: Norm | None = None
     rope: str | None = None
-    # an int4 layer's head norms' weights (head_norm_weights) and silu(gate) * up in small_ops.cpp's arithmetic
+    # gpt-oss's attention sinks `[heads]` (None: none); an int4 layer's head norms' weights
+    # (head_norm_weights) and whether silu(gate) * up runs in small_ops.cpp's arithmetic
+    sinks: torch.Tensor | None = None
     head_norms: torch.Tensor | None = None
     silu_mul: bool = False
 
@@ -215,7 +160,7 @@ class LeanDecoder:
                 rotary=bool(getattr(attn, "use_rope", True)), window=_window(config, attn),
                 moe=moe, attn_out_norm=norm_of(layer.post_attention_layernorm) if sandwich else None,
                 mlp_out_norm=norm_of(layer.post_feedforward_layernorm) if sandwich else None,
-                rope=config.layer_types[attn.layer_idx] if per_type else None))
+                rope=config.layer_types[attn.layer_idx] if per_type else None, sinks=getattr(attn, "sinks", None)))
         self.rope_kinds = tuple(dict.fromkeys(layer.rope for layer in self.layers))
         # With int4 layers throughout and float32 activations, a layer is four kernel calls that
         # also apply the norms and add the residuals (see the module docstring).
@@ -337,7 +282,7 @@ class LeanDecoder:
             qk, v = layer.qkv.split_last(layer.input_norm(hidden))
             qk = layer.queries_and_keys(qk.view(num_tokens, heads + kv_heads, dim), heads, *rotations[layer.rope])
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v.view(num_tokens, kv_heads, dim),
-                         layer.scaling, window=layer.window)
+                         layer.scaling, window=layer.window, sinks=layer.sinks)
             out = layer.o_proj(out.view(num_tokens, heads * dim))
             hidden = residual + (out if layer.attn_out_norm is None else layer.attn_out_norm(out))
             residual = hidden
@@ -353,6 +298,8 @@ class LeanDecoder:
         """(cos, sin) `[T, 1, D]` of the rotary of layers of type `kind` (None: the model's one rotary)."""
         cos, sin = self.rotary(hidden, position_ids=positions, **({} if kind is None else {"layer_type": kind}))
         half = self.head_dim // 2
+        if cos.shape[-1] == half:  # gpt-oss's: one angle a pair, x1 * cos - x2 * sin and x2 * cos + x1 * sin
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)  # (the same products)
         # transformers rotates x as x * cos + cat(-x2, x1) * sin; cat(x2, x1) * cat(-sin1, sin2) is the
         # same bits ((-a) * b == a * (-b) exactly), one operator fewer a layer.
         return cos[0, :, None], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None]

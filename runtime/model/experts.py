@@ -1,11 +1,17 @@
-"""Routed experts (Qwen3-MoE's sparse MLP) in the lean decoder and in ponder's kernels.
+"""Routed experts (Qwen3-MoE's and gpt-oss's sparse MLPs) in the lean decoder and in ponder's kernels.
 
-transformers holds a layer's experts as two stacked parameters (`Qwen3MoeExperts.gate_up_proj`
-`[experts, 2 * intermediate, hidden]`, `down_proj` `[experts, hidden, intermediate]`) and a router
-(`Qwen3MoeTopKRouter.weight` `[experts, hidden]`). Its reference loop (`experts_implementation =
-"eager"`) computes, for each expert hit in ascending order, the rows routed to it as one matmul
-(entries in (top-k position, token) order), scales them by their routing weight and adds them into
-zeros with `index_add_`.
+transformers holds a layer's experts as two stacked parameters and a router:
+- Qwen3-MoE: `Qwen3MoeExperts.gate_up_proj` `[experts, 2 * intermediate, hidden]` (the gate's rows,
+  then the up projection's), `down_proj` `[experts, hidden, intermediate]`, no bias, SiLU(gate) * up;
+  `Qwen3MoeTopKRouter` (`gate`): softmax over every expert in float32, top-k, renormalised where
+  `norm_topk_prob`;
+- gpt-oss: `GptOssExperts.gate_up_proj` `[experts, hidden, 2 * intermediate]` (transposed, gate and
+  up columns interleaved), `down_proj` `[experts, intermediate, hidden]`, each with a bias, computed as
+  `x @ w + b`, and the clamped SwiGLU (`ClampedSwiGLU`); `GptOssTopKRouter` (`router`, with a bias):
+  top-k of the logits, then a softmax over those k in the logits' dtype.
+Its reference loop (`experts_implementation = "eager"`) computes, for each expert hit in ascending
+order, the rows routed to it as one matmul (entries in (top-k position, token) order), scales them by
+their routing weight and adds them into zeros with `index_add_`.
 
 `RoutedMLP` runs that arithmetic in the lean decoder with one sort of the step's (token, expert)
 entries instead of a mask per expert, so a step pays for each expert hit once, whatever its batch:
@@ -20,12 +26,13 @@ entries instead of a mask per expert, so a step pays for each expert hit once, w
   no stacked parameter, and batch invariance is served (tested: the same row alone and in a crowd).
 
 `hold_experts(model, mode)` replaces the stacked modules by the kernel ones (their `forward` is
-transformers' signature, so transformers' forward still runs them).
+transformers' signature, so transformers' forward still runs them); a gpt-oss expert's layers keep
+their biases and the interleaved order of the gate's and up's outputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,34 +45,83 @@ from runtime.model.quantize import INT4_GROUP_SIZE, Int4Linear, Quantized, Quant
 # top-k, the k weights renormalised where `norm_topk_prob`, then cast to the logits' dtype.
 SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter",)
 STACKED_EXPERTS = ("Qwen3MoeExperts",)
+# gpt-oss's: top-k of the (biased) logits, softmax over the k; its experts transposed, biased, clamped SwiGLU
+TOPK_SOFTMAX_ROUTERS = ("GptOssTopKRouter",)
+BIASED_EXPERTS = ("GptOssExperts",)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits `[rows, experts]` become (weights, indices) `[rows, top_k]`: Qwen3-MoE's
+    softmax then top-k (`softmax_first`), or gpt-oss's top-k then softmax over the k."""
+
+    top_k: int
+    norm_topk_prob: bool = False
+    softmax_first: bool = True
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.softmax_first:
+            return route(logits, self.top_k, self.norm_topk_prob)
+        top, indices = torch.topk(logits, self.top_k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), indices
+
+
+@dataclass(frozen=True)
+class SiluGLU:
+    """act(gate) * up, the gate's outputs first (Qwen3-MoE's experts)."""
+
+    act: nn.Module
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's `GptOssExperts._apply_gate`, operator for operator: gate and up interleaved (gate at even
+    columns), gate clamped from above and up on both sides at `limit`, (up + 1) * gate * sigmoid(gate * alpha)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class KernelRouter(nn.Module):
-    """A softmax-top-k router whose logits come from `linear` (a ponder kernel layer); `forward` returns
-    transformers' (logits, weights, indices)."""
+    """A router whose logits come from `linear` (a ponder kernel layer, with the router's bias if it has
+    one), routed by softmax then top-k (or by `routing`); `forward` returns transformers' (logits,
+    weights, indices)."""
 
-    def __init__(self, linear: QuantizedLinear, top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(self, linear: QuantizedLinear, top_k: int, norm_topk_prob: bool, routing: Routing | None = None) -> None:
         super().__init__()
+        self.routing = routing or Routing(top_k, norm_topk_prob)
         self.linear, self.top_k, self.norm_topk_prob = linear, top_k, norm_topk_prob
         self.num_experts, self.hidden_dim = linear.out_features, linear.in_features
 
     def forward(self, hidden_states: torch.Tensor):
         logits = self.linear.rows(hidden_states.reshape(-1, self.hidden_dim))
-        return (logits, *route(logits, self.top_k, self.norm_topk_prob))
+        return (logits, *self.routing(logits))
 
 
 class KernelExperts(nn.Module):
-    """A layer's experts as one ponder kernel layer each: `gate_up[e]` (gate then up, side by side) and
-    `down[e]`; `forward` is transformers' experts' (hidden, top-k indices, top-k weights)."""
+    """A layer's experts as one ponder kernel layer each: `gate_up[e]` (gate then up, side by side; or as
+    `glu` reads them) and `down[e]`; `forward` is transformers' experts' (hidden, top-k indices, top-k weights)."""
 
-    def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear], act_fn: nn.Module) -> None:
+    def __init__(self, gate_up: list[QuantizedLinear], down: list[QuantizedLinear], act_fn: nn.Module | None,
+                 glu=None) -> None:
         super().__init__()
         self.gate_up, self.down, self.act_fn = nn.ModuleList(gate_up), nn.ModuleList(down), act_fn
+        self.glu = glu or SiluGLU(act_fn)
         self.num_experts = len(gate_up)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         calls = [(g.rows, d.rows) for g, d in zip(self.gate_up, self.down)]
-        return mix_experts(hidden_states, top_k_index, top_k_weights, calls, self.act_fn)
+        return mix_experts(hidden_states, top_k_index, top_k_weights, calls, self.glu)
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,9 +133,8 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch
     return top.to(logits.dtype), indices
 
 
-def mix_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, calls: list,
-                act: nn.Module) -> torch.Tensor:
-    """Sum over each row's experts of weight * down(act(gate) * up), rows grouped by expert: one call
+def mix_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, calls: list, glu) -> torch.Tensor:
+    """Sum over each row's experts of weight * down(glu(gate_up(row))), rows grouped by expert: one call
     of each expert hit, on its rows in (top-k position, token) order (transformers' `torch.where`
     order), the experts added in ascending order into zeros, as transformers' reference loop does
     (the same float additions as its `index_add_`)."""
@@ -97,8 +152,7 @@ def mix_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, c
             continue
         end = start + count
         gate_up, down = calls[expert]
-        gate, up = gate_up(gathered[start:end]).chunk(2, dim=-1)
-        h = down(act(gate) * up) * entry_weights[start:end]
+        h = down(glu(gate_up(gathered[start:end]))) * entry_weights[start:end]
         # index_add_'s out[t] + h, as an indexed read and write: an expert's tokens are distinct, and
         # torch's deterministic index_add_ on a CPU (batch invariance sets it) costs milliseconds a call
         rows = tokens[start:end]
@@ -111,39 +165,91 @@ class RoutedMLP:
     """A sparse MLP block's computation on normed rows `[T, hidden]` (see the module docstring)."""
 
     def __init__(self, mlp: nn.Module) -> None:
-        router, experts = mlp.gate, mlp.experts
-        self.top_k, self.norm_topk_prob = router.top_k, router.norm_topk_prob
-        self.act = experts.act_fn
+        _, router = router_of(mlp)
+        experts = mlp.experts
+        self.routing = routing_of(router)
+        self.top_k, self.norm_topk_prob = self.routing.top_k, self.routing.norm_topk_prob
+        # SiLU where the experts compute SiLU(gate) * up (the stack kernel's), else None (gpt-oss's `glu`)
+        self.act = experts.act_fn if isinstance(getattr(experts, "act_fn", None), nn.Module) else None
+        self.glu = experts.glu if isinstance(experts, KernelExperts) else glu_of(experts)
         # the router's kernel layer (None: transformers' weight in torch's matmul)
         self.router_linear = router.linear if isinstance(router, KernelRouter) else None
         if isinstance(router, KernelRouter):
             self.router = router.linear.rows
         else:
-            weight = router.weight
-            self.router = lambda x: F.linear(x, weight)
+            weight, bias = router.weight, getattr(router, "bias", None)
+            self.router = lambda x: F.linear(x, weight, bias)
         if isinstance(experts, KernelExperts):
             self.modules = list(zip(experts.gate_up, experts.down))
             self.calls = [(g.rows, d.rows) for g, d in self.modules]
         else:
             self.modules = []
-            self.calls = [(lambda x, w=experts.gate_up_proj[e]: F.linear(x, w),
-                           lambda x, w=experts.down_proj[e]: F.linear(x, w)) for e in range(experts.num_experts)]
+            self.calls = [stacked_calls(experts, e) for e in range(experts.num_experts)]
 
     @staticmethod
     def takes(mlp: nn.Module) -> bool:
-        router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
-        return (isinstance(router, KernelRouter) or type(router).__name__ in SOFTMAX_TOPK_ROUTERS) and \
-            (isinstance(experts, KernelExperts) or type(experts).__name__ in STACKED_EXPERTS) and \
-            not getattr(experts, "has_bias", False) and getattr(experts, "is_concatenated", True) and \
-            not getattr(experts, "is_transposed", False)
+        _, router = router_of(mlp)
+        experts = getattr(mlp, "experts", None)
+        if isinstance(router, KernelRouter) and isinstance(experts, KernelExperts):
+            return True
+        if type(router).__name__ in SOFTMAX_TOPK_ROUTERS:
+            return type(experts).__name__ in STACKED_EXPERTS and not getattr(experts, "has_bias", False) and \
+                getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False)
+        return type(router).__name__ in TOPK_SOFTMAX_ROUTERS and type(experts).__name__ in BIASED_EXPERTS and \
+            getattr(experts, "has_bias", False) and not getattr(experts, "is_concatenated", True) and \
+            getattr(experts, "is_transposed", False)
 
     def all_kernel(self, kind: type) -> bool:
         """Whether every expert's layers are `kind` without a bias (the router may be float)."""
         return bool(self.modules) and all(isinstance(l, kind) and l.bias is None for pair in self.modules for l in pair)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights, indices = route(self.router(x), self.top_k, self.norm_topk_prob)
-        return mix_experts(x, indices, weights, self.calls, self.act)
+        weights, indices = self.routing(self.router(x))
+        return mix_experts(x, indices, weights, self.calls, self.glu)
+
+
+def router_of(mlp: nn.Module) -> tuple[str, nn.Module | None]:
+    """(the attribute, the router) of a sparse MLP block: Qwen3-MoE's `gate`, gpt-oss's `router`."""
+    for name in ("gate", "router"):
+        router = getattr(mlp, name, None)
+        if isinstance(router, KernelRouter) or type(router).__name__ in SOFTMAX_TOPK_ROUTERS + TOPK_SOFTMAX_ROUTERS:
+            return name, router
+    return "gate", None
+
+
+def routing_of(router: nn.Module) -> Routing:
+    """How `router` (a kernel one, or one of transformers' classes `RoutedMLP` takes) routes its logits."""
+    if isinstance(router, KernelRouter):
+        return router.routing
+    return Routing(router.top_k, getattr(router, "norm_topk_prob", False),
+                   softmax_first=type(router).__name__ in SOFTMAX_TOPK_ROUTERS)
+
+
+def glu_of(experts: nn.Module):
+    """What transformers' stacked `experts` compute between an expert's gate/up and its down."""
+    if type(experts).__name__ in BIASED_EXPERTS:
+        return ClampedSwiGLU(experts.alpha, experts.limit)
+    return SiluGLU(experts.act_fn)
+
+
+def stacked_calls(experts: nn.Module, e: int) -> tuple:
+    """Expert `e`'s (gate/up, down) over transformers' stacked parameters, as its reference loop computes
+    them: Qwen3-MoE's `F.linear(x, w)`; gpt-oss's `x @ w + b` (its weights transposed, its bias added
+    after the matmul)."""
+    if type(experts).__name__ in BIASED_EXPERTS:
+        return (lambda x, w=experts.gate_up_proj[e], b=experts.gate_up_proj_bias[e]: x @ w + b,
+                lambda x, w=experts.down_proj[e], b=experts.down_proj_bias[e]: x @ w + b)
+    return (lambda x, w=experts.gate_up_proj[e]: F.linear(x, w),
+            lambda x, w=experts.down_proj[e]: F.linear(x, w))
+
+
+def expert_layers(experts: nn.Module, e: int) -> tuple:
+    """Expert `e`'s (gate/up weight `[2I, hidden]`, its bias, down weight `[hidden, I]`, its bias) from
+    transformers' stacked parameters, in their output order (gpt-oss's gate and up stay interleaved)."""
+    if type(experts).__name__ in BIASED_EXPERTS:
+        return (experts.gate_up_proj[e].t().contiguous(), experts.gate_up_proj_bias[e].detach(),
+                experts.down_proj[e].t().contiguous(), experts.down_proj_bias[e].detach())
+    return experts.gate_up_proj[e], None, experts.down_proj[e], None
 
 
 @torch.no_grad()
@@ -155,22 +261,27 @@ def hold_experts(model: nn.Module, mode: str) -> int:
     for module in list(model.modules()):
         if not RoutedMLP.takes(module) or isinstance(module.experts, KernelExperts):
             continue
-        router, experts = module.gate, module.experts
-        hidden = router.weight.shape[1]
-        if not takes_weight(router.weight) or (mode == "int4" and (hidden % INT4_GROUP_SIZE
-                                                                   or experts.down_proj.shape[2] % INT4_GROUP_SIZE)):
+        name, router = router_of(module)
+        experts = module.experts
+        layers = [expert_layers(experts, e) for e in range(experts.num_experts)]
+        hidden, inner = router.weight.shape[1], layers[0][2].shape[1]
+        if not takes_weight(router.weight) or (mode == "int4" and (hidden % INT4_GROUP_SIZE or inner % INT4_GROUP_SIZE)):
             continue
         if mode == "int4":
             make = Int4Linear.from_weight
         else:
-            if not takes_weight(experts.down_proj):
+            if not takes_weight(layers[0][2]):
                 continue
-            make = lambda w: FloatLinear.from_weight(narrowest(w.detach()))  # noqa: E731
-        gate_up = [make(experts.gate_up_proj[e]) for e in range(experts.num_experts)]
-        down = [make(experts.down_proj[e]) for e in range(experts.num_experts)]
-        module.experts = KernelExperts(gate_up, down, experts.act_fn)
-        module.gate = KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach())), router.top_k,
-                                   router.norm_topk_prob)
+            make = lambda w, b: FloatLinear.from_weight(narrowest(w.detach()), b)  # noqa: E731
+        gate_up = [make(gate_up, gate_up_bias) for gate_up, gate_up_bias, _, _ in layers]
+        down = [make(down, down_bias) for _, _, down, down_bias in layers]
+        glu = glu_of(experts)
+        module.experts = KernelExperts(gate_up, down, glu.act if isinstance(glu, SiluGLU) else None, glu)
+        routing = routing_of(router)
+        bias = getattr(router, "bias", None)
+        setattr(module, name, KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach()),
+                                                                   None if bias is None else bias.detach()),
+                                           routing.top_k, routing.norm_topk_prob, routing))
         held += 2 * experts.num_experts
     return held
 

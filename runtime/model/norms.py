@@ -4,7 +4,9 @@ operator (conversions that change nothing skipped), read once from the model's n
 - `RMSNorm`: LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (SmolLM3's too): normalised in float32, rounded
   to the activations' dtype, then times the weight (in the weight's dtype);
 - `OffsetRMSNorm`: Gemma3RMSNorm: normalised in float32, times (1 + weight) in float32, then rounded
-  (Gemma multiplies before rounding, llama after; its weights are offsets from one).
+  (Gemma multiplies before rounding, llama after; its weights are offsets from one);
+- `WeightFirstRMSNorm`: GptOssRMSNorm: normalised in float32, times the weight (float32 products where
+  the weight is narrower), then rounded (llama's bits wherever the activations are float32).
 
 ponder's int4 and float kernels, which fuse a norm into the projection after it, compute `RMSNorm`
 only: a model with another norm runs the lean decoder's Python loop (`is_kernel_form`).
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
 
 @dataclass
@@ -49,13 +52,27 @@ class OffsetRMSNorm:
         return x if x.dtype == hidden.dtype else x.to(hidden.dtype)
 
 
-Norm = RMSNorm | OffsetRMSNorm
+@dataclass
+class WeightFirstRMSNorm:
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.weight * x
+        return x if x.dtype == hidden.dtype else x.to(hidden.dtype)
+
+
+Norm = RMSNorm | OffsetRMSNorm | WeightFirstRMSNorm
 
 
 def norm_of(module: nn.Module | None) -> Norm | None:
     """The norm `module` computes, None where it is of no form known here."""
     if isinstance(module, Gemma3RMSNorm):
         return OffsetRMSNorm(module.weight, module.eps)
+    if isinstance(module, GptOssRMSNorm):
+        return WeightFirstRMSNorm(module.weight, module.variance_epsilon)
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     return None if weight is None or eps is None else RMSNorm(weight, eps)
 

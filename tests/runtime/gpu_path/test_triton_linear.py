@@ -59,7 +59,7 @@ def test_block_linear_computes_with_the_file_s_own_weights(kind):
 
 
 def test_a_block_layer_fuses_and_computes_with_its_dequantized_weights():
-    from runtime.model.decoder import fuse_linears
+    from runtime.model.projections import fuse_linears
     from runtime.model.gpu_blocks import GpuBlockLinear
 
     gen = torch.Generator().manual_seed(3)

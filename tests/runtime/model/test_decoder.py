@@ -3,7 +3,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GemmaConfig, GemmaForCausalLM
 
-from runtime.model.decoder import LeanDecoder, Projections, fuse_linears
+from runtime.model.decoder import LeanDecoder
+from runtime.model.projections import Projections, fuse_linears
 from runtime.model.quantize import Int4Linear, Int8Linear, quantize_model
 from tests.runtime.engine_helpers import engine_for, request, run
 

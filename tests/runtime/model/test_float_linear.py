@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
-from runtime.model.decoder import fuse_linears
+from runtime.model.projections import fuse_linears
 from runtime.model.float_layers import FloatLinear, float_layers
 from runtime.model.quantize import apply_quantize
 

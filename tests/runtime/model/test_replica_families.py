@@ -20,17 +20,10 @@ LONG = [{"role": "user", "content": "Tom has 5 apples and buys 3 more. Janet has
                                     "What is 2 + 3?"}]
 
 
-# Families whose experts transformers computes over the tokens routed to each: batch invariance is
-# refused for them (runtime.model.row_padding.routed_experts), so they are served with it off.
-# (Qwen3-MoE's experts run in ponder's kernels, row by row, under the default quantize: served with it,
-# runtime.model.experts; refused under quantize = "none".)
-ROUTED_EXPERTS = {"gpt_oss": "GptOssExperts"}
+# (Qwen3-MoE's and gpt-oss's experts run in ponder's kernels, row by row, under the default quantize:
+# served with batch invariance, runtime.model.experts; refused under quantize = "none".)
 # The families ponder's lean decoder runs (runtime.model.decoder); the others run transformers' forward.
-LEAN_DECODER = ("qwen3_moe", "gemma3_text", "smollm3", "phi3")
-
-
-def invariance(family: str, requested: bool) -> bool:
-    return requested and family not in ROUTED_EXPERTS
+LEAN_DECODER = ("qwen3_moe", "gemma3_text", "smollm3", "phi3", "gpt_oss")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -56,7 +49,7 @@ def test_greedy_decoding_matches_transformers_generate(replica, batch_invariant)
     short, long = prompt_ids(directory, SHORT), prompt_ids(directory, LONG)
     assert len(long) > SLIDING_WINDOW + MAX_TOKENS
     expected = [hf_greedy(reference, p, MAX_TOKENS) for p in (short, long)]
-    assert served(directory, [short, long], family, batch_invariant=invariance(family, batch_invariant)) == expected, \
+    assert served(directory, [short, long], family, batch_invariant=batch_invariant) == expected, \
         family
 
 
@@ -100,10 +93,9 @@ def test_gemma4_layers_of_two_head_sizes_share_one_cache(tmp_path):
     # every projection and expert in ponder's float kernel
     ("qwen3_moe", {"family": "qwen3_moe", "layers": "float_kernel", "linear": "float_kernel",
                    "attention": "cpu_kernel"}),
-    # transformers' forward (no lean decoder for these), its projections in ponder's float kernel
-    # its sinks are applied by ponder's CPU decode kernel too
-    ("gpt_oss", {"family": "gpt_oss", "layers": "transformers", "linear": "float_kernel",
-                 "attention": "cpu_kernel"}),
+    # the lean decoder's Python loop (biased o projections and experts are not the stack kernel's), its
+    # sinks applied by ponder's CPU decode kernel too
+    ("gpt_oss", {"family": "gpt_oss", "layers": "lean", "linear": "float_kernel", "attention": "cpu_kernel"}),
     # the lean decoder, its decode steps one call of the float stack kernel (NoPE layers and all)
     ("smollm3", {"family": "smollm3", "layers": "float_kernel", "linear": "float_kernel",
                  "attention": "cpu_kernel"}),
@@ -130,7 +122,7 @@ def test_a_prompt_read_from_the_prefix_cache_gives_the_same_tokens(replica, batc
     then reads them from the cache: windows, sinks and narrow heads included), with the same tokens."""
     family, directory, reference = replica
     long = prompt_ids(directory, LONG)
-    engine = engine_for(directory, batch_invariant=invariance(family, batch_invariant))
+    engine = engine_for(directory, batch_invariant=batch_invariant)
     first = run(engine, [generate_request("a", long, max_tokens=MAX_TOKENS)])["a"]
     second = run(engine, [generate_request("b", long, max_tokens=MAX_TOKENS)])["b"]
     assert second["finished"].cached_tokens >= len(long) - 4, family  # whole blocks of 4 tokens
@@ -159,11 +151,11 @@ def test_gemma3n_text_is_served_not_refused(tmp_path):
     assert served(directory, [prompt]) == [hf_greedy(reference, prompt, MAX_TOKENS)]
 
 
-@pytest.mark.parametrize("family, quantize", [("gpt_oss", "auto"), ("qwen3_moe", "none")])
+@pytest.mark.parametrize("family, quantize", [("gpt_oss", "none"), ("qwen3_moe", "none")])
 def test_batch_invariance_is_refused_for_routed_experts(family, quantize, tmp_path, caplog):
     """An expert's matmul runs over the tokens a step routes to it, a row count no padding controls (its
     bits change with it on a CPU): `batch_invariant = true` refuses to start, auto serves without it and
-    says so (Qwen3-MoE's experts in torch's matmuls, `quantize = "none"`, too)."""
+    says so (Qwen3-MoE's and gpt-oss's experts in torch's matmuls, `quantize = "none"`)."""
     from runtime.model.row_padding import InvarianceUnavailable
 
     directory = write_family(family, tmp_path / family)
