@@ -230,5 +230,9 @@ def test_metrics_count_the_route_like_the_chat_route(server, client):
     client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, stream=True))
     assert metric(server, "ponder_requests_total", None, endpoint="responses", status="200") == before + 2
+    missing = metric(server, "ponder_http_requests_total", None, route="/v1/responses/{response_id}", method="GET",
+                     status="404", default=0.0)
+    with pytest.raises(openai.NotFoundError):  # a stored response's route, counted by its template, not its id
+        client.responses.retrieve("resp_none")
     assert metric(server, "ponder_http_requests_total", None, route="/v1/responses/{response_id}", method="GET",
-                  status="404", default=0.0) >= 1
+                  status="404", default=0.0) == missing + 1
