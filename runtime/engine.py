@@ -15,6 +15,7 @@ from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import LayerwiseResidency, logical_blocks
 from runtime.kv.residency import Residency
+from runtime.kv.window_split import split_pools
 from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.model.quantize import Quantized
@@ -99,7 +100,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         shape = kv_shape_of(model.config, config.block_size)
         self._build_pool(shape, dtype, config.num_blocks if tiers is None or config.policy != "token"
-                         else logical_blocks(tiers, shape, dtype, config))
+                         else logical_blocks(tiers, shape, dtype, config), tiers is not None)
         self.streamed = check_granularity(self, config, model_key)  # head-wise, or None
         below: Residency | None = None  # the tiers' residency (a head-wise one owns it)
         if tiers is not None:
@@ -130,16 +131,18 @@ class Engine:
         return self.scheduler.has_work or self.work.has_work \
             or (self.streamed is not None and self.streamed.has_work) or self.gate.has_work
 
-    def _build_pool(self, shape: KVShape, dtype, num_blocks: int) -> None:
-        """The compute tensor, the block pool over it, and what allocates from and runs on them."""
+    def _build_pool(self, shape: KVShape, dtype, num_blocks: int, has_tiers: bool) -> None:
+        """The compute tensors, the block pools over them (runtime.kv.window_split), what allocates and runs."""
         config = self.config
+        states = recurrent_states(self.model, config.block_size, config.recurrent_snapshot_bytes)
+        shape, num_blocks, window, sliding = split_pools(self.model, config, shape, dtype, self.device, num_blocks,
+                                                         has_tiers, states is not None)
         self.cache = KVCache(shape, num_blocks, dtype, self.device, scratch=True)
         self.pool = BlockPool(num_blocks, config.block_size)
-        states = recurrent_states(self.model, config.block_size, config.recurrent_snapshot_bytes)
         self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache,
-                            states=states)
+                            states=states, window=window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.padding, states)
+        self.runner = ModelRunner(self.model, self.cache, self.padding, states, window=sliding)
 
     # The step's work, read (its owner changes it): the searches, rewards requests, judge questions, scorers.
     searches = property(lambda self: self.work.searches)
@@ -320,7 +323,7 @@ class Engine:
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
         try:
             started = time.perf_counter()
-            logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
+            logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored, plan.window_copies)
         except PieceLost as lost:  # nothing was computed from it: its KV is made whole again
             log.warning("%s; recomputing it", lost)
             self.residency.recover(lost, self.scheduler)
@@ -389,7 +392,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""
-        self.pool.check_integrity([s.block_table for s in self.scheduler.running + self.scheduler.parked])
+        self.kv.check_integrity(self.scheduler.running + self.scheduler.parked)
         assert not any(seq.block_table for seq in self.scheduler.waiting), "a waiting sequence holds blocks"
         for store in (s for s in self.verifier_stores if not s.has_work):  # a job frees its blocks when scored
             store.pool.check_integrity([])

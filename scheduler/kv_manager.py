@@ -200,6 +200,12 @@ class KVManager:
         self.fork(parent, child, num_shared)
         child.num_cached_tokens = child.num_computed_tokens
 
+    def check_integrity(self, holders: list[Sequence]) -> None:
+        """The pools' invariants against the block tables of `holders`, every sequence holding blocks."""
+        self.pool.check_integrity([s.block_table for s in holders])
+        if self.window is not None:
+            self.window.check_integrity(holders)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, deepest first, so shared prefixes stay cached longest."""
         self.pool.release(reversed(seq.block_table))
