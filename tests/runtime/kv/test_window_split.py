@@ -9,11 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from runtime.kv.window_split import pool_sizes
-from runtime.wire.protocol import Delta
+from runtime.wire.params import SamplingParams, SearchParams
+from runtime.wire.protocol import Delta, GenerateRequest
+from scheduler.sliding_window import SlidingWindow
 from tests.conftest import VOCAB, build_tokenizer
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 from tests.runtime.model.test_decoder import PROMPTS
 from tests.runtime.model.test_decoder_gemma3 import LONG_PROMPT, WINDOW, write_gemma3
+from tests.runtime.search.test_search_engine import run_search
 
 # 8 blocks of every layer: the 40 tokens of LONG_PROMPT and 10 new ones need 10 of them
 SMALL = dict(num_blocks=8, max_num_seqs=1, max_num_batched_tokens=8)
@@ -124,3 +127,44 @@ def test_the_stack_kernel_and_a_model_without_sliding_layers_keep_one_cache(mist
     assert stacked.cache.shape.num_layers == 2 and stacked.pool.num_blocks == 16
     plain = engine_for(tiny_llama, num_blocks=16)
     assert plain.kv.window is None and plain.runner.window is None and plain.pool.num_blocks == 16
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_decode_attention_in_torch_and_triton_reads_the_window_s_cache(gemma3, reference, path):
+    """Generated tokens attended by torch's batched matmuls (no CPU kernel), or by the Triton kernel (in
+    Triton's interpreter here), through the sliding layers' tables: transformers' greedy tokens."""
+    engine = engine_for(gemma3, **SMALL)
+    if path == "torch":
+        engine.runner.attention_kernel = None
+    else:
+        engine.runner.use_gpu_kernels()
+    served = run(engine, [request("0", LONG_PROMPT, max_tokens=6)])
+    assert served["0"]["choices"][0] == hf_greedy(reference, LONG_PROMPT, 6)
+
+
+def test_a_beam_search_s_forks_share_the_window_s_blocks(gemma3, monkeypatch):
+    """Beam paths fork at each step's end, sharing the sliding blocks of the window before it; the answer
+    and its scores are one cache's."""
+    shared = []
+    fork = SlidingWindow.fork
+
+    def spy(self, parent, child, num_blocks):
+        taken = fork(self, parent, child, num_blocks)
+        shared.append(sum(b is not None for b in child.window_table) if taken else None)
+        return taken
+
+    monkeypatch.setattr(SlidingWindow, "fork", spy)
+    params = SearchParams(strategy="beam", n=4, beam_width=2, max_steps=3, max_step_tokens=4, verifier="confidence")
+    search = GenerateRequest(request_id="s", endpoint="completion", prompt_token_ids=tuple(LONG_PROMPT),
+                             sampling=SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+                             search=params)
+    split = run_search(engine_for(gemma3, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=16), search)
+    assert shared and all(count is not None and 0 < count <= 3 for count in shared)
+    monkeypatch.setattr("runtime.kv.window_split.plan_split", lambda *args: None)
+    whole = run_search(engine_for(gemma3, num_blocks=64), search)
+
+    def outcome(messages):  # (every delta, and what the search explored; not its seconds)
+        summary = messages[-1].search
+        return [m for m in messages if isinstance(m, Delta)], (summary.paths_explored, summary.tokens_generated)
+
+    assert outcome(whole) == outcome(split) and outcome(split)[1] == (9, 62)
