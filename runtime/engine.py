@@ -373,7 +373,7 @@ class Engine:
             requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches) + len(self.rewards),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
-                       **(self.residency.block_counts() if self.residency else {})},
+                       **(self.residency.block_counts() if self.residency else {}), **self.kv.window_counts(tier)},
             kv_transfer_bytes=self.transfer_bytes(),
             prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens, prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,

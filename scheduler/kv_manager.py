@@ -200,6 +200,14 @@ class KVManager:
         self.fork(parent, child, num_shared)
         child.num_cached_tokens = child.num_computed_tokens
 
+    def window_counts(self, tier: str) -> dict[str, int]:
+        """The sliding layers' pool's blocks by state, as tier `<tier>-window` (none without that pool)."""
+        if self.window is None:
+            return {}
+        pool = self.window.pool
+        return {f"{tier}-window/used": pool.num_used, f"{tier}-window/cached": pool.num_cached,
+                f"{tier}-window/free": pool.num_free}
+
     def check_integrity(self, holders: list[Sequence]) -> None:
         """The pools' invariants against the block tables of `holders`, every sequence holding blocks."""
         self.pool.check_integrity([s.block_table for s in holders])

@@ -67,6 +67,10 @@ def test_gemma3_serves_a_prompt_over_the_budget_with_transformers_tokens(gemma3,
     assert [window for _, _, window in seen] == [2, 2, 2, 3, 2, 2, 3, 3, 2, 2, 3, 3]
     assert tokens == hf_greedy(reference, LONG_PROMPT, 10)
     assert (engine.pool.num_used, engine.kv.window.pool.num_used) == (0, 0)
+    # 39 tokens' KV written: 9 full blocks named in each pool; the sliding pool of 6 keeps the last 5 of
+    # them (it reclaimed the oldest for the blocks after), the partial 10th block is free
+    assert engine.runtime_stats().kv_blocks == {"cpu/used": 0, "cpu/cached": 9, "cpu/free": 3, "cpu-window/used": 0,
+                                                "cpu-window/cached": 5, "cpu-window/free": 1}
 
 
 def test_a_prefix_hit_after_the_window_s_blocks_were_released(gemma3, reference):
