@@ -118,13 +118,19 @@ class SlidingWindow:
     # -- forks and frees ------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> bool:
         """Share with `child` (computed up to its `num_computed_tokens`) the parent's blocks of the
-        window before its next token, among the first `num_blocks`; False (nothing taken) where the
-        parent released some of them (a cut further back than the window)."""
+        window before its next token, among the first `num_blocks`: a block the parent released (a cut
+        further back than its window) where this pool still holds it by its name; False (nothing taken)
+        where it does not."""
         first = self.first_block(child.num_computed_tokens)
-        shared = parent.window_table[first:num_blocks]
-        if any(b is None for b in shared):
-            return False
-        self.pool.acquire(shared)  # type: ignore[arg-type]
+        shared = []
+        for index in range(first, num_blocks):
+            block = parent.window_table[index]
+            if block is None and index < len(parent.block_hashes):
+                block = self.pool.lookup(parent.block_hashes[index])
+            if block is None:
+                return False
+            shared.append(block)
+        self.pool.acquire(shared)
         child.window_table = [None] * first + shared
         return True
 

@@ -116,21 +116,33 @@ def test_a_fork_shares_the_window_s_blocks_and_copies_the_partial_one_on_write()
     check(kv, parent, child)
 
 
-def test_a_fork_cut_behind_the_released_window_takes_nothing_and_computes_from_the_first_token():
+def test_a_fork_cut_behind_the_released_window_shares_what_the_pool_still_names_or_takes_nothing():
     kv = make()
     parent = Sequence(list(range(14)))
     kv.admit(parent, 100)
-    kv.commit_computed(parent, 14)
-    near = Sequence(list(range(11)))  # computed 10: reads 5 .. 10, blocks 1 and 2, but 1 was released
+    kv.commit_computed(parent, 14)  # window blocks 0 and 1 released, named: cached
+    near = Sequence(list(range(11)))  # computed 10: reads 5 .. 10, blocks 1 and 2; 1 found by its name
     kv.fork(parent, near, 11)
-    assert (near.block_table, near.window_table, near.num_computed_tokens) == ([], [], 0)
-    inside = Sequence(list(range(13)))  # computed 12: reads 7 .. 12, blocks 1 .. 3: block 1 again
-    kv.fork(parent, inside, 13)
-    assert inside.block_table == []
+    assert near.num_computed_tokens == 10 and near.window_table == [None, 1, 2] and near.block_table == [0, 1, 2]
+    assert kv.window.pool.ref_counts == [0, 1, 2, 1, 0]  # (the parent and near hold block 2)
     within = Sequence(list(range(14)))  # computed 13: reads 8 .. 13, blocks 2 and 3
     kv.fork(parent, within, 14)
     assert within.num_computed_tokens == 13 and within.window_table == [None, None, 2, 3]
+    check(kv, parent, near, within)
+    kv.free(near)
+    kv.window.pool.forget_name(1)  # the pool lost block 1's contents: a cut that reads it takes nothing
+    lost = Sequence(list(range(13)))  # computed 12: reads 7 .. 12, blocks 1 .. 3
+    kv.fork(parent, lost, 13)
+    assert (lost.block_table, lost.window_table, lost.num_computed_tokens) == ([], [], 0)
     check(kv, parent, within)
+    unnamed = make(prefix_cache=False)  # without the prefix cache a released block has no name
+    other = Sequence(list(range(14)))
+    unnamed.admit(other, 100)
+    unnamed.commit_computed(other, 14)
+    cut = Sequence(list(range(11)))
+    unnamed.fork(other, cut, 11)
+    assert (cut.block_table, cut.window_table, cut.num_computed_tokens) == ([], [], 0)
+    check(unnamed, other)
 
 
 def test_a_prefix_hit_counts_only_as_far_as_the_window_before_it_is_held():
