@@ -172,3 +172,17 @@ def test_a_beam_search_s_forks_share_the_window_s_blocks(gemma3, monkeypatch):
         return [m for m in messages if isinstance(m, Delta)], (summary.paths_explored, summary.tokens_generated)
 
     assert outcome(whole) == outcome(split) and outcome(split)[1] == (9, 62)
+
+
+def test_the_judge_s_questions_forked_behind_the_window_get_one_cache_s_scores(gemma3, monkeypatch):
+    """The judge asks the generator about each path: its questions fork earlier questions far behind their
+    ends (past the window), taking released blocks by name or computing again; the same answer and scores."""
+    params = SearchParams(strategy="beam", n=4, beam_width=2, max_steps=2, max_step_tokens=4, verifier="judge")
+    search = GenerateRequest(request_id="j", endpoint="chat", messages=({"role": "user", "content": "w1 w2 w3"},),
+                             sampling=SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
+                             search=params)
+    split = run_search(engine_for(gemma3, num_blocks=32, max_num_seqs=8, max_num_batched_tokens=16), search)
+    monkeypatch.setattr("runtime.kv.window_split.plan_split", lambda *args: None)
+    whole = run_search(engine_for(gemma3, num_blocks=128), search)
+    assert [m for m in split if isinstance(m, Delta)] == [m for m in whole if isinstance(m, Delta)]
+    assert split[-1].search.verifier_calls == whole[-1].search.verifier_calls > 0
