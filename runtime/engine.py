@@ -240,7 +240,7 @@ class Engine:
     def has_idle_slot(self) -> bool:
         """Whether a running sequence may keep its slot to decode speculatively without taking anything
         from other work: nothing waits, and the pool has a free block per running sequence."""
-        return not self.scheduler.waiting and self.pool.num_free > len(self.scheduler.running)
+        return not self.scheduler.waiting and self.kv.num_free > len(self.scheduler.running)
 
     def num_idle_slots(self) -> int:
         """How many more sequences may start decoding speculatively: rows the batch has left, with a
@@ -248,7 +248,7 @@ class Engine:
         if self.scheduler.waiting:
             return 0
         running = len(self.scheduler.running)
-        return max(0, min(self.config.max_num_seqs - running, self.pool.num_free - running))
+        return max(0, min(self.config.max_num_seqs - running, self.kv.num_free - running))
 
     def speculative_row_cap(self, num_speculative: int) -> int | None:
         """The most speculative rows a search holding `num_speculative` may have in a step (None: as many

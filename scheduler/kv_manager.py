@@ -45,6 +45,11 @@ class KVManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.prefix_stats = PrefixStats()
 
+    @property
+    def num_free(self) -> int:
+        """Free blocks, the fewer of the two pools' where the sliding layers have their own."""
+        return self.pool.num_free if self.window is None else min(self.pool.num_free, self.window.pool.num_free)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -71,6 +71,7 @@ def test_admission_counts_both_pools_and_takes_nothing_from_either_when_one_is_s
     kv.commit_computed(seq, 8)  # the query at 8 reads 3 .. 8: block 0 still
     assert not kv.can_append(seq, 2) and kv.append_slots(seq, 2) is None
     assert counts(kv.window.pool) == (2, 0, 0)
+    assert kv.num_free == 0 and kv.pool.num_free == 6  # (speculation's idle slots: the fewer)
     check(kv, seq)
 
 
