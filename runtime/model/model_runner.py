@@ -312,7 +312,7 @@ class ModelRunner:
         if self.attention_kernel is not None:
             decode_rows = self._decode_rows(generated, positions, entry_of, table_t, table_starts)
         else:
-            decode_groups = self._decode_groups(cache, generated, positions, entry_of, table_t, table_starts)
+            decode_groups = self._decode_groups(generated, positions, entry_of, table_t, table_starts, cache)
         if num_pad:  # throwaway tokens: keys written to the scratch block
             pad_positions = torch.arange(num_pad)
             slot_blocks = torch.cat([slot_blocks, torch.full((num_pad,), cache.scratch_block)])
@@ -336,8 +336,8 @@ class ModelRunner:
         return DecodeRows(rows.to(to), tables[index.clamp(max=len(tables) - 1)].to(to), ctx.to(to), self.attention_kernel,
                           widen=not self.gpu_kernels)
 
-    def _decode_groups(self, cache: KVCache, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
-                       tables: torch.Tensor, table_starts: torch.Tensor) -> list[DecodeGroup]:
+    def _decode_groups(self, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
+                       tables: torch.Tensor, table_starts: torch.Tensor, cache: KVCache | None = None) -> list[DecodeGroup]:
         """The tokens at `rows` grouped by window width (runtime.model.attention.bucket_blocks of their own
         context length), each with its window of block ids and the mask of the positions past its context."""
         if not len(rows):
@@ -355,7 +355,7 @@ class ModelRunner:
             # and a bounded number of gathered keys (a long prompt's queries would copy its KV each).
             most = max(1, min(ATTENTION_BATCH, GATHER_TOKENS // (width * bs)))
             for sel in torch.nonzero(window_t == width).flatten().split(most):
-                groups.append(self._decode_group(cache, sel, rows, ctx, entries, tables, table_starts, width))
+                groups.append(self._decode_group(self.cache if cache is None else cache, sel, rows, ctx, entries, tables, table_starts, width))
         return groups
 
     def _decode_group(self, cache: KVCache, sel: torch.Tensor, rows: torch.Tensor, ctx: torch.Tensor, entries: torch.Tensor,
