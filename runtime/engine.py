@@ -15,6 +15,7 @@ from runtime.kv.beam_groups import StepPlanner
 from runtime.kv.kv_tiers import TieredPrefixCache
 from runtime.kv.layer_offload import LayerwiseResidency, logical_blocks
 from runtime.kv.residency import Residency
+from runtime.kv.window_split import split_pools
 from runtime.model.detokenizer import eos_token_ids
 from runtime.model.model_runner import ModelRunner
 from runtime.model.quantize import Quantized
@@ -99,7 +100,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         shape = kv_shape_of(model.config, config.block_size)
         self._build_pool(shape, dtype, config.num_blocks if tiers is None or config.policy != "token"
-                         else logical_blocks(tiers, shape, dtype, config))
+                         else logical_blocks(tiers, shape, dtype, config), tiers is not None)
         self.streamed = check_granularity(self, config, model_key)  # head-wise, or None
         below: Residency | None = None  # the tiers' residency (a head-wise one owns it)
         if tiers is not None:
@@ -130,16 +131,18 @@ class Engine:
         return self.scheduler.has_work or self.work.has_work \
             or (self.streamed is not None and self.streamed.has_work) or self.gate.has_work
 
-    def _build_pool(self, shape: KVShape, dtype, num_blocks: int) -> None:
-        """The compute tensor, the block pool over it, and what allocates from and runs on them."""
+    def _build_pool(self, shape: KVShape, dtype, num_blocks: int, has_tiers: bool) -> None:
+        """The compute tensors, the block pools over them (runtime.kv.window_split), what allocates and runs."""
         config = self.config
+        states = recurrent_states(self.model, config.block_size, config.recurrent_snapshot_bytes)
+        shape, num_blocks, window, sliding = split_pools(self.model, config, shape, dtype, self.device, num_blocks,
+                                                         has_tiers, states is not None)
         self.cache = KVCache(shape, num_blocks, dtype, self.device, scratch=True)
         self.pool = BlockPool(num_blocks, config.block_size)
-        states = recurrent_states(self.model, config.block_size, config.recurrent_snapshot_bytes)
         self.kv = KVManager(self.pool, extra_key=self.model_key, enable_prefix_cache=config.enable_prefix_cache,
-                            states=states)
+                            states=states, window=window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.padding, states)
+        self.runner = ModelRunner(self.model, self.cache, self.padding, states, window=sliding)
 
     # The step's work, read (its owner changes it): the searches, rewards requests, judge questions, scorers.
     searches = property(lambda self: self.work.searches)
@@ -148,10 +151,8 @@ class Engine:
     scorers = property(lambda self: self.work.scorers)
     verifier_stores = property(lambda self: self.work.verifier_stores)
 
-    @property
-    def tier_chain(self):
-        """The host and disk tiers attached below the compute pool, or None."""
-        return self.residency.chain if self.residency is not None else None
+    # The host and disk tiers attached below the compute pool, or None.
+    tier_chain = property(lambda self: self.residency.chain if self.residency is not None else None)
 
     def close(self) -> None:
         """Keep what can outlive the process: every named block goes to the disk tier."""
@@ -235,9 +236,9 @@ class Engine:
         self.outbox.append(message)
 
     def has_idle_slot(self) -> bool:
-        """Whether a running sequence may keep its slot to decode speculatively without taking anything
-        from other work: nothing waits, and the pool has a free block per running sequence."""
-        return not self.scheduler.waiting and self.pool.num_free > len(self.scheduler.running)
+        """Whether a running sequence may decode speculatively taking nothing from other work: nothing
+        waits, and the pools have a free block per running sequence."""
+        return not self.scheduler.waiting and self.kv.num_free > len(self.scheduler.running)
 
     def num_idle_slots(self) -> int:
         """How many more sequences may start decoding speculatively: rows the batch has left, with a
@@ -245,7 +246,7 @@ class Engine:
         if self.scheduler.waiting:
             return 0
         running = len(self.scheduler.running)
-        return max(0, min(self.config.max_num_seqs - running, self.pool.num_free - running))
+        return max(0, min(self.config.max_num_seqs - running, self.kv.num_free - running))
 
     def speculative_row_cap(self, num_speculative: int) -> int | None:
         """The most speculative rows a search holding `num_speculative` may have in a step (None: as many
@@ -320,7 +321,7 @@ class Engine:
         sampled = [i for i, entry in enumerate(plan.scheduled) if entry.completes_prompt]
         try:
             started = time.perf_counter()
-            logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored)
+            logits = self.runner.execute(plan.scheduled, plan.copies, sampled, scored, plan.window_copies)
         except PieceLost as lost:  # nothing was computed from it: its KV is made whole again
             log.warning("%s; recomputing it", lost)
             self.residency.recover(lost, self.scheduler)
@@ -370,7 +371,7 @@ class Engine:
             requests_running=sum(1 for r in self.requests.values() if r.is_forked) + len(self.searches) + len(self.rewards),
             requests_waiting=sum(1 for r in self.requests.values() if not r.is_forked),
             kv_blocks={f"{tier}/used": pool.num_used, f"{tier}/cached": pool.num_cached, f"{tier}/free": pool.num_free,
-                       **(self.residency.block_counts() if self.residency else {})},
+                       **(self.residency.block_counts() if self.residency else {}), **self.kv.window_counts(tier)},
             kv_transfer_bytes=self.transfer_bytes(),
             prefetch_stall_seconds=self.transfer_stall_seconds(),
             prefix_query_tokens=self.kv.prefix_stats.query_tokens, prefix_hit_tokens=self.kv.prefix_stats.hit_tokens,
@@ -389,7 +390,7 @@ class Engine:
 
     def check_integrity(self) -> None:
         """AssertionError unless pools and tiers agree with the sequences holding blocks (tests, idle)."""
-        self.pool.check_integrity([s.block_table for s in self.scheduler.running + self.scheduler.parked])
+        self.kv.check_integrity(self.scheduler.running + self.scheduler.parked)
         assert not any(seq.block_table for seq in self.scheduler.waiting), "a waiting sequence holds blocks"
         for store in (s for s in self.verifier_stores if not s.has_work):  # a job frees its blocks when scored
             store.pool.check_integrity([])

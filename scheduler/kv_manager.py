@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.sequence import Sequence
+from scheduler.sliding_window import SlidingWindow
 from storage.block_hash import hash_block, hash_blocks
 from storage.block_pool import BlockPool
 from storage.recurrent_state import RecurrentStates
@@ -23,21 +24,31 @@ class PrefixStats:
 
 @dataclass
 class SlotAllocation:
-    """Blocks to copy (src, dst) before the step runs, for copy-on-write."""
+    """Blocks to copy (src, dst) before the step runs, for copy-on-write (`window_copies`: in the
+    sliding layers' cache)."""
 
     copies: list[tuple[int, int]] = field(default_factory=list)
+    window_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class KVManager:
     def __init__(self, pool: BlockPool, extra_key: bytes = b"", enable_prefix_cache: bool = True,
-                 states: RecurrentStates | None = None) -> None:
+                 states: RecurrentStates | None = None, window: SlidingWindow | None = None) -> None:
         self.pool = pool
         # A model with linear-attention layers: each sequence's recurrent state lives and forks with its blocks.
         self.states = states
+        # A model whose sliding layers' KV is kept apart (scheduler.sliding_window): their blocks, in a
+        # pool of their own, are released as they leave the window; `pool` holds the other layers'.
+        self.window = window
         self.block_size = pool.block_size
         self.extra_key = extra_key
         self.enable_prefix_cache = enable_prefix_cache
         self.prefix_stats = PrefixStats()
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks, the fewer of the two pools' where the sliding layers have their own."""
+        return self.pool.num_free if self.window is None else min(self.pool.num_free, self.window.pool.num_free)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -57,6 +68,8 @@ class KVManager:
             cacheable = limit // self.block_size
             hashes = hash_blocks(seq.token_ids[:cacheable * self.block_size], self.block_size, self.extra_key)
             matched = self.pool.match_prefix(hashes)
+            if self.window is not None:
+                matched = matched[:self.window.cached_run(hashes, len(matched))]
         num_cached = len(matched) * self.block_size
         num_new = min(max_new_tokens, len(seq.token_ids) - num_cached)
         num_needed = self.num_blocks_for(num_cached + num_new) - len(matched)
@@ -64,10 +77,17 @@ class KVManager:
         num_reclaimable_matched = sum(1 for b in matched if self.pool.ref_counts[b] == 0)
         if num_needed > self.pool.num_available - num_reclaimable_matched:
             return False
+        window = None
+        if self.window is not None:
+            window = self.window.admission(hashes, len(matched), len(matched) + num_needed)
+            if window is None:
+                return False
         self.pool.acquire(matched)
         new_blocks = self.pool.allocate(num_needed)
         assert new_blocks is not None
         seq.block_table = matched + new_blocks
+        if window is not None:
+            self.window.admit(seq, len(matched), window)
         seq.block_hashes = hashes[:len(matched)]
         seq.num_computed_tokens = num_cached
         if seq.num_preemptions == 0:
@@ -86,6 +106,9 @@ class KVManager:
         return needed
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self.window is not None and not self.window.pool.can_allocate(
+                self.window.num_blocks_to_append(seq, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens))):
+            return False
         return self.pool.can_allocate(self.num_blocks_to_append(seq, num_new_tokens))
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> SlotAllocation | None:
@@ -106,6 +129,8 @@ class KVManager:
             blocks = self.pool.allocate(missing)
             assert blocks is not None
             seq.block_table.extend(blocks)
+        if self.window is not None:
+            result.window_copies = self.window.append(seq, len(seq.block_table))
         return result
 
     def _write_block_is_shared(self, seq: Sequence) -> bool:
@@ -123,15 +148,19 @@ class KVManager:
     def commit_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Record that KV up to `num_computed_tokens` is written and name the newly full blocks."""
         seq.num_computed_tokens = num_computed_tokens
-        if not self.enable_prefix_cache or not seq.block_table:  # no pool block: its KV is elsewhere (head-wise)
+        if not seq.block_table:  # no pool block: its KV is elsewhere (head-wise)
             return
-        num_full = num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
-        for index in range(len(seq.block_hashes), num_full):
-            start = index * self.block_size
-            parent = hash_block(parent, seq.token_ids[start:start + self.block_size], self.extra_key)
-            seq.block_hashes.append(parent)
-            self.pool.register(seq.block_table[index], parent)
+        num_named = len(seq.block_hashes)
+        if self.enable_prefix_cache:
+            num_full = num_computed_tokens // self.block_size
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            for index in range(len(seq.block_hashes), num_full):
+                start = index * self.block_size
+                parent = hash_block(parent, seq.token_ids[start:start + self.block_size], self.extra_key)
+                seq.block_hashes.append(parent)
+                self.pool.register(seq.block_table[index], parent)
+        if self.window is not None:  # named as the blocks above, then released behind the window
+            self.window.commit(seq, num_named)
 
     # -- forks and frees ------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
@@ -148,11 +177,15 @@ class KVManager:
             computed = min(computed, num_tokens - 1)
             blocks = blocks[:self.num_blocks_for(computed)]
             hashes = hashes[:computed // self.block_size]
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_computed_tokens = computed
+        if self.window is not None and not self.window.fork(parent, child, len(blocks)):
+            # The window before the cut was released: the child computes its tokens from the first.
+            child.num_computed_tokens = 0
+            return
         self.pool.acquire(blocks)
         child.block_table = list(blocks)
         child.block_hashes = list(hashes)
-        child.num_computed_tokens = computed
-        child.num_cached_tokens = parent.num_cached_tokens
         if self.states is not None:
             self.states.fork(parent.seq_id, child.seq_id)
 
@@ -172,9 +205,25 @@ class KVManager:
         self.fork(parent, child, num_shared)
         child.num_cached_tokens = child.num_computed_tokens
 
+    def window_counts(self, tier: str) -> dict[str, int]:
+        """The sliding layers' pool's blocks by state, as tier `<tier>-window` (none without that pool)."""
+        if self.window is None:
+            return {}
+        pool = self.window.pool
+        return {f"{tier}-window/used": pool.num_used, f"{tier}-window/cached": pool.num_cached,
+                f"{tier}-window/free": pool.num_free}
+
+    def check_integrity(self, holders: list[Sequence]) -> None:
+        """The pools' invariants against the block tables of `holders`, every sequence holding blocks."""
+        self.pool.check_integrity([s.block_table for s in holders])
+        if self.window is not None:
+            self.window.check_integrity(holders)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, deepest first, so shared prefixes stay cached longest."""
         self.pool.release(reversed(seq.block_table))
+        if self.window is not None:
+            self.window.free(seq)
         if self.states is not None:
             self.states.free(seq.seq_id)
         seq.block_table = []

@@ -30,6 +30,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    window_copies: list[tuple[int, int]] = field(default_factory=list)  # in the sliding layers' cache
     preempted: list[Sequence] = field(default_factory=list)
     released: list[Sequence] = field(default_factory=list)  # parked sequences that gave their blocks up
     # Nothing runs and the next waiting sequence does not fit even in an empty pool: it never will, so
@@ -142,6 +143,7 @@ class Scheduler:
             if allocation is None:
                 break  # `seq` itself was preempted; everything after it already was
             out.copies.extend(allocation.copies)
+            out.window_copies.extend(allocation.window_copies)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
             index += 1

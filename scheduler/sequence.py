@@ -30,6 +30,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.block_table: list[int] = []
+        # The sliding layers' blocks where they are kept apart (scheduler.sliding_window): one entry per
+        # entry of `block_table`, None once the block left the window.
+        self.window_table: list[int | None] = []
         # Names of the leading full blocks whose KV has been written and registered.
         self.block_hashes: list[BlockHash] = []
         self.status = SequenceStatus.WAITING

@@ -110,6 +110,31 @@ class AttentionMetadata:
     attention: Callable[..., torch.Tensor] | None = None
     # The step's sequences as the linear-attention layers see them (runtime.model.recurrent.RecurrentStep)
     recurrent: object | None = None
+    # Where the sliding layers' KV is kept apart (runtime.kv.window_split): their cache, slots and tables;
+    # this metadata's cache then holds the other layers'
+    window: "WindowedLayers | None" = None
+
+
+@dataclass
+class WindowedLayers:
+    """The step's view of the sliding layers' cache, whose blocks before a sequence's window are released
+    (their table entries read its scratch block): each model layer's place, `places[layer]` = (whether
+    it is a sliding layer, its index in its group's cache)."""
+
+    meta: AttentionMetadata
+    places: tuple[tuple[bool, int], ...]
+    window: int  # the widest window of the sliding layers: blocks before it were released
+
+    def route(self, meta: AttentionMetadata, layer: int, window: int | None) -> tuple[AttentionMetadata, int]:
+        """(the metadata of `layer`'s cache, its index there); a sliding layer attending further back than
+        the released blocks stops the step (a released block is never read)."""
+        sliding, index = self.places[layer]
+        if not sliding:
+            return meta, index
+        if not window or window > self.window:
+            raise RuntimeError(f"layer {layer} attends {window or 'every'} position(s) back, past the sliding "
+                               f"window of {self.window} whose earlier blocks are released")
+        return self.meta, index
 
 
 # Attention features some transformers families pass that this function does not implement: a
@@ -146,6 +171,8 @@ def attend(meta: AttentionMetadata, layer: int, queries: torch.Tensor, keys: tor
         if lacking:
             raise NotImplementedError(f"the head-wise KV residency does not apply {' or '.join(lacking)}")
         return meta.attention(layer, queries, keys, values, scaling)
+    if meta.window is not None:
+        meta, layer = meta.window.route(meta, layer, window)
     head_dim = queries.shape[-1]
     narrow = tuple(keys.shape[1:]) != (meta.cache.shape.num_kv_heads, meta.cache.shape.head_dim)
     if narrow:

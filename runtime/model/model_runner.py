@@ -22,7 +22,8 @@ from typing import Protocol
 
 import torch
 
-from runtime.model.attention import AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, bucket_blocks
+from runtime.model.attention import (AttentionMetadata, DecodeGroup, DecodeRows, LayerHooks, PrefillSlice, WindowedLayers,
+                                     bucket_blocks)
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.kernels.gpu import attends as gpu_attends
 from runtime.model.decoder import LeanDecoder
@@ -64,6 +65,16 @@ class StepResidency(LayerHooks, Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SlidingCache:
+    """The sliding layers' own cache (runtime.kv.window_split): `places[layer]` = (whether the layer slides,
+    its index in its group's cache); blocks before a sequence's `window` are released (scheduler.sliding_window)."""
+
+    cache: KVCache
+    places: tuple[tuple[bool, int], ...]
+    window: int
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [1, T]
@@ -79,9 +90,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, padding: RowPadding | None = None,
-                 states: RecurrentStates | None = None, gpu_kernels: bool | None = None) -> None:
+                 states: RecurrentStates | None = None, gpu_kernels: bool | None = None,
+                 window: SlidingCache | None = None) -> None:
         """`gpu_kernels`: decode steps in ponder's Triton kernels (runtime.model.gpu_layers); None: on a CUDA
-        device where Triton imports."""
+        device where Triton imports. `window`: the sliding layers' KV kept apart, in its own cache (`cache`
+        then holds the other layers'), read through each sequence's `window_table`."""
         if padding is not None and cache.scratch_block is None:
             raise ValueError("padding a step needs a cache with a scratch block")
         self.model = model
@@ -89,6 +102,7 @@ class ModelRunner:
         self.device = cache.device
         self.block_size = cache.block_size
         self.padding = padding or RowPadding.none()
+        self.window = window
         self.residency: StepResidency | None = None  # None: every layer of every block is resident
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)
@@ -136,16 +150,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
-                logits_for: Seq[int], every_row_of: Seq[tuple[int, int]] = ()) -> torch.Tensor:
+                logits_for: Seq[int], every_row_of: Seq[tuple[int, int]] = (),
+                window_copies: Seq[tuple[int, int]] = ()) -> torch.Tensor:
         """Compute the scheduled tokens; return float32 logits `[len(logits_for), vocab]` at the last
         new token of each scheduled entry whose index is in `logits_for`. Each (entry index, count) of
-        `every_row_of` (prompt logprobs) appends the logits of that entry's first `count` new tokens."""
+        `every_row_of` (prompt logprobs) appends the logits of that entry's first `count` new tokens;
+        `window_copies`: the copies in the sliding layers' cache (`window`)."""
         if self.graphs is not None and self.residency is None and self.graphs.covers(scheduled, every_row_of):
             self.cache.copy_blocks(list(copies))
             logits = self.graphs.run(scheduled)
             return logits[torch.tensor(list(logits_for), dtype=torch.long, device=self.device)].float()
         try:
-            step = self._prepare(scheduled, copies)
+            step = self._prepare(scheduled, copies, window_copies)
             wanted = [step.last_token_index[i] for i in logits_for]
             for index, count in every_row_of:
                 wanted.extend(range(step.entry_start[index], step.entry_start[index] + count))
@@ -192,9 +208,12 @@ class ModelRunner:
         if self.residency is not None:
             self.residency.end_step()
 
-    def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]]) -> "StepInputs":
+    def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
+                 window_copies: Seq[tuple[int, int]] = ()) -> "StepInputs":
         """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""
         self.cache.copy_blocks(list(copies))
+        if self.window is not None:
+            self.window.cache.copy_blocks(list(window_copies))
         attention = self.residency.attention(scheduled) if self.residency is not None else None
         if attention is not None:  # one sequence's tokens and positions, unpadded: the residency attends
             if self.recurrent is not None:
@@ -207,6 +226,8 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         tables: list[int] = []  # every entry's block table, one after another
+        window_tables: list[int] = []  # and window table, a released block read as the scratch block
+        window_prefills: list[PrefillSlice] = []
         starts, counts, splits, table_starts = [], [], [], []
         new_starts: list[int] = []  # each entry's first new token (after the recomputed ones)
         prefills: list[PrefillSlice] = []
@@ -229,14 +250,19 @@ class ModelRunner:
             # Prompt tokens are prefilled; generated ones (new, or recomputed) attend one query at a time,
             # and so do prompt tokens when results must not depend on the schedule.
             split = start if self.exact_prefill else min(max(start, seq.num_prompt_tokens), end)
+            window_table = [] if self.window is None else \
+                [self.window.cache.scratch_block if b is None else b for b in seq.window_table]
             if split > start:
                 prefills.append(self._prefill_slice(entry_start[-1], start, split, seq.block_table))
+                if self.window is not None:
+                    window_prefills.append(self._prefill_slice(entry_start[-1], start, split, window_table))
             starts.append(begin)
             counts.append(end - begin)
             splits.append(split)
             new_starts.append(start)
             table_starts.append(len(tables))
             tables.extend(seq.block_table)
+            window_tables.extend(window_table)
         num_tokens = len(input_ids)
         last_token_index = [s + c - 1 for s, c in zip(entry_rows, counts)]
         num_pad = self.padding.pad(num_tokens) - num_tokens
@@ -246,42 +272,57 @@ class ModelRunner:
         entry_of = torch.repeat_interleave(torch.arange(len(counts)), count_t)
         first_row = torch.tensor(entry_rows)[entry_of]
         positions = torch.tensor(starts)[entry_of] + torch.arange(num_tokens) - first_row
-        table_t = torch.tensor(tables, dtype=torch.long)
         table_start_t = torch.tensor(table_starts, dtype=torch.long)
-        slot_blocks = table_t[table_start_t[entry_of] + positions // bs]
-        slot_offsets = positions % bs
         # The generated tokens (and, with exact prefill, every token; and the tokens a recurrent state
         # is recomputed over): they attend one query at a time.
         attends_alone = positions >= torch.tensor(splits)[entry_of]
+        recomputed = None
         if segments:  # only a model with recurrent layers recomputes tokens before the new ones
             recomputed = positions < torch.tensor(new_starts)[entry_of]
-            slot_blocks = slot_blocks.masked_fill(recomputed, self.cache.scratch_block)
             attends_alone |= recomputed
         generated = torch.nonzero(attends_alone).flatten()
-        decode_rows, decode_groups = None, []
-        if self.attention_kernel is not None:
-            decode_rows = self._decode_rows(generated, positions, entry_of, table_t, table_start_t)
-        else:
-            decode_groups = self._decode_groups(generated, positions, entry_of, table_t, table_start_t)
-        if num_pad:  # throwaway tokens: keys written to the scratch block, attention output zero
-            input_ids.extend([0] * num_pad)
-            pad_positions = torch.arange(num_pad)
-            positions = torch.cat([positions, pad_positions])
-            slot_blocks = torch.cat([slot_blocks, torch.full((num_pad,), self.cache.scratch_block)])
-            slot_offsets = torch.cat([slot_offsets, pad_positions % bs])
+        reads = (table_start_t, positions, entry_of, generated, recomputed, num_pad)
 
         to = self.device
         residency = self.residency
         layers = residency if residency is not None and residency.begin_step(scheduled, copies) else None
-        slot_rows = self.cache.row_index(slot_blocks, slot_offsets)
-        decode_only = not prefills and not num_pad and len(decode_groups) == 1 and \
-            decode_groups[0].rows.shape[0] == num_tokens
-        meta = AttentionMetadata(cache=self.cache, slot_rows=slot_rows.to(to),
-                                 decode_groups=decode_groups, prefills=prefills, num_padding=num_pad,
-                                 decode_only=decode_only, layers=layers, decode_rows=decode_rows,
-                                 recurrent=RecurrentStep(segments, bs) if segments else None)
+        window = None if self.window is None else WindowedLayers(
+            self._cache_meta(self.window.cache, window_tables, window_prefills, *reads), self.window.places,
+            self.window.window)
+        meta = self._cache_meta(self.cache, tables, prefills, *reads, layers=layers, window=window,
+                                recurrent=RecurrentStep(segments, bs) if segments else None)
+        if num_pad:  # throwaway tokens: keys written to the scratch block, attention output zero
+            input_ids.extend([0] * num_pad)
+            positions = torch.cat([positions, torch.arange(num_pad)])
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
+
+    def _cache_meta(self, cache: KVCache, tables: list[int], prefills: list[PrefillSlice], table_starts: torch.Tensor,
+                    positions: torch.Tensor, entry_of: torch.Tensor, generated: torch.Tensor,
+                    recomputed: torch.Tensor | None, num_pad: int, **fields) -> AttentionMetadata:
+        """The step's slots and reads in `cache` through the entries' `tables` (one after another): the
+        sliding layers' cache, where kept apart, has its own (`window`)."""
+        bs = self.block_size
+        table_t = torch.tensor(tables, dtype=torch.long)
+        slot_blocks = table_t[table_starts[entry_of] + positions // bs]
+        slot_offsets = positions % bs
+        if recomputed is not None:  # a recurrent state's recomputed tokens write their KV nowhere
+            slot_blocks = slot_blocks.masked_fill(recomputed, cache.scratch_block)
+        decode_rows, decode_groups = None, []
+        if self.attention_kernel is not None:
+            decode_rows = self._decode_rows(generated, positions, entry_of, table_t, table_starts)
+        else:
+            decode_groups = self._decode_groups(generated, positions, entry_of, table_t, table_starts, cache)
+        if num_pad:  # throwaway tokens: keys written to the scratch block
+            pad_positions = torch.arange(num_pad)
+            slot_blocks = torch.cat([slot_blocks, torch.full((num_pad,), cache.scratch_block)])
+            slot_offsets = torch.cat([slot_offsets, pad_positions % bs])
+        slot_rows = cache.row_index(slot_blocks, slot_offsets)
+        decode_only = not prefills and not num_pad and len(decode_groups) == 1 and \
+            decode_groups[0].rows.shape[0] == positions.shape[0]
+        return AttentionMetadata(cache=cache, slot_rows=slot_rows.to(self.device), decode_groups=decode_groups,
+                                 prefills=prefills, num_padding=num_pad, decode_only=decode_only,
+                                 decode_rows=decode_rows, **fields)
 
     def _decode_rows(self, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
                      tables: torch.Tensor, table_starts: torch.Tensor) -> DecodeRows | None:
@@ -296,7 +337,7 @@ class ModelRunner:
                           widen=not self.gpu_kernels)
 
     def _decode_groups(self, rows: torch.Tensor, positions: torch.Tensor, entry_of: torch.Tensor,
-                       tables: torch.Tensor, table_starts: torch.Tensor) -> list[DecodeGroup]:
+                       tables: torch.Tensor, table_starts: torch.Tensor, cache: KVCache | None = None) -> list[DecodeGroup]:
         """The tokens at `rows` grouped by window width (runtime.model.attention.bucket_blocks of their own
         context length), each with its window of block ids and the mask of the positions past its context."""
         if not len(rows):
@@ -314,10 +355,10 @@ class ModelRunner:
             # and a bounded number of gathered keys (a long prompt's queries would copy its KV each).
             most = max(1, min(ATTENTION_BATCH, GATHER_TOKENS // (width * bs)))
             for sel in torch.nonzero(window_t == width).flatten().split(most):
-                groups.append(self._decode_group(sel, rows, ctx, entries, tables, table_starts, width))
+                groups.append(self._decode_group(self.cache if cache is None else cache, sel, rows, ctx, entries, tables, table_starts, width))
         return groups
 
-    def _decode_group(self, sel: torch.Tensor, rows: torch.Tensor, ctx: torch.Tensor, entries: torch.Tensor,
+    def _decode_group(self, cache: KVCache, sel: torch.Tensor, rows: torch.Tensor, ctx: torch.Tensor, entries: torch.Tensor,
                       tables: torch.Tensor, table_starts: torch.Tensor, width: int) -> DecodeGroup:
         bs = self.block_size
         position = torch.arange(width * bs)[None, :]
@@ -325,7 +366,7 @@ class ModelRunner:
         # Positions past a query's context read its position 0: finite, and weighted exactly 0.
         position = position.masked_fill(masked, 0)
         blocks = tables[table_starts[entries[sel]][:, None] + position // bs]
-        kv_rows = self.cache.row_index(blocks, position % bs).transpose(2, 3).contiguous()  # [2, G, KVH, width]
+        kv_rows = cache.row_index(blocks, position % bs).transpose(2, 3).contiguous()  # [2, G, KVH, width]
         return DecodeGroup(rows[sel].to(self.device), kv_rows.to(self.device),
                            masked[:, None, None, :].to(self.device), width * bs)
 
