@@ -196,8 +196,9 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
         kernel_sinks = None if sinks is None else sinks.detach().float().contiguous()
         if queries.dtype != torch.float32 and d.widen:  # a bfloat16 model: widened, the output rounded back
             attended = out.new_zeros(out.shape, dtype=torch.float32)
-            d.kernel(queries.float(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
-                     int(window or 0), kernel_sinks)
+            # (widened row-major: transformers' own forward passes [T, H, D] as a transposed view)
+            d.kernel(queries.float().contiguous(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended,
+                     float(softcap or 0), int(window or 0), kernel_sinks)
             out.copy_(attended)
         else:
             if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view
