@@ -129,3 +129,31 @@ def test_other_hybrid_families_keep_transformers_forward(tmp_path):
     for directory in (write_qwen35(tmp_path / "moe", moe=True), write_qwen3_next(tmp_path / "next")):
         engine = engine_for(directory, batch_invariant="auto")
         assert engine.runner.decoder is None and engine.runner.recurrent is not None
+
+
+def test_the_delta_kernel_gives_a_token_the_same_bits_alone_or_in_a_prompt():
+    """ponder's Gated DeltaNet kernel splits a prompt's heads between threads and runs a decode step's on
+    one: 20 tokens in one call and the same tokens one call each (the state handed on) give the same
+    outputs and final state, bit for bit."""
+    from runtime.kernels.cpu_kernels import KernelUnavailable, gated_delta_kernel
+
+    try:
+        kernel = gated_delta_kernel()
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    g = torch.Generator().manual_seed(0)
+    hk, hv, dk, dv, width, n = 2, 4, 64, 64, 4, 20
+    channels = 2 * hk * dk + hv * dv
+    window = torch.randn(width - 1 + n, channels, generator=g)
+    taps, a, b = torch.randn(width, channels, generator=g), torch.randn(n, hv, generator=g), torch.randn(n, hv, generator=g)
+    dt_bias, a_log = torch.randn(hv, generator=g), torch.rand(hv, generator=g)
+    state = torch.randn(hv, dk, dv, generator=g)
+    whole = torch.zeros(n, hv, dv)
+    final, at_7 = kernel(window, taps, torch.empty(0), a, b, dt_bias, a_log, state, hk, dk, dv, [7], whole)
+    alone = torch.zeros(n, hv, dv)
+    for t in range(n):
+        state, = kernel(window[t:t + width].contiguous(), taps, torch.empty(0), a[t:t + 1].contiguous(),
+                        b[t:t + 1].contiguous(), dt_bias, a_log, state, hk, dk, dv, [], alone[t:t + 1])
+        if t == 6:
+            assert torch.equal(state, at_7)
+    assert torch.equal(alone, whole) and torch.equal(state, final)
