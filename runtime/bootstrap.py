@@ -8,7 +8,7 @@ import time
 import torch
 
 from runtime.model import attention, families, paths
-from runtime.model.decoder import LeanDecoder
+from runtime.model.decoders import build_decoder
 from runtime.kv.device_memory import activation_reserve, kv_pool_blocks, sizes_from_device
 from runtime.engine import Engine, EngineConfig
 from storage.kv_cache import kv_shape_of
@@ -120,7 +120,7 @@ def device_kv_bytes(options: RuntimeOptions, device: torch.device, model, verifi
     """The generator's KV memory on a GPU: what `gpu_memory_fraction` of the device leaves once every
     model is loaded (and the generator's layers fused, as they will be served), less one step's
     activations and the reward models' KV pools (runtime.kv.device_memory)."""
-    LeanDecoder.build(model)  # fuse now: the weights measured are the weights served
+    build_decoder(model)  # fuse now: the weights measured are the weights served
     torch.cuda.empty_cache()  # the unfused layers' memory goes back to the device, for the pool
     free, total = torch.cuda.mem_get_info(device)
     parameter = next(model.parameters())

@@ -223,9 +223,10 @@ def _attend(meta: AttentionMetadata, layer: int, queries, keys, values, scaling,
         kernel_sinks = None if sinks is None else sinks.detach().float().contiguous()
         if queries.dtype != torch.float32 and d.widen:  # a bfloat16 model: widened, the output rounded back
             attended = out.new_zeros(out.shape, dtype=torch.float32)
-            # (.float() keeps a transposed view's strides: gpt-oss's rotary leaves [H, T, D] contiguous)
-            d.kernel(queries.float().contiguous(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended, float(softcap or 0),
-                     int(window or 0), kernel_sinks)
+            # (widened row-major: transformers' own forward (Qwen3.5's) passes [T, H, D] as a transposed view,
+            # gpt-oss's rotary leaves [H, T, D] contiguous; .float() keeps the strides)
+            d.kernel(queries.float().contiguous(), d.rows, cache.kv, d.tables, d.ctx, layer, scale, attended,
+                     float(softcap or 0), int(window or 0), kernel_sinks)
             out.copy_(attended)
         else:
             if queries.stride(1) != head_dim:  # transformers' own forward: [T, H, D] as a transposed view

@@ -26,7 +26,7 @@ from runtime.model.attention import (AttentionMetadata, DecodeGroup, DecodeRows,
                                      bucket_blocks)
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.kernels.gpu import attends as gpu_attends
-from runtime.model.decoder import LeanDecoder
+from runtime.model.decoders import build_decoder
 from runtime.model.recurrent import RecurrentLayers, RecurrentStep, Segment
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
 from scheduler.scheduler import ScheduledSequence
@@ -106,7 +106,7 @@ class ModelRunner:
         self.residency: StepResidency | None = None  # None: every layer of every block is resident
         self.exact_prefill = padding is not None  # prompt tokens attend as generated ones do
         # transformers' arithmetic with fewer operators where the architecture is known (runtime.model.decoder)
-        self.decoder = LeanDecoder.build(model)
+        self.decoder = build_decoder(model)
         self.attention_kernel = _attention_kernel(cache)
         self.gpu_kernels = False  # decode attention (and the lean decoder's decode steps) in Triton
         self.graphs = None  # runtime.model.graphs.DecodeGraphs: pure decode steps from static buffers (`use_graphs`)

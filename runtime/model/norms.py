@@ -3,8 +3,9 @@ operator (conversions that change nothing skipped), read once from the model's n
 
 - `RMSNorm`: LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm (SmolLM3's too): normalised in float32, rounded
   to the activations' dtype, then times the weight (in the weight's dtype);
-- `OffsetRMSNorm`: Gemma3RMSNorm: normalised in float32, times (1 + weight) in float32, then rounded
-  (Gemma multiplies before rounding, llama after; its weights are offsets from one);
+- `OffsetRMSNorm`: Gemma3RMSNorm and Qwen3.5's Qwen3_5RMSNorm (its MoE's too): normalised in float32,
+  times (1 + weight) in float32, then rounded (they multiply before rounding, llama after; their weights
+  are offsets from one);
 - `WeightFirstRMSNorm`: GptOssRMSNorm: normalised in float32, times the weight (float32 products where
   the weight is narrower), then rounded (llama's bits wherever the activations are float32).
 
@@ -65,11 +66,13 @@ class WeightFirstRMSNorm:
 
 
 Norm = RMSNorm | OffsetRMSNorm | WeightFirstRMSNorm
+# transformers' other (1 + weight) norms of Gemma3RMSNorm's arithmetic, by class name (their weight and `eps`)
+OFFSET_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def norm_of(module: nn.Module | None) -> Norm | None:
     """The norm `module` computes, None where it is of no form known here."""
-    if isinstance(module, Gemma3RMSNorm):
+    if isinstance(module, Gemma3RMSNorm) or type(module).__name__ in OFFSET_NORMS:
         return OffsetRMSNorm(module.weight, module.eps)
     if isinstance(module, GptOssRMSNorm):
         return WeightFirstRMSNorm(module.weight, module.variance_epsilon)

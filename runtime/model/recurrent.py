@@ -5,7 +5,8 @@ its own cache object, which ponder's flattened step (every scheduled sequence's 
 does not pass: without them each step would start from nothing. `RecurrentLayers` replaces each such
 layer's forward with `gated_delta_forward`, which runs transformers' arithmetic sequence by sequence
 from the state the sequence resumes (`RecurrentStep`), and records the states each sequence ends with
-(and at each block boundary it passes) once the step is over.
+(and at each block boundary it passes) once the step is over. Past the projections that is a layer's
+`DeltaRule`, which the lean decoder's Qwen3.5 layers (runtime.model.qwen35_layers) call too.
 
 Every token is computed by the recurrent form, token after token: a state after token t is then one
 function of the tokens before it, whatever the steps were cut into, whatever else ran beside it, and
@@ -80,8 +81,9 @@ class RecurrentLayers:
         self.layers = layers
         self.states = states
         self.kernel = kernel = _kernel_for(layers[0])  # None: the token loop in torch
-        for index, layer in enumerate(layers):
-            layer.forward = partial(gated_delta_forward, layer, index, kernel)
+        self.rules = [DeltaRule(layer, index, kernel) for index, layer in enumerate(layers)]
+        for layer, rule in zip(layers, self.rules):
+            layer.forward = partial(gated_delta_forward, rule)
 
     @classmethod
     def build(cls, model: nn.Module, states: RecurrentStates | None) -> "RecurrentLayers | None":
@@ -111,6 +113,13 @@ def recurrent_states(model: nn.Module, block_size: int, snapshot_bytes: int = SN
     """The states a model's recurrent layers need beside its paged KV (with at most `snapshot_bytes` of
     block-boundary snapshots, `cache.recurrent_snapshot_gib`), or None when it has none."""
     return RecurrentStates(block_size, snapshot_bytes) if recurrent_layers(model) else None
+
+
+def delta_rules(model: nn.Module) -> list["DeltaRule"]:
+    """A `DeltaRule` for each of the model's recurrent layers, in their order (the lean decoder's)."""
+    layers = recurrent_layers(model)
+    kernel = _kernel_for(layers[0]) if layers else None
+    return [DeltaRule(layer, index, kernel) for index, layer in enumerate(layers)]
 
 
 def _kernel_for(layer: nn.Module):
@@ -155,48 +164,75 @@ def _projections(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return layer.in_proj_qkv(x), z, layer.in_proj_b(x), layer.in_proj_a(x)
 
 
-def gated_delta_forward(layer: nn.Module, index: int, kernel, hidden_states: torch.Tensor, cache=None, attention_mask=None,
+class DeltaRule:
+    """One Gated DeltaNet layer past its projections: the causal convolution and the gated delta rule
+    over each segment of a step from the state it resumes (`__call__`), its constants read once.
+    transformers' forward (`gated_delta_forward`) and the lean decoder (runtime.model.qwen35_layers) both
+    call it; `index` is the layer's place among the model's recurrent layers (its tensors' in a `State`)."""
+
+    def __init__(self, layer: nn.Module, index: int, kernel) -> None:
+        self.layer, self.index, self.kernel = layer, index, kernel
+        weight = layer.conv1d.weight.detach()
+        self.taps = weight.squeeze(1).transpose(0, 1).contiguous()  # [K, conv_dim]
+        self.width = layer.conv_kernel_size
+        self.num_v_heads, self.head_v_dim = layer.num_v_heads, layer.head_v_dim
+        if kernel is not None:  # the kernel's float32 inputs, made once
+            bias = layer.conv1d.bias
+            self.kernel_bias = bias.detach() if bias is not None else self.taps.new_empty(0)
+            self.dt_bias = layer.dt_bias.detach().float().contiguous()
+            self.a_log = layer.A_log.detach().float().contiguous()
+
+    def __call__(self, step: "RecurrentStep", mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The delta rule's output `[T, Hv, dv]` (float32) for the step's rows from the convolution's inputs
+        `mixed` `[T, conv_dim]` and `a`, `b` `[T, Hv]`; each segment's new states are recorded in `step`.
+
+        The rest runs token by token on tensors of one token's shape, so no elementwise function (exp,
+        sigmoid, softplus, silu: a vector kernel and its scalar tail round differently) sees a token at a
+        place in a tensor that depends on the other tokens of the step."""
+        layer, width = self.layer, self.width
+        core = torch.zeros(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
+        if self.kernel is None:
+            run = _in_torch
+        else:  # (whole, then a segment's rows: slices of contiguous float32 rows)
+            a, b = a.float().contiguous(), b.float().contiguous()
+            run = partial(_in_kernel, self)
+        for number, segment in enumerate(step.segments):
+            conv_state, state = _initial(layer, self.index, segment.resume, mixed.device)
+            rows = mixed[segment.row:segment.row + segment.length].to(self.taps.dtype)
+            window = torch.cat([conv_state, rows])  # [K-1+n, C]: the inputs of tokens begin-K+1 .. end-1
+            positions = step.boundary_positions(segment)
+            state, taken = run(layer, segment, window, self.taps, a, b, state, [p - segment.begin for p in positions],
+                               core, mixed.dtype)
+            step.finals[number].append((window[segment.length:].clone(), state))
+            step.boundaries[number].append({p: (window[p - segment.begin:p - segment.begin + width - 1].clone(), s)
+                                            for p, s in zip(positions, taken)})
+        return core
+
+
+def gated_delta_forward(rule: DeltaRule, hidden_states: torch.Tensor, cache=None, attention_mask=None,
                         **kwargs) -> torch.Tensor:
     """transformers' Gated DeltaNet forward (its recurrent form) for every segment of the step, each from
     its own state; `hidden_states` is the step's row `[1, T, hidden]` (rows in no segment: padding).
 
     The projections run over the whole row (the runner's row padding keeps their rows their own); the
-    rest runs token by token on tensors of one token's shape, so no elementwise function (exp, sigmoid,
-    softplus, silu: a vector kernel and its scalar tail round differently) sees a token at a place in a
-    tensor that depends on the other tokens of the step."""
+    rest is `rule`'s."""
     step: RecurrentStep = kwargs["ponder_attention"].recurrent
+    layer = rule.layer
     x = hidden_states[0]
-    num_rows = x.shape[0]
     mixed, z, b, a = _projections(layer, x)
-    taps = layer.conv1d.weight.squeeze(1).transpose(0, 1)  # [K, conv_dim]
-    width = layer.conv_kernel_size
-    core = torch.zeros(num_rows, layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=x.device)
-    run = _in_torch if kernel is None else partial(_in_kernel, kernel)
-    for number, segment in enumerate(step.segments):
-        conv_state, state = _initial(layer, index, segment.resume, x.device)
-        rows = mixed[segment.row:segment.row + segment.length].to(taps.dtype)
-        window = torch.cat([conv_state, rows])  # [K-1+n, C]: the inputs of tokens begin-K+1 .. end-1
-        positions = step.boundary_positions(segment)
-        state, taken = run(layer, segment, window, taps, a, b, state, [p - segment.begin for p in positions], core,
-                           x.dtype)
-        step.finals[number].append((window[segment.length:].clone(), state))
-        step.boundaries[number].append({p: (window[p - segment.begin:p - segment.begin + width - 1].clone(), s)
-                                        for p, s in zip(positions, taken)})
+    core = rule(step, mixed, a, b)
     out = layer.norm(core.to(x.dtype).reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-    return layer.out_proj(out.reshape(num_rows, -1))[None]
+    return layer.out_proj(out.reshape(x.shape[0], -1))[None]
 
 
-def _in_kernel(kernel, layer: nn.Module, segment: Segment, window: torch.Tensor, taps: torch.Tensor, a: torch.Tensor,
-               b: torch.Tensor, state: torch.Tensor, counts: list[int], core: torch.Tensor, dtype) -> tuple:
+def _in_kernel(rule: DeltaRule, layer: nn.Module, segment: Segment, window: torch.Tensor, taps: torch.Tensor,
+               a: torch.Tensor, b: torch.Tensor, state: torch.Tensor, counts: list[int], core: torch.Tensor, dtype) -> tuple:
     """One segment through ponder's kernel: (its final recurrent state, the state after each of `counts`
-    tokens), its outputs written into `core`."""
+    tokens), its outputs written into `core`; `a` and `b` float32 and contiguous."""
     rows = slice(segment.row, segment.row + segment.length)
-    bias = layer.conv1d.bias
-    state, *taken = kernel(window, taps.contiguous(), bias if bias is not None else taps.new_empty(0),
-                           a[rows].float().contiguous(), b[rows].float().contiguous(),
-                           layer.dt_bias.detach().float().contiguous(), layer.A_log.detach().float().contiguous(),
-                           state.contiguous(), layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, counts,
-                           core[rows])
+    state, *taken = rule.kernel(window, taps, rule.kernel_bias, a[rows], b[rows], rule.dt_bias, rule.a_log,
+                                state.contiguous(), layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, counts,
+                                core[rows])
     return state, taken
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from runtime.model.attention import bucket_blocks
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.kernels.gpu import attends as gpu_attends
-from runtime.model.decoder import LeanDecoder
+from runtime.model.decoders import build_decoder
 from storage.kv_cache import attention_sizes
 
 SMALL_ROWS = 48  # every row count up to this is probed
@@ -199,7 +199,7 @@ def executed_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The `nn.Linear` layers a step of `model` calls. Where the lean decoder serves the model (built
     here if it was not yet, so its q/k/v and gate/up layers are fused), those are its fused layers in
     place of the layers whose weights became views of theirs; otherwise every `nn.Linear` of the model."""
-    decoder = LeanDecoder.build(model)
+    decoder = build_decoder(model)
     fused = [] if decoder is None else [
         projections.fused for layer in decoder.layers for projections in (layer.qkv, layer.gate_up)
         if projections is not None and isinstance(projections.fused, torch.nn.Linear)]

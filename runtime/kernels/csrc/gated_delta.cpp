@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <vector>
@@ -86,7 +87,12 @@ std::vector<at::Tensor> gated_delta(const at::Tensor& window, const at::Tensor& 
     float* s_all = final_state.data_ptr<float>();
     float* out = core.data_ptr<float>();
     const int64_t repeat = hv / hk;
-    at::parallel_for(0, hv, 1, [&](int64_t begin, int64_t end) {
+    // Heads split between threads only where each gets kMinWork state updates or more: a decode step's
+    // one token is a few microseconds a head, less than waking the other threads (and, on a loaded
+    // machine, waiting for them) costs. Which thread computes a head never changes its bits.
+    constexpr int64_t kMinWork = 1 << 16;
+    const int64_t grain = std::max<int64_t>(1, kMinWork / std::max<int64_t>(1, n * dk * dv));
+    at::parallel_for(0, hv, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> memory(dv), delta(dv);
         for (int64_t h = begin; h < end; ++h) {
             float* s = s_all + h * dk * dv;

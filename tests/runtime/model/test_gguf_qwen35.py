@@ -90,7 +90,7 @@ def test_an_f32_file_holds_the_replica_s_tensors_and_serves_transformers_tokens(
             assert torch.equal(1.0 + model.get_parameter(name), 1.0 + value), name
         elif name != "lm_head.weight":
             assert torch.equal(model.get_parameter(name), value), name
-    assert engine_paths(engine) == {"family": "qwen3_5", "layers": "transformers", "linear": "float_kernel",
+    assert engine_paths(engine) == {"family": "qwen3_5", "layers": "lean", "linear": "float_kernel",
                                     "attention": "cpu_kernel", "recurrent": "cpu_kernel"}
     assert greedy(engine) == [hf_greedy(reference, p, 10) for p in PROMPTS]
 

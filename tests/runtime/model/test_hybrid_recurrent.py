@@ -239,11 +239,11 @@ def test_the_torch_token_loop_serves_what_the_cpu_kernel_serves(dense, monkeypat
     directory, reference = dense
     prompt = prompt_ids(directory, LONG)
     kernel = engine_for(directory)
-    assert kernel.runner.recurrent.layers[0].forward.args[2] is not None
+    assert kernel.runner.recurrent.layers[0].forward.args[0].kernel is not None
     kernel_choices = choices_with_logprobs(kernel, [seeded("x", prompt, n=2)])["x"]
     monkeypatch.setattr(recurrent, "_kernel_for", lambda layer: None)
     loop = engine_for(directory)
-    assert loop.runner.recurrent.layers[0].forward.args[2] is None
+    assert loop.runner.recurrent.layers[0].forward.args[0].kernel is None
     assert run(loop, [request("g", prompt, max_tokens=8)])["g"]["choices"][0] == hf_greedy(reference, prompt, 8)
     alone = choices_with_logprobs(loop, [seeded("x", prompt, n=2)])["x"]
     crowd = [request(f"c{i}", prompt_ids(directory, SHORT) + [i + 5], max_tokens=6 + i) for i in range(2)]
