@@ -31,21 +31,29 @@ def recorded_logits(engine):
     return seen
 
 
-def lean_and_transformers(model_dir, mode, invariant):
-    """(results, logits) of the engine with its lean forward, then with transformers' forward."""
+def lean_then_transformers(model_dir, prompts, check=lambda engine: None, **engine_args):
+    """(results, logits) of the engine with its lean forward, then with transformers' forward: the same
+    sampled requests with log-probabilities over `prompts`; `check(engine)` first, on each engine."""
     results, logits = [], []
     for lean in (True, False):
-        engine = engine_for(model_dir, quantize=mode, batch_invariant=invariant, num_blocks=64)
-        assert engine.runner.decoder is not None
-        assert engine.runner.decoder.int4 == (mode == "int4")
+        engine = engine_for(model_dir, **engine_args)
+        check(engine)
         if not lean:
             engine.runner.decoder = None
         logits.append(recorded_logits(engine))
         requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
-                    for i, p in enumerate(PROMPTS)]
+                    for i, p in enumerate(prompts)]
         results.append(run(engine, requests))
     assert len(logits[0]) == len(logits[1]) == 9  # a prefill step, then one step a token
     return results, logits
+
+
+def lean_and_transformers(model_dir, mode, invariant):
+    """(results, logits) of the engine with its lean forward, then with transformers' forward."""
+    def check(engine):
+        assert engine.runner.decoder is not None and engine.runner.decoder.int4 == (mode == "int4")
+
+    return lean_then_transformers(model_dir, PROMPTS, check, quantize=mode, batch_invariant=invariant, num_blocks=64)
 
 
 @pytest.mark.parametrize("mode", ["none", "int8"])

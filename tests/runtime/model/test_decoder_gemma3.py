@@ -11,11 +11,11 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from runtime.model.decoder import LeanDecoder
 from runtime.model.float_layers import FloatLinear
-from runtime.model.norms import OffsetRMSNorm, RMSNorm, norm_of
+from runtime.model.norms import OffsetRMSNorm, norm_of
 from runtime.model.quantize import Int4Linear, Int8Linear
 from tests.conftest import VOCAB, build_tokenizer
 from tests.runtime.engine_helpers import engine_for, request, run
-from tests.runtime.model.test_decoder import PROMPTS, recorded_logits
+from tests.runtime.model.test_decoder import PROMPTS, lean_then_transformers, recorded_logits
 
 WINDOW = 8
 LONG_PROMPT = [1] + [5 + (7 * i) % 70 for i in range(29)]  # past the window, and past it again as it decodes
@@ -53,22 +53,15 @@ def tiny_gemma3(tmp_path_factory):
 
 def lean_and_transformers(model_dir, mode, dtype, invariant=True):
     """(results, logits) of the engine with its lean forward, then with transformers' forward."""
-    results, logits = [], []
-    for lean in (True, False):
-        engine = engine_for(model_dir, quantize=mode, dtype=dtype, batch_invariant=invariant, num_blocks=64)
+    def check(engine):
         decoder = engine.runner.decoder
         assert decoder is not None and engine.model.config.model_type == "gemma3_text"
         assert not decoder.kernel_form and (decoder.int4, decoder.floats, decoder.stack) == (False, False, None)
         assert all(type(layer.qkv.fused) is LINEAR[mode] and type(layer.gate_up.fused) is LINEAR[mode]
                    for layer in decoder.layers)  # every projection fused, in the mode's layers
-        if not lean:
-            engine.runner.decoder = None
-        logits.append(recorded_logits(engine))
-        requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
-                    for i, p in enumerate([*PROMPTS, LONG_PROMPT])]
-        results.append(run(engine, requests))
-    assert len(logits[0]) == len(logits[1]) == 9  # a prefill step, then one step a token
-    return results, logits
+
+    return lean_then_transformers(model_dir, [*PROMPTS, LONG_PROMPT], check, quantize=mode, dtype=dtype,
+                                  batch_invariant=invariant, num_blocks=64)
 
 
 @pytest.mark.parametrize("mode, dtype, invariant", [

@@ -18,7 +18,7 @@ from runtime.model.quantize import Int4Linear, Int8Linear
 from runtime.model.row_padding import executed_linears
 from tests.replicas.hybrid import write_qwen3_next, write_qwen35
 from tests.runtime.engine_helpers import engine_for, request, run
-from tests.runtime.model.test_decoder import recorded_logits
+from tests.runtime.model.test_decoder import lean_then_transformers, recorded_logits
 from tests.runtime.model.test_replica_generators import prompt_ids
 
 LINEAR = {"none": nn.Linear, "int8": Int8Linear, "int4": Int4Linear, "auto": FloatLinear}
@@ -36,9 +36,8 @@ def lean_and_transformers(directory, mode, dtype, invariant, fused_norms=True):
     recurrent layers in it), the same sampled requests with log-probabilities. `fused_norms=False`: the
     int4 layers' loop with the norms and residual adds in torch, as transformers computes them."""
     prompts = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 40], prompt_ids(directory, LONG)]
-    results, logits = [], []
-    for lean in (True, False):
-        engine = engine_for(directory, quantize=mode, dtype=dtype, batch_invariant=invariant, num_blocks=128)
+
+    def check(engine):
         decoder = engine.runner.decoder
         assert isinstance(decoder, HybridDecoder)
         kinds = [type(layer).__name__ for layer in decoder.layers]
@@ -47,14 +46,9 @@ def lean_and_transformers(directory, mode, dtype, invariant, fused_norms=True):
             assert type(layer.qkv.fused) is LINEAR[mode] and type(layer.gate_up.fused) is LINEAR[mode]
             layer.int4 = layer.int4 and fused_norms
         assert decoder.int4 == (mode == "int4")
-        if not lean:
-            engine.runner.decoder = None
-        logits.append(recorded_logits(engine))
-        requests = [request(str(i), p, max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=True, top_logprobs=3)
-                    for i, p in enumerate(prompts)]
-        results.append(run(engine, requests))
-    assert len(logits[0]) == len(logits[1]) == 9  # a prefill step, then one step a token
-    return results, logits
+
+    return lean_then_transformers(directory, prompts, check, quantize=mode, dtype=dtype, batch_invariant=invariant,
+                                  num_blocks=128)
 
 
 @pytest.mark.parametrize("mode, dtype, invariant", [
