@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from runtime.model.decoder import LeanDecoder, _window
+from runtime.model.decoder import LeanDecoder, layer_window
 from runtime.model.model_runner import SlidingCache
 from scheduler.sliding_window import SlidingWindow
 from storage.block_pool import BlockPool
@@ -57,7 +57,7 @@ def layer_windows(model) -> list[int | None] | None:
     attentions = [getattr(layer, "self_attn", None) for layer in layers[:config.num_hidden_layers]]
     if any(attn is None for attn in attentions):
         return None
-    return [_window(config, attn) for attn in attentions]
+    return [layer_window(config, attn) for attn in attentions]
 
 
 def pool_sizes(num_blocks: int, num_layers: int, num_sliding: int, window: int, block_size: int, max_num_seqs: int,

@@ -120,7 +120,7 @@ def _gate_up(mlp: nn.Module) -> Projections:
     return Projections([mlp.gate_proj, mlp.up_proj])
 
 
-def _window(config, attn) -> int | None:
+def layer_window(config, attn) -> int | None:
     """A layer's sliding window: its attention's own (Qwen2/3, SmolLM3, Ministral, Gemma 3 set it a
     layer), or Mistral's and Phi-3's config-wide one (their attention passes `config.sliding_window` to
     every layer)."""
@@ -157,7 +157,7 @@ class LeanDecoder:
                 *((None, None, None) if moe else (_gate_up(mlp), getattr(mlp, "act_fn", None) or mlp.activation_fn,
                                                   rows_call(mlp.down_proj))),
                 q_norm=norm_of(getattr(attn, "q_norm", None)), k_norm=norm_of(getattr(attn, "k_norm", None)),
-                rotary=bool(getattr(attn, "use_rope", True)), window=_window(config, attn),
+                rotary=bool(getattr(attn, "use_rope", True)), window=layer_window(config, attn),
                 moe=moe, attn_out_norm=norm_of(layer.post_attention_layernorm) if sandwich else None,
                 mlp_out_norm=norm_of(layer.post_feedforward_layernorm) if sandwich else None,
                 rope=config.layer_types[attn.layer_idx] if per_type else None, sinks=getattr(attn, "sinks", None)))
