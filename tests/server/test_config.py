@@ -150,5 +150,5 @@ def test_the_runtime_process_logs_at_the_level_it_is_given():
             "try:\n    p.main(['--fd', '-1'])\nexcept ValueError:  # negative file descriptor\n    pass\n"
             "print(logging.getLogger().level)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PONDER_LOG_LEVEL": "debug"},
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)  # (the imports, on a busy machine)
     assert out.stdout.strip().splitlines()[-1] == str(logging.DEBUG), out.stderr[-2000:]
