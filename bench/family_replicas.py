@@ -9,7 +9,8 @@ fourth layer without rotary; `qwen3_moe`: Qwen3's attention with every MLP route
 token, each 768 wide, so a token's active MLP is SmolLM2's 1536; `gemma3_text`: Gemma 3's layers, head_dim 64
 and query_pre_attn_scalar 64, five sliding layers (window 512) to a global one, GeGLU, its scaled
 embedding; `qwen3_5`: Qwen3.5's text model, three Gated DeltaNet layers (3 key heads, 6 value heads of
-64) to each gated full-attention one; `gpt_oss`: gpt-oss's layers, biased projections, sinks, sliding and
+64) to each gated full-attention one; `qwen3_5_moe`: the same layers, every MLP routed over 8 experts,
+2 a token, beside the gated shared expert, each 512 wide; `gpt_oss`: gpt-oss's layers, biased projections, sinks, sliding and
 full layers alternating (window 128), yarn rope (theta 150000, factor 2), every MLP routed over 8 biased experts with
 the clamped SwiGLU, 2 a token, each 768 wide), saved as safetensors in `--dtype`, with SmolLM2's tokenizer read from the
 embedded model's GGUF. Time them with `ponder bench decode --model OUT_DIR/<family>`; prints what it
@@ -28,7 +29,7 @@ from bench.report import emit
 SIZES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
              num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
              rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = ("llama", "qwen3", "smollm3", "qwen3_moe", "gemma3_text", "qwen3_5", "gpt_oss")
+FAMILIES = ("llama", "qwen3", "smollm3", "qwen3_moe", "gemma3_text", "qwen3_5", "qwen3_5_moe", "gpt_oss")
 GEMMA3 = dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=512, sliding_window_pattern=6,
               hidden_activation="gelu_pytorch_tanh")
 EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True)
@@ -40,6 +41,8 @@ GPT_OSS = dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2, intermed
 # Qwen3.5's Gated DeltaNet (key and value heads one size, as llama.cpp reads them; fewer key heads, as published)
 QWEN35 = dict(head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
               linear_num_key_heads=3, linear_num_value_heads=6)
+# Qwen3.5-MoE's MLP: 2 of 8 routed experts and the gated shared one, each 512 wide (a token's active MLP SmolLM2's 1536)
+QWEN35_EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, shared_expert_intermediate_size=512)
 
 
 def replica(family: str):
@@ -59,6 +62,9 @@ def replica(family: str):
     elif family == "qwen3_5":  # (three Gated DeltaNet layers to a full-attention one; its (1 + w) norms)
         sizes = {k: v for k, v in SIZES.items() if k != "rope_theta"}
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**sizes, **QWEN35))
+    elif family == "qwen3_5_moe":
+        sizes = {k: v for k, v in SIZES.items() if k not in ("rope_theta", "intermediate_size")}
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**sizes, **QWEN35, **QWEN35_EXPERTS))
     elif family == "gpt_oss":
         sizes = {k: v for k, v in SIZES.items() if k not in ("rope_theta", "intermediate_size")}
         model = tf.GptOssForCausalLM(tf.GptOssConfig(**sizes, **GPT_OSS))
@@ -70,7 +76,7 @@ def replica(family: str):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # (Gemma's norms multiply by 1 + w)
-                offset = family in ("gemma3_text", "qwen3_5") and "linear_attn" not in name
+                offset = family in ("gemma3_text", "qwen3_5", "qwen3_5_moe") and "linear_attn" not in name
                 param.uniform_(-0.2, 0.2) if offset else param.uniform_(0.8, 1.2)
     return model.eval()
 

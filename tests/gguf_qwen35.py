@@ -10,6 +10,8 @@ loaded to compare with the file's dequantized tensors, independently of ponder's
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from tests.replicas.hybrid import _meta_shapes, _tensor, qwen35_text_config
 from tests.replicas.generators import generator
 
 ARCH = "qwen35"
+MOE_ARCH = "qwen35moe"
 
 
 def _tiled(x: torch.Tensor, dim: int, config: dict, head_dim: int) -> torch.Tensor:
@@ -92,15 +95,22 @@ def centered_q4_k(rows: int, cols: int, rng: np.random.Generator, scale: float =
 
 def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path, kind: str = "F32",
                       embedding: str | None = None) -> Path:
-    """`tensors` (transformers' Qwen3.5 text names, `config` its text config as a dict) at `path`, every
+    """`tensors` (transformers' Qwen3.5 or Qwen3.5-MoE text names, `config` its text config as a dict) at `path`, every
     projection `kind` (F32, a type gguf quantizes, or Q4_K: `centered_q4_k`), the token embedding `embedding` (default: `kind`'s, F32 for F32), the rest F32."""
     layers = config["num_hidden_layers"]
-    names = get_tensor_name_map(MODEL_ARCH.QWEN35, layers)
-    writer = GGUFWriter(str(path), ARCH)
+    moe = config["model_type"] == "qwen3_5_moe_text"
+    arch = MOE_ARCH if moe else ARCH
+    names = get_tensor_name_map(MODEL_ARCH.QWEN35MOE if moe else MODEL_ARCH.QWEN35, layers)
+    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
+    if moe:
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     rope = config["rope_parameters"]
@@ -114,7 +124,7 @@ def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path
     writer.add_ssm_group_count(config["linear_num_key_heads"])
     writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
     writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
-    writer.add_array(f"{ARCH}.attention.recurrent_layers", [t == "linear_attention" for t in config["layer_types"]])
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config["layer_types"]])
     writer.add_full_attention_interval(config.get("full_attention_interval", 4))
     writer.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
     write_tiny_vocabulary(writer, config["vocab_size"])
@@ -124,8 +134,9 @@ def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path
         if qtype == "F32":
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
             return
-        if qtype == "Q4_K":
-            data = centered_q4_k(*value.shape, rng)
+        if qtype == "Q4_K":  # (a stacked experts tensor: an expert's blocks after another's)
+            data = np.stack([centered_q4_k(*v.shape, rng) for v in value]) if value.ndim == 3 else \
+                centered_q4_k(*value.shape, rng)
         else:
             data = quantize(np.ascontiguousarray(value, dtype=np.float32), GGMLQuantizationType[qtype])
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[qtype])
@@ -133,13 +144,19 @@ def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path
     for name, tensor in tensors.items():
         if name == "lm_head.weight" and config["tie_word_embeddings"]:
             continue
+        if ".mlp.experts." in name:  # the converter's stacked experts: gate/up split, `[experts, out, in]` each
+            block, value = name.split(".")[2], tensor.detach().float().numpy()
+            parts = {"down": value} if name.endswith("down_proj") else dict(zip(("gate", "up"), np.split(value, 2, axis=1)))
+            for part, stacked in parts.items():
+                add(f"blk.{block}.ffn_{part}_exps.weight", stacked, kind)
+            continue
         renamed, value = to_file(name, tensor.detach().float(), config)
         gguf_name = names.get_name(renamed, try_suffixes=(".weight", ".bias"))  # (as the converter's map_tensor_name)
         value = value.numpy()
         if name == "model.embed_tokens.weight":
             qtype = embedding or kind
-        elif value.ndim == 2 and "conv1d" not in name:
-            qtype = kind
+        elif value.ndim == 2 and "conv1d" not in name and not name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            qtype = kind  # (the routers stay F32, as the converter writes them)
         else:
             qtype = "F32"
         add(gguf_name, value, qtype)
@@ -147,4 +164,25 @@ def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+LLAMA_CPP = Path("/work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp")
+# llama.cpp's converter as it is, but for its vocabulary check: it knows published tokenizers by a hash of
+# their output, and the replica's tokenizer is not one (its pre-tokenizer is Qwen3.5's).
+_CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root + "/gguf-py", root]
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
+sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_with_llama_cpp(directory: Path, path: Path) -> Path:
+    """The replica `directory` through llama.cpp's own convert_hf_to_gguf.py (F32, no MTP) at `path`."""
+    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(directory), "--outtype", "f32", "--no-mtp",
+                    "--outfile", str(path)], check=True, capture_output=True)
     return path

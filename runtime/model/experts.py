@@ -43,8 +43,10 @@ from runtime.model.quantize import INT4_GROUP_SIZE, Int4Linear, Quantized, Quant
 
 # The transformers classes whose routing `RoutedMLP` computes: softmax over every expert in float32,
 # top-k, the k weights renormalised where `norm_topk_prob`, then cast to the logits' dtype.
-SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter",)
-STACKED_EXPERTS = ("Qwen3MoeExperts",)
+SOFTMAX_TOPK_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen3_5MoeTopKRouter")
+STACKED_EXPERTS = ("Qwen3MoeExperts", "Qwen3_5MoeExperts")
+# Qwen3.5-MoE's router renormalises its k weights always (it has no `norm_topk_prob`)
+ALWAYS_RENORMALISED = ("Qwen3_5MoeTopKRouter",)
 # gpt-oss's: top-k of the (biased) logits, softmax over the k; its experts transposed, biased, clamped SwiGLU
 TOPK_SOFTMAX_ROUTERS = ("GptOssTopKRouter",)
 BIASED_EXPERTS = ("GptOssExperts",)
@@ -221,8 +223,12 @@ def routing_of(router: nn.Module) -> Routing:
     """How `router` (a kernel one, or one of transformers' classes `RoutedMLP` takes) routes its logits."""
     if isinstance(router, KernelRouter):
         return router.routing
-    return Routing(router.top_k, getattr(router, "norm_topk_prob", False),
-                   softmax_first=type(router).__name__ in SOFTMAX_TOPK_ROUTERS)
+    return Routing(router.top_k, renormalises(router), softmax_first=type(router).__name__ in SOFTMAX_TOPK_ROUTERS)
+
+
+def renormalises(router: nn.Module) -> bool:
+    """Whether one of transformers' softmax-first routers divides its top-k weights by their sum."""
+    return getattr(router, "norm_topk_prob", type(router).__name__ in ALWAYS_RENORMALISED)
 
 
 def glu_of(experts: nn.Module):

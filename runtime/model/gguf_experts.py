@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 from torch import nn
 
-from runtime.model.experts import KernelExperts, KernelRouter, RoutedMLP
+from runtime.model.experts import KernelExperts, KernelRouter, RoutedMLP, renormalises
 from runtime.model.float_layers import FloatLinear, narrowest
 from runtime.model.loader import CheckpointMismatch
 from runtime.model.quantize import QuantizedLinear
@@ -63,6 +63,6 @@ class ExpertTensors:
             block.experts = KernelExperts(gate_up, parts["down"], block.experts.act_fn)
             router = block.gate
             block.gate = KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach())), router.top_k,
-                                      router.norm_topk_prob)
+                                      renormalises(router))
             made += 3 * len(gate_up)
         return made

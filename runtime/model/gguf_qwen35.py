@@ -32,6 +32,7 @@ ARCHITECTURES = ("qwen35", "qwen35moe")
 # norms transformers multiplies by (1 + weight), which the converter wrote as weight + 1
 _OFFSET_NORMS = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
 _DT_BIAS = re.compile(r"layers\.(\d+)\.linear_attn\.dt_bias$")
+_GATE_UP_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 
 
 def decay_log(decay: np.ndarray) -> np.ndarray:
@@ -67,6 +68,11 @@ class Qwen35Tensors(TensorProcessor):
         match = _DT_BIAS.search(hf_name)
         if match:
             gguf_to_hf_name_map[f"blk.{match[1]}.ssm_dt.bias"] = qual_name + hf_name
+        # Qwen3.5-MoE's stacked gate/up experts: the converter splits them into two tensors
+        match = _GATE_UP_EXPERTS.search(hf_name)
+        if match:
+            for part in ("gate", "up"):
+                gguf_to_hf_name_map[f"blk.{match[1]}.ffn_{part}_exps{suffix}"] = qual_name + hf_name
 
     def _grouped(self, x: np.ndarray, axis: int, head_dim: int) -> np.ndarray:
         """`x`'s value heads along `axis` from the file's tiled order back to grouped by key head."""
@@ -103,6 +109,8 @@ class Qwen35Tensors(TensorProcessor):
             weights = (weights.astype(np.float32) - np.float32(1)).astype(np.float32)
         elif part == "ssm_conv1d":
             weights = weights.reshape(weights.shape[0], 1, -1)
+        elif part == "ffn_gate_inp_shexp":  # (Qwen3.5-MoE's shared expert's gate: one output, written as a vector)
+            weights = weights.reshape(1, -1)
         return GGUFTensor(weights, name, {})
 
 

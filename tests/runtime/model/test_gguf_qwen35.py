@@ -5,8 +5,6 @@ linear tensor kept in the file's blocks (or its floats in the float kernel), the
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +24,8 @@ from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.gguf_qwen35 import InputOrder
 from runtime.model.loader import resolve_model
 from runtime.model.quantize import Int4Linear
-from tests.gguf_qwen35 import replica_tensors, to_file, wide_text_config, write_qwen35_gguf
+from tests.gguf_qwen35 import (LLAMA_CPP, convert_with_llama_cpp, replica_tensors, to_file, wide_text_config,
+                                write_qwen35_gguf)
 from tests.replicas.hybrid import write_qwen35
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
@@ -130,28 +129,12 @@ def test_a_quantized_file_keeps_its_blocks_and_serves_generate_s_tokens(replica,
     assert greedy(engine) == [hf_greedy(same_layers, p, 10) for p in PROMPTS]
 
 
-LLAMA_CPP = Path("/work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp")
-# llama.cpp's converter as it is, but for its vocabulary check: it knows published tokenizers by a hash of
-# their output, and the replica's tokenizer is not one (its pre-tokenizer is Qwen3.5's).
-_CONVERT = """
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root + "/gguf-py", root]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").exists(), reason=f"llama.cpp's converter is not at {LLAMA_CPP}")
 def test_a_file_from_llama_cpp_s_converter_serves_transformers_tokens(replica, tmp_path):
     """The replica directory through llama.cpp's own convert_hf_to_gguf.py (F32, no MTP) and, where its
     llama-quantize is built, Q8_0 and Q4_K_M (64-wide tensors: its fallbacks) from that file."""
     directory, reference = replica
-    path = tmp_path / "q35-real-f32.gguf"
-    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(directory), "--outtype", "f32", "--no-mtp",
-                    "--outfile", str(path)], check=True, capture_output=True)
+    path = convert_with_llama_cpp(directory, tmp_path / "q35-real-f32.gguf")
     assert greedy(engine_for(path)) == [hf_greedy(reference, p, 10) for p in PROMPTS]
     quantize = LLAMA_CPP / "build" / "bin" / "llama-quantize"
     if not quantize.exists():
