@@ -18,8 +18,9 @@ followed by llama's MLP, with (1 + w) RMS norms (runtime.model.norms.OffsetRMSNo
 Every kernel a projection may run in computes an output column from its own weights only, so fusing
 keeps each output's bits (runtime.model.decoder), and the logits are transformers' forward's bits
 (tested, float32 and bfloat16, under each `quantize`). A step is the Python loop over the layers; no stack
-kernel computes these layers yet. Qwen3.5-MoE (`qwen3_5_moe_text`: a shared expert beside the routed ones)
-keeps transformers' forward.
+kernel computes these layers yet. Qwen3.5-MoE (`qwen3_5_moe_text`) has the same layers, each MLP a sparse
+block (runtime.model.shared_experts: the routed experts beside a gated shared one) on the post-attention
+norm's rows.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from runtime.model.decoder import Projections, rows_call
 from runtime.model.norms import Norm, OffsetRMSNorm, norm_of
 from runtime.model.quantize import INT4_BLOCK_COLUMNS, Int4Linear
 from runtime.model.recurrent import DeltaRule, delta_rules
+from runtime.model.shared_experts import SharedExpertMoE
 
-HYBRID_ARCHITECTURES = ("qwen3_5_text",)  # (runtime.model.decoders builds this decoder for them)
+HYBRID_ARCHITECTURES = ("qwen3_5_text", "qwen3_5_moe_text")  # (runtime.model.decoders builds this decoder for them)
 _DELTA_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+DELTA_LAYERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")  # (one class's code, under two names)
 _NARROW = 16
 
 
@@ -111,12 +114,19 @@ class _MLP:
     def __init__(self, layer: nn.Module) -> None:
         mlp = layer.mlp
         self.post_norm = norm_of(layer.post_attention_layernorm)
+        # Qwen3.5-MoE's sparse block (runtime.model.shared_experts), on the normed rows in torch's norm
+        self.moe = SharedExpertMoE(mlp) if SharedExpertMoE.takes(mlp) else None
+        if self.moe is not None:
+            self.gate_up = self.moe.gate_up  # (the shared expert's: runtime.model.row_padding probes `gate_up`)
+            return
         self.gate_up = Projections([mlp.gate_proj, mlp.up_proj])
         self.act = mlp.act_fn
         self.down_module = mlp.down_proj
         self.down = rows_call(mlp.down_proj)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return hidden + self.moe(self.post_norm(hidden))
         if self.int4:
             norm = self.post_norm
             gate, up = self.gate_up.fused.fused_rows(hidden, norm.scale, norm.eps).split(self.gate_up.sizes, dim=-1)
@@ -125,8 +135,8 @@ class _MLP:
         return hidden + self.down(self.act(gate) * up)
 
     def kernel_layers(self) -> list[nn.Module]:
-        """The layers the int4 path calls `fused_rows` of."""
-        return [self.gate_up.fused, self.down_module]
+        """The layers the int4 path calls `fused_rows` of (a sparse block's: none)."""
+        return [] if self.moe is not None else [self.gate_up.fused, self.down_module]
 
 
 class _AttentionLayer(_MLP):
@@ -235,14 +245,15 @@ class HybridDecoder:
             return None
         for layer in base.layers[:config.num_hidden_layers]:
             mlp = getattr(layer, "mlp", None)
-            if mlp is None or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            if mlp is None or not (SharedExpertMoE.takes(mlp) or
+                                   all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))):
                 return None
             if not all(isinstance(norm_of(getattr(layer, n, None)), OffsetRMSNorm)
                        for n in ("input_layernorm", "post_attention_layernorm")):
                 return None
             if hasattr(layer, "linear_attn"):
                 attn = layer.linear_attn
-                if type(attn).__name__ != "Qwen3_5GatedDeltaNet" or \
+                if type(attn).__name__ not in DELTA_LAYERS or \
                         not all(hasattr(attn, n) for n in (*_DELTA_PROJECTIONS, "norm", "out_proj")):
                     return None
                 continue

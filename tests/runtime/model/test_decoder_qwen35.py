@@ -10,12 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from runtime.model.decoders import build_decoder
 from runtime.model.float_layers import FloatLinear
 from runtime.model.qwen35_layers import HybridDecoder, RunProjections, _AttentionLayer, _DeltaLayer
 from runtime.model.quantize import Int4Linear, Int8Linear
 from runtime.model.row_padding import executed_linears
+from runtime.model.shared_experts import SharedExpertMoE
 from tests.replicas.hybrid import write_qwen3_next, write_qwen35
 from tests.runtime.engine_helpers import engine_for, request, run
 from tests.runtime.model.test_decoder import lean_then_transformers, recorded_logits
@@ -31,15 +33,23 @@ def qwen35(tmp_path_factory):
     return write_qwen35(tmp_path_factory.mktemp("qwen35_lean"))
 
 
+@pytest.fixture(scope="module")
+def qwen35_moe(tmp_path_factory):
+    return write_qwen35(tmp_path_factory.mktemp("qwen35_moe_lean"), moe=True)
+
+
 def lean_and_transformers(directory, mode, dtype, invariant, fused_norms=True):
     """(results, logits) of the engine with its lean forward, then with transformers' forward (ponder's
-    recurrent layers in it), the same sampled requests with log-probabilities. `fused_norms=False`: the
-    int4 layers' loop with the norms and residual adds in torch, as transformers computes them."""
+    recurrent layers in it; stacked experts in its reference loop, `experts_implementation = "eager"`),
+    the same sampled requests with log-probabilities. `fused_norms=False`: the int4 layers' loop with the
+    norms and residual adds in torch, as transformers computes them."""
     prompts = [[1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 40], prompt_ids(directory, LONG)]
 
     def check(engine):
         decoder = engine.runner.decoder
         assert isinstance(decoder, HybridDecoder)
+        if engine.runner.model.config.model_type == "qwen3_5_moe_text":
+            engine.runner.model.set_experts_implementation("eager")
         kinds = [type(layer).__name__ for layer in decoder.layers]
         assert kinds == ["_DeltaLayer"] * 3 + ["_AttentionLayer"]
         for layer in decoder.layers:  # every projection fused into layers of the mode's kind
@@ -75,6 +85,31 @@ def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transfor
     assert any(not torch.equal(a, b) for a, b in zip(*logits))  # (the kernel's norms are under test)
 
 
+@pytest.mark.parametrize("mode, dtype, invariant", [
+    ("none", "float32", False), ("auto", "float32", True), ("int4", "float32", True), ("auto", "bfloat16", True)])
+def test_qwen35_moe_s_sparse_blocks_give_transformers_bits(qwen35_moe, mode, dtype, invariant):
+    """Qwen3.5-MoE: the same layers, each MLP the routed experts beside the gated shared expert
+    (runtime.model.shared_experts), over transformers' stacked experts (`none`) or one kernel layer an
+    expert (the float kernel under `auto`, int4 ones)."""
+    results, logits = lean_and_transformers(qwen35_moe, mode, dtype, invariant, fused_norms=False)
+    decoder = build_decoder(AutoModelForCausalLM.from_pretrained(qwen35_moe, dtype=torch.float32).eval())
+    assert all(isinstance(layer.moe, SharedExpertMoE) for layer in decoder.layers)
+    assert results[0] == results[1]
+    assert all(torch.equal(a, b) for a, b in zip(*logits))
+
+
+def test_a_sparse_block_is_under_test(qwen35_moe):
+    """The shared expert's gate counts: one computed otherwise (its logit doubled) changes the logits."""
+    engine = engine_for(qwen35_moe, num_blocks=64)
+    logits = recorded_logits(engine)
+    run(engine, [request("a", [1, 5, 6, 7], max_tokens=2)])
+    moe = engine.runner.decoder.layers[0].moe
+    gate = moe.shared_gate
+    moe.shared_gate = lambda x: 2 * gate(x)
+    run(engine, [request("b", [1, 5, 6, 7], max_tokens=2)])
+    assert not torch.equal(logits[0], logits[2])
+
+
 def test_the_lean_forward_is_under_test(qwen35):
     """The engine's steps run the lean decoder's layers: one computed otherwise (the attention's output
     doubled) changes the logits."""
@@ -104,7 +139,6 @@ def test_the_in_projections_fuse_in_runs_of_one_format():
 
 
 def test_row_padding_probes_the_fused_layers(qwen35):
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(qwen35, dtype=torch.float32).eval()
     decoder = build_decoder(model)  # (the decoder the runner and the probe share)
@@ -118,11 +152,9 @@ def test_row_padding_probes_the_fused_layers(qwen35):
 
 
 def test_other_hybrid_families_keep_transformers_forward(tmp_path):
-    """Qwen3.5-MoE (a shared expert beside the routed ones) and Qwen3-Next stay on transformers' forward,
-    with ponder's recurrent layers."""
-    for directory in (write_qwen35(tmp_path / "moe", moe=True), write_qwen3_next(tmp_path / "next")):
-        engine = engine_for(directory, batch_invariant="auto")
-        assert engine.runner.decoder is None and engine.runner.recurrent is not None
+    """Qwen3-Next stays on transformers' forward, with ponder's recurrent layers."""
+    engine = engine_for(write_qwen3_next(tmp_path / "next"), batch_invariant="auto")
+    assert engine.runner.decoder is None and engine.runner.recurrent is not None
 
 
 def test_the_delta_kernel_gives_a_token_the_same_bits_alone_or_in_a_prompt():
