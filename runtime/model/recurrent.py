@@ -11,9 +11,12 @@ from the state the sequence resumes (`RecurrentStep`), and records the states ea
 Every token is computed by the recurrent form, token after token: a state after token t is then one
 function of the tokens before it, whatever the steps were cut into, whatever else ran beside it, and
 whether the prompt came from the prefix cache, so seeds hold (the chunked form's bits depend on where
-a chunk starts). Past the projections it runs sequence by sequence, one token at a time, on
-tensors of one token's shape whatever else the step holds, so a sequence's bits do not depend on the
-batch (tested: seeded sampling alone, with its prompt cached and in a crowd).
+a chunk starts). Past the projections each sequence is computed from its own inputs and state only,
+one token at a time (the torch loop on tensors of one token's shape, sequence after sequence; ponder's
+CPU kernel every sequence of the step in one call a layer, one parallel region over (sequence, value
+head): no per-sequence call or tensor, which cost a decode step more than the arithmetic), so a
+sequence's bits do not depend on the batch (tested: seeded sampling alone, with its prompt cached and
+in a crowd; the kernel's sequences in one call against each alone).
 """
 
 from __future__ import annotations
