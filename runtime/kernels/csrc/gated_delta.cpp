@@ -93,7 +93,11 @@ std::vector<at::Tensor> gated_delta_steps(const at::Tensor& mixed, const at::Ten
   // Per token: the convolution's output (q and k normalised), the decay and beta of each value head.
   std::vector<float> x(n * channels), decay(n * hv), beta(n * hv);
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  at::parallel_for(0, n, 1, [&](int64_t token_begin, int64_t token_end) {
+  // (tokens split between threads only where each share gets kMinWork products or more, see below: a
+  // decode step's few tokens stay on the calling thread)
+  constexpr int64_t kMinWork = 1 << 16;
+  const int64_t token_grain = std::max<int64_t>(1, kMinWork / (channels * kernel));
+  at::parallel_for(0, n, token_grain, [&](int64_t token_begin, int64_t token_end) {
     std::vector<const float*> inputs(kernel);  // window row t + k: the conv state's, then mixed's rows
     for (int64_t token = token_begin; token < token_end; ++token) {
       const int64_t s = std::upper_bound(first.begin(), first.end(), token) - first.begin() - 1;
@@ -157,7 +161,6 @@ std::vector<at::Tensor> gated_delta_steps(const at::Tensor& mixed, const at::Ten
   // updates or more: one sequence's decode token is a few microseconds a head, less than waking the
   // other threads (and, on a loaded machine, waiting for them) costs. Which thread computes a pair
   // never changes its bits.
-  constexpr int64_t kMinWork = 1 << 16;
   const int64_t per_pair = std::max<int64_t>(1, n * dk * dv / std::max<int64_t>(1, S));
   const int64_t grain = std::max<int64_t>(1, kMinWork / per_pair);
   at::parallel_for(0, S * hv, grain, [&](int64_t begin, int64_t end) {
