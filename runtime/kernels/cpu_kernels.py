@@ -18,9 +18,10 @@ kernels in one call, operator for operator as runtime.model.decoder's int4 loop,
 a layer routed over experts (Qwen3-MoE's) as runtime.model.experts.RoutedMLP computes it
 (`runtime/kernels/csrc/routed_experts.cpp`).
 
-`gated_delta` runs one sequence's tokens through a Gated DeltaNet layer past its projections
-(`runtime/kernels/csrc/gated_delta.cpp`): the causal convolution, the normalisations and the recurrent
-state, token after token, in a fixed order whatever else the step holds.
+`gated_delta_steps` runs a step's sequences through a Gated DeltaNet layer past its projections in one
+call (`runtime/kernels/csrc/gated_delta.cpp`): the causal convolution, the normalisations and the
+recurrent state, each sequence's tokens one after the other, in a fixed order whatever else the step
+holds; `gated_delta` one sequence's, by the same code.
 
 torch's extension builder compiles them once into ponder's start-up cache (runtime.startup_cache,
 `~/.cache/ponder/kernels/`), keyed by the sources' contents, the flags, the torch version and the CPU's
@@ -169,6 +170,15 @@ def gated_delta_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's Gated DeltaNet kernel cannot run here: {reason}")
     return torch.ops.ponder.gated_delta.default
+
+
+def gated_delta_steps_kernel():
+    """The `torch.ops.ponder.gated_delta_steps` op (every sequence of a step through a Gated DeltaNet layer
+    in one call); raises KernelUnavailable where it cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's Gated DeltaNet kernel cannot run here: {reason}")
+    return torch.ops.ponder.gated_delta_steps.default
 
 
 def small_ops():

@@ -11,9 +11,12 @@ from the state the sequence resumes (`RecurrentStep`), and records the states ea
 Every token is computed by the recurrent form, token after token: a state after token t is then one
 function of the tokens before it, whatever the steps were cut into, whatever else ran beside it, and
 whether the prompt came from the prefix cache, so seeds hold (the chunked form's bits depend on where
-a chunk starts). Past the projections it runs sequence by sequence, one token at a time, on
-tensors of one token's shape whatever else the step holds, so a sequence's bits do not depend on the
-batch (tested: seeded sampling alone, with its prompt cached and in a crowd).
+a chunk starts). Past the projections each sequence is computed from its own inputs and state only,
+one token at a time (the torch loop on tensors of one token's shape, sequence after sequence; ponder's
+CPU kernel every sequence of the step in one call a layer, one parallel region over (sequence, value
+head): no per-sequence call or tensor, which cost a decode step more than the arithmetic), so a
+sequence's bits do not depend on the batch (tested: seeded sampling alone, with its prompt cached and
+in a crowd; the kernel's sequences in one call against each alone).
 """
 
 from __future__ import annotations
@@ -63,10 +66,18 @@ class RecurrentStep:
     # per segment: per layer, (final conv, final recurrent) and {boundary: (conv, recurrent)}
     finals: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     boundaries: list[list[dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    _counts: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.finals = [[] for _ in self.segments]
         self.boundaries = [[] for _ in self.segments]
+
+    def snapshot_counts(self) -> list[list[int]]:
+        """Per segment, its new tokens' counts at the block boundaries it passes (`boundary_positions`
+        less its `begin`): where each layer's recurrent state is kept as a snapshot; made once a step."""
+        if self._counts is None:
+            self._counts = [[p - s.begin for p in self.boundary_positions(s)] for s in self.segments]
+        return self._counts
 
     def boundary_positions(self, segment: Segment) -> list[int]:
         """Token counts at block boundaries the segment passes (its end included when it is one)."""
@@ -125,13 +136,13 @@ def delta_rules(model: nn.Module) -> list["DeltaRule"]:
 def _kernel_for(layer: nn.Module):
     """ponder's CPU kernel (runtime/kernels/csrc/gated_delta.cpp) for a float32 layer on a CPU, else None
     (the token loop below, in torch)."""
-    from runtime.kernels.cpu_kernels import KernelUnavailable, gated_delta_kernel
+    from runtime.kernels.cpu_kernels import KernelUnavailable, gated_delta_steps_kernel
 
     weight = layer.conv1d.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     try:
-        return gated_delta_kernel()
+        return gated_delta_steps_kernel()
     except KernelUnavailable:
         return None
 
@@ -188,25 +199,45 @@ class DeltaRule:
 
         The rest runs token by token on tensors of one token's shape, so no elementwise function (exp,
         sigmoid, softplus, silu: a vector kernel and its scalar tail round differently) sees a token at a
-        place in a tensor that depends on the other tokens of the step."""
+        place in a tensor that depends on the other tokens of the step. ponder's kernel runs every
+        segment in one call (one parallel region over (segment, value head)); the torch loop, segment
+        after segment."""
         layer, width = self.layer, self.width
         core = torch.zeros(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
+        initial = [_initial(layer, self.index, segment.resume, mixed.device) for segment in step.segments]
+        counts = step.snapshot_counts()
         if self.kernel is None:
-            run = _in_torch
-        else:  # (whole, then a segment's rows: slices of contiguous float32 rows)
-            a, b = a.float().contiguous(), b.float().contiguous()
-            run = partial(_in_kernel, self)
-        for number, segment in enumerate(step.segments):
-            conv_state, state = _initial(layer, self.index, segment.resume, mixed.device)
-            rows = mixed[segment.row:segment.row + segment.length].to(self.taps.dtype)
-            window = torch.cat([conv_state, rows])  # [K-1+n, C]: the inputs of tokens begin-K+1 .. end-1
-            positions = step.boundary_positions(segment)
-            state, taken = run(layer, segment, window, self.taps, a, b, state, [p - segment.begin for p in positions],
-                               core, mixed.dtype)
-            step.finals[number].append((window[segment.length:].clone(), state))
-            step.boundaries[number].append({p: (window[p - segment.begin:p - segment.begin + width - 1].clone(), s)
-                                            for p, s in zip(positions, taken)})
+            ends = [_in_torch(layer, segment, self._window(mixed, segment, conv), self.taps, a, b, state, taken, core,
+                              mixed.dtype)
+                    for segment, (conv, state), taken in zip(step.segments, initial, counts)]
+        else:
+            ends = self._in_kernel(step, mixed, a, b, initial, counts, core)
+        for number, (segment, (conv, final, taken)) in enumerate(zip(step.segments, ends)):
+            step.finals[number].append((conv, final))
+            window = self._window(mixed, segment, initial[number][0]) if counts[number] else None
+            step.boundaries[number].append({segment.begin + c: (window[c:c + width - 1].clone(), s)
+                                            for c, s in zip(counts[number], taken)})
         return core
+
+    def _window(self, mixed: torch.Tensor, segment: "Segment", conv_state: torch.Tensor) -> torch.Tensor:
+        """`[K-1+n, C]`: the convolution's inputs of the segment's tokens begin-K+1 .. end-1."""
+        rows = mixed[segment.row:segment.row + segment.length].to(self.taps.dtype)
+        return torch.cat([conv_state, rows])
+
+    def _in_kernel(self, step: "RecurrentStep", mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   initial: list, counts: list[list[int]], core: torch.Tensor) -> list[tuple]:
+        """Every segment through ponder's kernel in one call: per segment (its last K-1 convolution inputs,
+        its final recurrent state, its state after each of its `counts`), its outputs written into `core`."""
+        layer, segments = self.layer, step.segments
+        out = self.kernel(mixed.float(), self.taps, self.kernel_bias, a.float(), b.float(), self.dt_bias, self.a_log,
+                          [conv for conv, _ in initial], [state for _, state in initial],
+                          [s.row for s in segments], [s.length for s in segments], [c for cs in counts for c in cs],
+                          [len(cs) for cs in counts], layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, core)
+        ends, at = [], 0
+        for taken in counts:
+            ends.append((out[at], out[at + 1], out[at + 2:at + 2 + len(taken)]))
+            at += 2 + len(taken)
+        return ends
 
 
 def gated_delta_forward(rule: DeltaRule, hidden_states: torch.Tensor, cache=None, attention_mask=None,
@@ -225,20 +256,10 @@ def gated_delta_forward(rule: DeltaRule, hidden_states: torch.Tensor, cache=None
     return layer.out_proj(out.reshape(x.shape[0], -1))[None]
 
 
-def _in_kernel(rule: DeltaRule, layer: nn.Module, segment: Segment, window: torch.Tensor, taps: torch.Tensor,
-               a: torch.Tensor, b: torch.Tensor, state: torch.Tensor, counts: list[int], core: torch.Tensor, dtype) -> tuple:
-    """One segment through ponder's kernel: (its final recurrent state, the state after each of `counts`
-    tokens), its outputs written into `core`; `a` and `b` float32 and contiguous."""
-    rows = slice(segment.row, segment.row + segment.length)
-    state, *taken = rule.kernel(window, taps, rule.kernel_bias, a[rows], b[rows], rule.dt_bias, rule.a_log,
-                                state.contiguous(), layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, counts,
-                                core[rows])
-    return state, taken
-
-
 def _in_torch(layer: nn.Module, segment: Segment, window: torch.Tensor, taps: torch.Tensor, a: torch.Tensor,
               b: torch.Tensor, state: torch.Tensor, counts: list[int], core: torch.Tensor, dtype) -> tuple:
-    """The same in torch, token by token on one token's shapes (see `gated_delta_forward`)."""
+    """One segment in torch, token by token on one token's shapes (see `DeltaRule.__call__`), its outputs
+    written into `core`: (its last K-1 convolution inputs, its final state, its state after each of `counts` tokens)."""
     bias, width = layer.conv1d.bias, layer.conv_kernel_size
     decay_rate = -layer.A_log.float().exp()
     repeat = layer.num_v_heads // layer.num_k_heads
@@ -267,4 +288,4 @@ def _in_torch(layer: nn.Module, segment: Segment, window: torch.Tensor, taps: to
         core[row] = (state * q.unsqueeze(-1)).sum(dim=-2)
         if t + 1 in counts:
             taken.append(state)
-    return state, taken
+    return window[segment.length:].clone(), state, taken
