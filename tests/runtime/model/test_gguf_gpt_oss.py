@@ -5,6 +5,10 @@ by the lean decoder with transformers' tokens."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +160,37 @@ def test_mxfp4_experts_give_transformers_float_model_s_tokens_on_the_weights_the
     # every block type, tests/runtime/kernels/test_block_kernels.py; 1.8 % here after two layers)
     assert (served - expected).abs().max() <= 0.03 * expected.abs().max()
     assert greedy(engine) == [hf_greedy(reference, p, 10) for p in ALL_PROMPTS]
+
+
+LLAMA_CPP = Path("/work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp")
+# llama.cpp's converter as it is, but for its vocabulary check: it knows published tokenizers by a hash of
+# their output, and the replica's tokenizer is not one (its pre-tokenizer is llama 3's).
+_CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root + "/gguf-py", root]
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
+sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").exists(), reason=f"llama.cpp's converter is not at {LLAMA_CPP}")
+def test_a_file_from_llama_cpp_s_converter_serves_transformers_tokens(replica, tmp_path):
+    """The replica directory through llama.cpp's own convert_hf_to_gguf.py (F32) and, where its
+    llama-quantize is built, MXFP4_MOE (MXFP4 experts, Q8_0 elsewhere) from that file."""
+    path = tmp_path / "gpt-oss-real-f32.gguf"
+    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(replica), "--outtype", "f32",
+                    "--outfile", str(path)], check=True, capture_output=True)
+    assert greedy(engine_for(path, num_blocks=64)) == [hf_greedy(reference_model(replica), p, 10) for p in ALL_PROMPTS]
+    quantize = LLAMA_CPP / "build" / "bin" / "llama-quantize"
+    if not quantize.exists():
+        return
+    quantized = tmp_path / "gpt-oss-real-MXFP4_MOE.gguf"
+    subprocess.run([str(quantize), str(path), str(quantized), "MXFP4_MOE"], check=True, capture_output=True)
+    engine = engine_for(quantized, num_blocks=64)
+    assert engine.quantized.block_types == ("MXFP4", "Q8_0")
+    source = resolve_model(str(quantized))
+    same_layers, _ = load_gguf_blocks(source, gguf_config(source), torch.float32, "eager")
+    assert greedy(engine) == [hf_greedy(same_layers, p, 10) for p in ALL_PROMPTS]
