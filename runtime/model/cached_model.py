@@ -38,7 +38,8 @@ _CONFIG = "config"
 # The files whose code decides what the cached tensors are.
 _CODE = ("model/loader.py", "model/quantize.py", "model/gguf_blocks.py", "model/block_pack.py", "model/gguf_load.py",
          "model/float_layers.py", "model/block_embedding.py", "model/gguf_config.py", "model/cached_model.py",
-         "model/experts.py", "model/gguf_experts.py", "model/gguf_qwen35.py", "startup_cache.py")
+         "model/experts.py", "model/gguf_experts.py", "model/gguf_qwen35.py", "model/gguf_gpt_oss.py",
+         "startup_cache.py")
 
 
 class CacheMismatch(RuntimeError):

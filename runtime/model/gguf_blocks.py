@@ -17,6 +17,7 @@ Q2_K, Q3_K and Q6_K, the last two without m), with integer codes q:
 | Q6_K | -32..31 | d * scale per 16 (float32) | 6.56 |
 | IQ4_NL | 16 values in -127..113 | d (float16) | 4.5 |
 | IQ4_XS | as IQ4_NL | d * (scale - 32) (float32) | 4.25 |
+| MXFP4 | 16 values in -12..12 (E2M1 doubled) | d: the E8M0 byte's power of two, halved (float32) | 4.25 |
 
 The layers built from these codes compute with the very weights the file stores (`dequantized()` is
 what `gguf.dequantize` computes, tested type by type) instead of quantizing dequantized floats again.
@@ -33,12 +34,18 @@ import torch
 from torch import nn
 
 GROUP_SIZE = 32
-SUPPORTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+SUPPORTED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+             "MXFP4")
 _PRODUCT_SCALES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+# types whose d needs float32: products of two scales, or MXFP4's powers of two (2^-128 to 2^127)
+_FLOAT32_SCALES = (*_PRODUCT_SCALES, "MXFP4")
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
-                "IQ4_NL": 18, "IQ4_XS": 136}
+                "IQ4_NL": 18, "IQ4_XS": 136, "MXFP4": 17}
 # The 16 values an IQ4 code stands for (ggml's kvalues_iq4nl).
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+# The 16 values an MXFP4 code stands for: E2M1's {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives, doubled
+# to integers (ggml's kvalues_mxfp4), its scale halved to match.
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 @dataclass
@@ -60,8 +67,9 @@ class Blocks:
 
     @property
     def float_scales(self) -> bool:
-        """Whether d and m need float32 (a K-quant's scale times its super-block's scale) or fit float16."""
-        return self.kind in _PRODUCT_SCALES
+        """Whether d and m need float32 (a K-quant's scale times its super-block's scale, MXFP4's power of
+        two) or fit float16."""
+        return self.kind in _FLOAT32_SCALES
 
     def dequantized(self) -> torch.Tensor:
         size = self.codes.shape[1] // self.d.shape[1]
@@ -89,6 +97,12 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 def _bits(qh: np.ndarray, count: int) -> np.ndarray:
     """Bit i of the little-endian bytes `qh` [..., count / 8] as [..., count] 0/1."""
     return np.unpackbits(qh, axis=-1, bitorder="little")[..., :count]
+
+
+def mxfp4_scale(e: np.ndarray) -> np.ndarray:
+    """2^(e - 128) as float32 for E8M0 bytes `e`, exactly (e 0 and 1 give subnormals)."""
+    bits = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32), (e.astype(np.uint32) - 1) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,6 +137,9 @@ def decode(kind: str, data: np.ndarray) -> Blocks:
     elif kind == "IQ4_NL":
         d = _half(b[..., 0:2])
         codes = _IQ4_VALUES[_nibbles(b[..., 2:])]
+    elif kind == "MXFP4":  # e (an E8M0 exponent), qs[16]: d = 2^(e - 128), ggml's GGML_E8M0_TO_FP32_HALF
+        d = mxfp4_scale(b[..., 0])
+        codes = _MXFP4_VALUES[_nibbles(b[..., 1:])]
     elif kind == "IQ4_XS":  # d, scales_h (uint16), scales_l[4], qs[128]: 8 groups of 32 with 6-bit scales - 32
         dd = _half(b[..., 0:2])
         high = b[..., 2:4].copy().view(np.uint16)[..., 0:1] >> (2 * np.arange(8, dtype=np.uint16)) & 3
@@ -202,11 +219,15 @@ def open_gguf(model: nn.Module, path: str):
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
+    from runtime.model import gguf_gpt_oss
     from runtime.model.gguf_qwen35 import ARCHITECTURES, Qwen35Tensors
 
     reader = GGUFReader(path)
     field = reader.fields["general.architecture"]
     architecture = bytes(field.parts[field.data[0]]).decode()
+    if architecture == gguf_gpt_oss.ARCHITECTURE:  # (the converter's names for its experts and sinks)
+        processor = gguf_gpt_oss.GptOssTensors(config=model.config.to_dict())
+        return reader, processor, gguf_gpt_oss.tensor_names(model, processor)
     if architecture in ARCHITECTURES:  # (transformers has no GGUF mapping for Qwen3.5: gguf's name map, ponder's processor)
         processor = Qwen35Tensors(config=model.config.to_dict())
         return reader, processor, get_gguf_hf_weights_map(model, processor, model_type=architecture)

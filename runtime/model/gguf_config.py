@@ -16,7 +16,7 @@ from typing import Callable
 
 # llama.cpp's architecture -> transformers' model_type
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen3_5_text",
-               "qwen35moe": "qwen3_5_moe_text"}
+               "qwen35moe": "qwen3_5_moe_text", "gpt-oss": "gpt_oss"}
 
 # `{arch}.KEY` -> the config field it gives (llama.cpp's LLM_KV names)
 FIELDS = {
@@ -149,8 +149,33 @@ def _qwen35(meta: Metadata, fields: dict) -> None:
             fields[name] = meta.get(key)
 
 
+def _gpt_oss(meta: Metadata, fields: dict) -> None:
+    """gpt-oss's keys as llama.cpp's openai-moe `load_arch_hparams` reads them: the experts' width
+    (`expert_feed_forward_length`), the sliding window on the layers `attention.sliding_window_pattern`
+    names (an array of a flag a layer, or a period n: layer i slides where i % n < n - 1; 2 where absent,
+    so the even layers slide), one rope base for both kinds of layer. The yarn rotary is the file's
+    `rope.scaling.*`, untruncated as gpt-oss's own config has it (the file does not say), and no scaling
+    where the file has none."""
+    layers = fields["num_hidden_layers"]
+    fields.update(num_local_experts=meta.get("expert_count"), num_experts_per_tok=meta.get("expert_used_count"),
+                  attention_bias="blk.0.attn_q.bias" in meta.shapes)
+    if meta.get("expert_feed_forward_length") is not None:
+        fields["intermediate_size"] = meta.get("expert_feed_forward_length")
+    pattern = meta.get("attention.sliding_window_pattern", 2)
+    sliding = list(pattern)[:layers] if isinstance(pattern, list) else \
+        [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    fields["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    fields.pop("use_sliding_window", None)
+    rope = fields.get("rope_parameters")
+    if rope is None:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta", 150000.0)}
+    elif rope["rope_type"] == "yarn":
+        rope["truncate"] = False
+
+
 _FAMILY_STEPS: dict[str, Callable[[Metadata, dict], None]] = {"llama": _llama_biases, "qwen3": _qwen3_biases,
-                                                              "qwen3_5_text": _qwen35, "qwen3_5_moe_text": _qwen35}
+                                                              "qwen3_5_text": _qwen35, "qwen3_5_moe_text": _qwen35,
+                                                              "gpt_oss": _gpt_oss}
 
 
 def _rope_scaling(meta: Metadata, fields: dict) -> None:
@@ -162,6 +187,10 @@ def _rope_scaling(meta: Metadata, fields: dict) -> None:
                   "factor": float(meta.get("rope.scaling.factor", 1.0))}
     if meta.get("rope.scaling.original_context_length") is not None:
         parameters["original_max_position_embeddings"] = int(meta.get("rope.scaling.original_context_length"))
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                      ("yarn_attn_factor", "attention_factor")):
+        if meta.get(f"rope.scaling.{key}") is not None:
+            parameters[name] = float(meta.get(f"rope.scaling.{key}"))
     fields["rope_parameters"] = parameters
     fields.pop("rope_theta", None)
 

@@ -5,17 +5,21 @@ a stacked tensor is ever made. The router (`ffn_gate_inp`) is loaded as transfor
 runs in ponder's float kernel (`KernelRouter`).
 
 transformers' GGUF name map sends `ffn_gate_exps` and `ffn_up_exps` both to the experts' `gate_up_proj`
-(gate rows first) and `ffn_down_exps` to `down_proj`; `ExpertTensors` takes the tensors so mapped.
+(gate rows first) and `ffn_down_exps` to `down_proj`; `ExpertTensors` takes the tensors so mapped. gpt-oss's experts (biased,
+transposed, their gate and up interleaved in transformers' model) are `GptOssExpertTensors`';
+`expert_tensors(model)` says which a model's are.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 from torch import nn
 
-from runtime.model.experts import KernelExperts, KernelRouter, RoutedMLP, renormalises
+from runtime.model.experts import ClampedSwiGLU, KernelExperts, KernelRouter, RoutedMLP, Routing, renormalises
 from runtime.model.float_layers import FloatLinear, narrowest
 from runtime.model.loader import CheckpointMismatch
 from runtime.model.quantize import QuantizedLinear
@@ -48,6 +52,10 @@ class ExpertTensors:
             raise CheckpointMismatch(f"{tensor_name} holds {raw.shape[0]} experts, the model wants {experts.num_experts}")
         self.layers.setdefault(block_name, {})[part] = [make(raw[e], (rows, cols)) for e in range(raw.shape[0])]
 
+    def take_bias(self, block_name: str, tensor_name: str, values) -> None:
+        """A stacked bias of the experts: the model's (Qwen3-MoE's) have none."""
+        raise CheckpointMismatch(f"{tensor_name}: {block_name}'s experts have no bias")
+
     def finish(self) -> int:
         """Put every block's experts and router in place; returns how many expert layers were made.
         Raises CheckpointMismatch for a block the file did not give all three tensors of."""
@@ -66,3 +74,73 @@ class ExpertTensors:
                                       renormalises(router))
             made += 3 * len(gate_up)
         return made
+
+
+@dataclass(frozen=True)
+class HalvesClampedSwiGLU(ClampedSwiGLU):
+    """`ClampedSwiGLU` over the gate's outputs then the up's (a file's experts) instead of interleaved: the
+    same operators on the same elements."""
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        half = gate_up.shape[-1] // 2
+        gate = gate_up[..., :half].clamp(min=None, max=self.limit)
+        up = gate_up[..., half:].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class GptOssExpertTensors(ExpertTensors):
+    """gpt-oss's stacked expert tensors (runtime.model.gguf_gpt_oss: the gate's and the up's `[experts, I,
+    hidden]`, the down's `[experts, hidden, I]`) and their biases `[experts, out]` as kernel layers: an
+    expert's gate and up one layer side by side (gate rows first, their biases so), read by
+    `HalvesClampedSwiGLU`; the router with its bias in ponder's float kernel, top-k then softmax."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.biases: dict[str, dict[str, torch.Tensor]] = {}
+
+    def take(self, block_name: str, tensor_name: str, raw: np.ndarray,
+             make: Callable[[np.ndarray, tuple[int, int]], QuantizedLinear]) -> None:
+        experts = self.blocks[block_name].experts
+        part = _PARTS[tensor_name.rsplit(".", 2)[-2]]
+        hidden, width = experts.hidden_size, experts.intermediate_size
+        if raw.shape[0] != experts.num_experts:
+            raise CheckpointMismatch(f"{tensor_name} holds {raw.shape[0]} experts, the model wants {experts.num_experts}")
+        shape = (hidden, width) if part == "down" else (width, hidden)
+        self.layers.setdefault(block_name, {})[part] = [make(raw[e], shape) for e in range(raw.shape[0])]
+
+    def take_bias(self, block_name: str, tensor_name: str, values: np.ndarray) -> None:
+        """A stacked bias `[experts, out]` (float values)."""
+        experts = self.blocks[block_name].experts
+        part = _PARTS[tensor_name.rsplit(".", 2)[-2]]
+        width = experts.hidden_size if part == "down" else experts.intermediate_size
+        if values.shape != (experts.num_experts, width):
+            raise CheckpointMismatch(f"{tensor_name} is {values.shape}, the model wants {(experts.num_experts, width)}")
+        dtype = experts.down_proj_bias.dtype
+        self.biases.setdefault(block_name, {})[part] = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+
+    def finish(self) -> int:
+        made = 0
+        for block_name, block in self.blocks.items():
+            parts, biases = self.layers.get(block_name, {}), self.biases.get(block_name, {})
+            for found, what in ((parts, "weight"), (biases, "bias")):
+                if set(found) != {"gate", "up", "down"}:
+                    raise CheckpointMismatch(f"{block_name}: the file lacks its experts' "
+                                             f"{', '.join(sorted({'gate', 'up', 'down'} - set(found)))} {what} tensor(s)")
+            for part, layers in parts.items():
+                for e, layer in enumerate(layers):
+                    layer.bias = nn.Parameter(biases[part][e], requires_grad=False)
+            gate_up = [type(g).concatenated([g, u]) for g, u in zip(parts["gate"], parts["up"])]
+            if any(layer is None for layer in gate_up):
+                raise CheckpointMismatch(f"{block_name}: its experts' gate and up layers cannot be computed side by side")
+            experts = block.experts
+            block.experts = KernelExperts(gate_up, parts["down"], None, HalvesClampedSwiGLU(experts.alpha, experts.limit))
+            router = block.router
+            block.router = KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach()), router.bias.detach()),
+                                        router.top_k, False, Routing(router.top_k, softmax_first=False))
+            made += 3 * len(gate_up)
+        return made
+
+
+def expert_tensors(model: nn.Module) -> ExpertTensors:
+    """What takes the model's stacked expert tensors from its file."""
+    return GptOssExpertTensors(model) if model.config.model_type == "gpt_oss" else ExpertTensors(model)

@@ -12,6 +12,8 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
   whose `ssm_out` keeps its columns in the file's order and gathers its input into it);
 - a linear layer's F32, F16 or BF16 weight runs in ponder's float kernel (runtime.model.float_layers)
   in the file's own type, so an F16 file is served in the memory it takes, not widened to float32;
+- a routed block's stacked expert tensors become one kernel layer an expert, an expert's slab of
+  blocks at a time (runtime.model.gguf_experts; gpt-oss's, with their biases, runtime.model.gguf_gpt_oss);
 - a quantized token embedding keeps its blocks, its rows dequantized on lookup
   (runtime.model.block_embedding): the file's bytes as they are, or, where the head is tied to it and
   of a type the kernel runs, the head's int layer made of those blocks, from which it reads its rows;
@@ -44,7 +46,7 @@ from runtime.kernels.cpu_kernels import KernelUnavailable, float_kernel
 from runtime.model.block_embedding import SCALED, BlockEmbedding, HeadRowsEmbedding, row_scale
 from runtime.model.float_layers import FloatLinear
 from runtime.model.gguf_blocks import SUPPORTED, decode, describe_kinds, open_gguf, row_order
-from runtime.model.gguf_experts import ExpertTensors
+from runtime.model.gguf_experts import expert_tensors
 from runtime.model.gguf_qwen35 import InputOrder
 from runtime.model.gpu_blocks import GpuBlockLinear, gpu_block_layer
 from runtime.model.loader import CheckpointMismatch, ModelSource
@@ -224,7 +226,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     floats = 0
     float_kernel_runs = device is None and _float_kernel_runs()
     biases: dict[str, torch.Tensor] = {}
-    experts = ExpertTensors(model)  # routed experts' stacked tensors, one kernel layer an expert
+    experts = expert_tensors(model)  # routed experts' stacked tensors, one kernel layer an expert
     if device is not None and experts.blocks:
         raise CheckpointMismatch(f"{source.path}: routed experts are not kept in their blocks on a GPU")
     with open(source.path, "rb") as file:
@@ -234,6 +236,9 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
             block = experts.owner(tensor.name, target or names.get(tensor.name.removesuffix(".weight"), ""))
             if block is None and target is None:
                 continue  # as transformers: a tensor no parameter maps to is not read
+            if block is not None and tensor.name.endswith(".bias"):  # (gpt-oss's experts' biases)
+                experts.take_bias(block, tensor.name, dequantize(_read(file, tensor), tensor.tensor_type))
+                continue
             if block is not None:
                 kind = tensor.tensor_type.name
                 kinds[kind] = kinds.get(kind, 0) + 1

@@ -213,8 +213,18 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     cached = entry.read(lambda directory: AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code))
     if cached is not None:
         return cached
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code,
-                                              gguf_file=source.gguf_file)
+    from runtime.model.gguf_config import read_field
+
+    if read_field(source.path, "general.architecture") == "gpt-oss":
+        # (AutoTokenizer reads the file's config through transformers' GGUF mapping first, which fails on
+        # gpt-oss's `rope.scaling.*` fields; the class it would pick for gpt_oss, which has no tokenizer
+        # of its own, is the generic one, built from the file's vocabulary as AutoTokenizer builds it)
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source.directory, trust_remote_code=trust_remote_code,
+                                                  gguf_file=source.gguf_file)
     entry.write(tokenizer.save_pretrained)
     return tokenizer
 

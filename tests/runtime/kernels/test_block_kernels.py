@@ -1,7 +1,7 @@
 """Every GGUF block type the int kernel runs, against a reference that is not ponder's: the `gguf`
 package's own `dequantize` followed by a float64 matmul.
 
-The blocks come from `gguf`'s quantizers where it has them; for the types it only dequantizes
+The blocks come from `gguf`'s quantizers where it has them (MXFP4's among them); for the types it only dequantizes
 (K-quants, IQ4_NL, IQ4_XS), they are random bytes in the type's block layout with float16 super-block scales
 in a sane range, every byte pattern of codes and sub-scales being a valid block, and what they stand
 for is defined by `gguf.dequantize` (checked bit for bit against ponder's decoding first)."""
@@ -121,7 +121,7 @@ def test_k_quant_scales_kept_as_the_file_holds_them_give_the_float32_scales_bits
 
 
 @pytest.mark.skipif(torch.ops.ponder.q4_best_isa() != 1, reason="the two-block tiles are AVX512-VNNI's")
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4"])
 def test_two_blocks_a_tile_give_each_column_the_bits_of_one_block_a_tile(kind):
     # AVX512-VNNI computes two blocks of 8 columns side by side (the AVX2 path one): every column count
     # (a partial last block alone or second in a pair) and every split between threads (which decides

@@ -33,6 +33,21 @@ def test_blocks_decode_to_what_gguf_dequantizes_bit_for_bit(kind):
     assert torch.equal(blocks.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
 
 
+def test_mxfp4_blocks_of_every_scale_are_their_codes_times_a_power_of_two_bit_for_bit():
+    # Every E8M0 byte whose weights stay finite in float32 (0 and 1 give subnormal scales; from 253 on,
+    # 12 times the scale overflows), every code: an int8 code and a float32 d = 2^(e - 128) a group, no m.
+    data = np.random.default_rng(0).integers(0, 256, (253, 4, 17), dtype=np.uint8)
+    data[..., 0] = np.arange(253, dtype=np.uint8)[:, None]
+    data = data.reshape(253, -1)
+    blocks = decode("MXFP4", data)
+    assert blocks.codes.dtype == torch.int8 and blocks.d.dtype == torch.float32 and blocks.m is None
+    assert blocks.float_scales and blocks.bits == 8
+    assert sorted(blocks.codes.unique().tolist()) == [-12, -8, -6, -4, -3, -2, -1, 0, 1, 2, 3, 4, 6, 8, 12]
+    powers = torch.from_numpy(np.ldexp(1.0, np.arange(253) - 128)).float()
+    assert torch.equal(blocks.d, powers[:, None].expand(253, 4)) and bool((blocks.d[:2] > 0).all())
+    assert torch.equal(blocks.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType.MXFP4)))
+
+
 def test_every_layer_is_matched_to_the_weights_transformers_loaded(tiny_gguf):
     model = load(tiny_gguf)
     blocks, found = linear_blocks(model, str(tiny_gguf))
