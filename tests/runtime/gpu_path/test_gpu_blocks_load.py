@@ -26,7 +26,7 @@ MIXED = {"attn_q": "Q4_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q
 K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
 PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q2_K")  # codes in 0..15
 PER_16 = ("Q2_K", "Q3_K", "Q6_K")  # a scale per 16 inputs, else per 32
-NO_M = ("Q8_0", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+NO_M = ("Q8_0", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
