@@ -10,8 +10,6 @@ loaded to compare with the file's dequantized tensors, independently of ponder's
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -164,25 +162,4 @@ def write_qwen35_gguf(config: dict, tensors: dict[str, torch.Tensor], path: Path
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
-
-
-LLAMA_CPP = Path("/work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp")
-# llama.cpp's converter as it is, but for its vocabulary check: it knows published tokenizers by a hash of
-# their output, and the replica's tokenizer is not one (its pre-tokenizer is Qwen3.5's).
-_CONVERT = """
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root + "/gguf-py", root]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen35"
-sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def convert_with_llama_cpp(directory: Path, path: Path) -> Path:
-    """The replica `directory` through llama.cpp's own convert_hf_to_gguf.py (F32, no MTP) at `path`."""
-    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(directory), "--outtype", "f32", "--no-mtp",
-                    "--outfile", str(path)], check=True, capture_output=True)
     return path

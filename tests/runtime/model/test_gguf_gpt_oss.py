@@ -6,8 +6,6 @@ by the lean decoder with transformers' tokens."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +24,7 @@ from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.loader import resolve_model
 from runtime.model.quantize import Int4Linear
 from tests.gguf_gpt_oss import dequantized_replica, write_gpt_oss_gguf
+from tests.llama_cpp import LLAMA_CPP, convert_with_llama_cpp
 from tests.replicas.families import NUM_EXPERTS, SLIDING_WINDOW, write_family
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 from tests.runtime.model.test_decoder import LONG_PROMPT, PROMPTS
@@ -162,27 +161,11 @@ def test_mxfp4_experts_give_transformers_float_model_s_tokens_on_the_weights_the
     assert greedy(engine) == [hf_greedy(reference, p, 10) for p in ALL_PROMPTS]
 
 
-LLAMA_CPP = Path("/work/tools/llama_cpp_python-0.3.36/vendor/llama.cpp")
-# llama.cpp's converter as it is, but for its vocabulary check: it knows published tokenizers by a hash of
-# their output, and the replica's tokenizer is not one (its pre-tokenizer is llama 3's).
-_CONVERT = """
-import runpy, sys
-root = sys.argv[1]
-sys.path[:0] = [root + "/gguf-py", root]
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "llama-bpe"
-sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 @pytest.mark.skipif(not (LLAMA_CPP / "convert_hf_to_gguf.py").exists(), reason=f"llama.cpp's converter is not at {LLAMA_CPP}")
 def test_a_file_from_llama_cpp_s_converter_serves_transformers_tokens(replica, tmp_path):
     """The replica directory through llama.cpp's own convert_hf_to_gguf.py (F32) and, where its
     llama-quantize is built, MXFP4_MOE (MXFP4 experts, Q8_0 elsewhere) from that file."""
-    path = tmp_path / "gpt-oss-real-f32.gguf"
-    subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP), str(replica), "--outtype", "f32",
-                    "--outfile", str(path)], check=True, capture_output=True)
+    path = convert_with_llama_cpp(replica, tmp_path / "gpt-oss-real-f32.gguf", "llama-bpe")
     assert greedy(engine_for(path, num_blocks=64)) == [hf_greedy(reference_model(replica), p, 10) for p in ALL_PROMPTS]
     quantize = LLAMA_CPP / "build" / "bin" / "llama-quantize"
     if not quantize.exists():

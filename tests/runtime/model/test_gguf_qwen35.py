@@ -24,8 +24,8 @@ from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.gguf_qwen35 import InputOrder
 from runtime.model.loader import resolve_model
 from runtime.model.quantize import Int4Linear
-from tests.gguf_qwen35 import (LLAMA_CPP, convert_with_llama_cpp, replica_tensors, to_file, wide_text_config,
-                                write_qwen35_gguf)
+from tests.gguf_qwen35 import replica_tensors, to_file, wide_text_config, write_qwen35_gguf
+from tests.llama_cpp import LLAMA_CPP, convert_with_llama_cpp
 from tests.replicas.hybrid import write_qwen35
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
@@ -134,7 +134,7 @@ def test_a_file_from_llama_cpp_s_converter_serves_transformers_tokens(replica, t
     """The replica directory through llama.cpp's own convert_hf_to_gguf.py (F32, no MTP) and, where its
     llama-quantize is built, Q8_0 and Q4_K_M (64-wide tensors: its fallbacks) from that file."""
     directory, reference = replica
-    path = convert_with_llama_cpp(directory, tmp_path / "q35-real-f32.gguf")
+    path = convert_with_llama_cpp(directory, tmp_path / "q35-real-f32.gguf", "qwen35", "--no-mtp")
     assert greedy(engine_for(path)) == [hf_greedy(reference, p, 10) for p in PROMPTS]
     quantize = LLAMA_CPP / "build" / "bin" / "llama-quantize"
     if not quantize.exists():

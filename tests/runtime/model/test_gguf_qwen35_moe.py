@@ -22,7 +22,8 @@ from runtime.model.gguf_config import config_from_gguf
 from runtime.model.gguf_load import load_gguf_blocks
 from runtime.model.loader import resolve_model
 from runtime.model.quantize import Int4Linear
-from tests.gguf_qwen35 import LLAMA_CPP, convert_with_llama_cpp, write_qwen35_gguf
+from tests.gguf_qwen35 import write_qwen35_gguf
+from tests.llama_cpp import LLAMA_CPP, convert_with_llama_cpp
 from tests.replicas.hybrid import write_qwen35
 from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 
@@ -116,7 +117,7 @@ def test_a_file_from_llama_cpp_s_converter_serves_transformers_tokens(replica, t
     """The replica directory through llama.cpp's own converter (F32, no MTP) and, where its
     llama-quantize is built, Q8_0 from that file."""
     directory, reference = replica
-    path = convert_with_llama_cpp(directory, tmp_path / "q35moe-real-f32.gguf")
+    path = convert_with_llama_cpp(directory, tmp_path / "q35moe-real-f32.gguf", "qwen35", "--no-mtp")
     engine = engine_for(path)
     assert all(isinstance(block.experts, KernelExperts) for block in routed_blocks(engine.runner.model))
     assert greedy(engine) == [hf_greedy(reference, p, 10) for p in PROMPTS]
