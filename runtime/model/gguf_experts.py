@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from runtime.model import gguf_gpt_oss
 from runtime.model.experts import ClampedSwiGLU, KernelExperts, KernelRouter, RoutedMLP, Routing, renormalises
 from runtime.model.float_layers import FloatLinear, narrowest
 from runtime.model.loader import CheckpointMismatch
@@ -143,4 +144,4 @@ class GptOssExpertTensors(ExpertTensors):
 
 def expert_tensors(model: nn.Module) -> ExpertTensors:
     """What takes the model's stacked expert tensors from its file."""
-    return GptOssExpertTensors(model) if model.config.model_type == "gpt_oss" else ExpertTensors(model)
+    return GptOssExpertTensors(model) if model.config.model_type == gguf_gpt_oss.MODEL_TYPE else ExpertTensors(model)
