@@ -236,8 +236,8 @@ def run(model: Path, counts: list[int], requests: int, max_tokens: int, threads:
                     measured[name].append(rows(base))
     results["systems"] = {name: median_rows(per_round) for name, per_round in measured.items()}
     if rounds > 1:
-        results["rounds"] = {name: [[row["tokens_per_s"] for row in per_round] for per_round in per_count]
-                             for name, per_count in ((n, list(zip(*r))) for n, r in measured.items())}
+        results["rounds"] = {name: [[row["tokens_per_s"] for row in rows] for rows in zip(*per_round)]
+                             for name, per_round in measured.items()}
     results["in_process_tokens_per_s_1"] = round(in_process_rate(model, max_tokens, dtype), 1)
     _ratios(results)
     return results

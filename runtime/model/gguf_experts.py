@@ -47,11 +47,17 @@ class ExpertTensors:
         """Make `raw` [experts, out, bytes] (the file's blocks) one layer an expert with `make`."""
         experts = self.blocks[block_name].experts
         part = _PARTS[tensor_name.rsplit(".", 2)[-2]]
-        rows, cols = ((experts.down_proj.shape[1], experts.down_proj.shape[2]) if part == "down" else
-                      (experts.gate_up_proj.shape[1] // 2, experts.gate_up_proj.shape[2]))
         if raw.shape[0] != experts.num_experts:
             raise CheckpointMismatch(f"{tensor_name} holds {raw.shape[0]} experts, the model wants {experts.num_experts}")
-        self.layers.setdefault(block_name, {})[part] = [make(raw[e], (rows, cols)) for e in range(raw.shape[0])]
+        shape = self.shape(experts, part)
+        self.layers.setdefault(block_name, {})[part] = [make(raw[e], shape) for e in range(raw.shape[0])]
+
+    @staticmethod
+    def shape(experts: nn.Module, part: str) -> tuple[int, int]:
+        """An expert's (out, in) for `part` ("gate", "up" or "down") of transformers' stacked `experts`."""
+        if part == "down":
+            return experts.down_proj.shape[1], experts.down_proj.shape[2]
+        return experts.gate_up_proj.shape[1] // 2, experts.gate_up_proj.shape[2]
 
     def take_bias(self, block_name: str, tensor_name: str, values) -> None:
         """A stacked bias of the experts: the model's (Qwen3-MoE's) have none."""
@@ -99,15 +105,10 @@ class GptOssExpertTensors(ExpertTensors):
         super().__init__(model)
         self.biases: dict[str, dict[str, torch.Tensor]] = {}
 
-    def take(self, block_name: str, tensor_name: str, raw: np.ndarray,
-             make: Callable[[np.ndarray, tuple[int, int]], QuantizedLinear]) -> None:
-        experts = self.blocks[block_name].experts
-        part = _PARTS[tensor_name.rsplit(".", 2)[-2]]
+    @staticmethod
+    def shape(experts: nn.Module, part: str) -> tuple[int, int]:
         hidden, width = experts.hidden_size, experts.intermediate_size
-        if raw.shape[0] != experts.num_experts:
-            raise CheckpointMismatch(f"{tensor_name} holds {raw.shape[0]} experts, the model wants {experts.num_experts}")
-        shape = (hidden, width) if part == "down" else (width, hidden)
-        self.layers.setdefault(block_name, {})[part] = [make(raw[e], shape) for e in range(raw.shape[0])]
+        return (hidden, width) if part == "down" else (width, hidden)
 
     def take_bias(self, block_name: str, tensor_name: str, values: np.ndarray) -> None:
         """A stacked bias `[experts, out]` (float values)."""
