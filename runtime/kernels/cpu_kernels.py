@@ -23,6 +23,10 @@ call (`runtime/kernels/csrc/gated_delta.cpp`): the causal convolution, the norma
 recurrent state, each sequence's tokens one after the other, in a fixed order whatever else the step
 holds; `gated_delta` one sequence's, by the same code.
 
+`hybrid_layers` runs Qwen3.5's whole int4 layer stack (`runtime/kernels/csrc/hybrid_layers.cpp`): its
+Gated DeltaNet and gated attention layers through those kernels in one call, operator for operator as
+runtime.model.qwen35_layers' int4 loop, so with the same bits.
+
 torch's extension builder compiles them once into ponder's start-up cache (runtime.startup_cache,
 `~/.cache/ponder/kernels/`), keyed by the sources' contents, the flags, the torch version and the CPU's
 vector unit, in about 15 s (minutes on a loaded machine); a later process loads the built library
@@ -48,7 +52,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
 _FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "routed_experts.cpp", "float_linear.cpp",
-          "gated_delta.cpp", "small_ops.cpp")
+          "gated_delta.cpp", "small_ops.cpp", "hybrid_layers.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"
@@ -170,6 +174,15 @@ def gated_delta_kernel():
     if reason is not None:
         raise KernelUnavailable(f"ponder's Gated DeltaNet kernel cannot run here: {reason}")
     return torch.ops.ponder.gated_delta.default
+
+
+def hybrid_layers_kernel():
+    """The `torch.ops.ponder.hybrid_layers` op (Qwen3.5's int4 layer stack); raises KernelUnavailable
+    where it cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's hybrid decoder kernel cannot run here: {reason}")
+    return torch.ops.ponder.hybrid_layers.default
 
 
 def gated_delta_steps_kernel():

@@ -17,8 +17,10 @@ followed by llama's MLP, with (1 + w) RMS norms (runtime.model.norms.OffsetRMSNo
 
 Every kernel a projection may run in computes an output column from its own weights only, so fusing
 keeps each output's bits (runtime.model.decoder), and the logits are transformers' forward's bits
-(tested, float32 and bfloat16, under each `quantize`). A step is the Python loop over the layers; no stack
-kernel computes these layers yet. Qwen3.5-MoE (`qwen3_5_moe_text`) has the same layers, each MLP a sparse
+(tested, float32 and bfloat16, under each `quantize`). A step is the Python loop over the layers, or,
+where every projection is an int4 kernel layer and every row of the step the decode kernel's, one call
+of the stack kernel that runs the int4 loop's operators (runtime.model.hybrid_stack, the same bits).
+Qwen3.5-MoE (`qwen3_5_moe_text`) has the same layers, each MLP a sparse
 block (runtime.model.shared_experts: the routed experts beside a gated shared one) on the post-attention
 norm's rows.
 """
@@ -35,6 +37,7 @@ from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.block_embedding import embedding_dtype
 from runtime.model.float_layers import FloatLinear
 from runtime.model.decoder import Projections, rows_call
+from runtime.model.hybrid_stack import HybridStack
 from runtime.model.norms import Norm, OffsetRMSNorm, norm_of
 from runtime.model.quantize import INT4_BLOCK_COLUMNS, Int4Linear
 from runtime.model.recurrent import DeltaRule, delta_rules
@@ -217,7 +220,6 @@ class HybridDecoder:
     (`hidden_states`, `logits`), its kernel-stack and GPU-loop parts absent."""
 
     gpu = None  # (no Triton loop)
-    stack = None  # (no stack kernel)
     floats = kernel_form = False
 
     def __init__(self, model: nn.Module) -> None:
@@ -234,6 +236,8 @@ class HybridDecoder:
             for layer in self.layers for module in layer.kernel_layers())
         for layer in self.layers:
             layer.int4 = self.int4
+        # the int4 loop as one kernel call where every row of a step is the decode kernel's (runtime.model.hybrid_stack)
+        self.stack = HybridStack.build(self) if self.int4 else None
 
     @classmethod
     def build(cls, model: nn.Module) -> "HybridDecoder | None":
@@ -284,6 +288,9 @@ class HybridDecoder:
             raise RuntimeError("Qwen3.5's linear-attention layers need the step's recurrent segments")
         hidden = self.embed(input_ids[0])
         cos, sin = self.rotation(hidden, positions)
+        if self.stack is not None and self.stack.covers(meta):
+            hidden = self.stack(hidden, cos, sin, meta)
+            return self.norm(hidden) if normed else hidden
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, meta)
         return self.norm(hidden) if normed else hidden

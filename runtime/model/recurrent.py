@@ -202,9 +202,9 @@ class DeltaRule:
         place in a tensor that depends on the other tokens of the step. ponder's kernel runs every
         segment in one call (one parallel region over (segment, value head)); the torch loop, segment
         after segment."""
-        layer, width = self.layer, self.width
+        layer = self.layer
         core = torch.zeros(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
-        initial = [_initial(layer, self.index, segment.resume, mixed.device) for segment in step.segments]
+        initial = self.initial(step, mixed.device)
         counts = step.snapshot_counts()
         if self.kernel is None:
             ends = [_in_torch(layer, segment, self._window(mixed, segment, conv), self.taps, a, b, state, taken, core,
@@ -212,12 +212,23 @@ class DeltaRule:
                     for segment, (conv, state), taken in zip(step.segments, initial, counts)]
         else:
             ends = self._in_kernel(step, mixed, a, b, initial, counts, core)
+        self.record(step, mixed, initial, ends)
+        return core
+
+    def initial(self, step: "RecurrentStep", device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each segment's (last K-1 convolution inputs, recurrent state) it resumes this layer from."""
+        return [_initial(self.layer, self.index, segment.resume, device) for segment in step.segments]
+
+    def record(self, step: "RecurrentStep", mixed: torch.Tensor, initial: list, ends: list[tuple]) -> None:
+        """Record in `step` each segment's new states from `ends` (per segment: its last K-1 convolution
+        inputs, its final state, its states at its snapshot counts), its block-boundary windows from
+        `mixed` (the convolution's inputs `[T, conv_dim]`)."""
+        width, counts = self.width, step.snapshot_counts()
         for number, (segment, (conv, final, taken)) in enumerate(zip(step.segments, ends)):
             step.finals[number].append((conv, final))
             window = self._window(mixed, segment, initial[number][0]) if counts[number] else None
             step.boundaries[number].append({segment.begin + c: (window[c:c + width - 1].clone(), s)
                                             for c, s in zip(counts[number], taken)})
-        return core
 
     def _window(self, mixed: torch.Tensor, segment: "Segment", conv_state: torch.Tensor) -> torch.Tensor:
         """`[K-1+n, C]`: the convolution's inputs of the segment's tokens begin-K+1 .. end-1."""
@@ -233,11 +244,17 @@ class DeltaRule:
                           [conv for conv, _ in initial], [state for _, state in initial],
                           [s.row for s in segments], [s.length for s in segments], [c for cs in counts for c in cs],
                           [len(cs) for cs in counts], layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, core)
-        ends, at = [], 0
-        for taken in counts:
-            ends.append((out[at], out[at + 1], out[at + 2:at + 2 + len(taken)]))
-            at += 2 + len(taken)
-        return ends
+        return kernel_ends(out, counts)
+
+
+def kernel_ends(out: Seq[torch.Tensor], counts: list[list[int]]) -> list[tuple]:
+    """The kernel's outputs (per segment: its last K-1 convolution inputs, its final state, then its
+    states at its `counts`) as one tuple a segment, as `DeltaRule.record` takes them."""
+    ends, at = [], 0
+    for taken in counts:
+        ends.append((out[at], out[at + 1], out[at + 2:at + 2 + len(taken)]))
+        at += 2 + len(taken)
+    return ends
 
 
 def gated_delta_forward(rule: DeltaRule, hidden_states: torch.Tensor, cache=None, attention_mask=None,

@@ -20,7 +20,7 @@ from runtime.model.row_padding import executed_linears
 from runtime.model.shared_experts import SharedExpertMoE
 from tests.replicas.hybrid import write_qwen3_next, write_qwen35
 from tests.runtime.engine_helpers import engine_for, request, run
-from tests.runtime.model.test_decoder import lean_then_transformers, recorded_logits
+from tests.runtime.model.test_decoder import lean_then_transformers, recorded_logits, stack_against_loop
 from tests.runtime.model.test_replica_generators import prompt_ids
 
 LINEAR = {"none": nn.Linear, "int8": Int8Linear, "int4": Int4Linear, "auto": FloatLinear}
@@ -56,6 +56,8 @@ def lean_and_transformers(directory, mode, dtype, invariant, fused_norms=True):
             assert type(layer.qkv.fused) is LINEAR[mode] and type(layer.gate_up.fused) is LINEAR[mode]
             layer.int4 = layer.int4 and fused_norms
         assert decoder.int4 == (mode == "int4")
+        if not fused_norms:  # (the stack kernel runs the fused loop's operators)
+            decoder.stack = None
 
     return lean_then_transformers(directory, prompts, check, quantize=mode, dtype=dtype, batch_invariant=invariant,
                                   num_blocks=128)
@@ -83,6 +85,21 @@ def test_int4_layers_with_their_norms_and_residuals_fused_stay_close_to_transfor
         scale = b.abs().max().item()
         assert bool(((a - b).abs().amax(-1) <= 2e-2 * scale).all())
     assert any(not torch.equal(a, b) for a, b in zip(*logits))  # (the kernel's norms are under test)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_stack_kernel_gives_the_int4_loop_s_bits(qwen35, invariant):
+    """A step whose every row the decode kernel attends runs every layer in one `hybrid_layers` call
+    (runtime.model.hybrid_stack); the int4 loop over the same kernels gives the very same logits and
+    tokens, and the same recurrent states: prompts of several lengths, so that decode steps cross block
+    boundaries (snapshots) and forked samples (n = 2) resume their parent's states."""
+    prompts = [[1, *range(5, 5 + length)] for length in (3, 9, 14, 20)] + [prompt_ids(qwen35, LONG)]
+    results, logits, covered, padded = stack_against_loop(qwen35, "int4", "float32", invariant, prompts)
+    assert results[0] == results[1]
+    assert len(logits[0]) == len(logits[1]) and all(torch.equal(a, b) for a, b in zip(*logits))
+    # Under batch invariance the prompts are attended by the decode kernel too: every step is covered.
+    assert all(covered) if invariant else covered.count(True) == len(covered) - 1
+    assert padded[0] == 0
 
 
 @pytest.mark.parametrize("mode, dtype, invariant", [
