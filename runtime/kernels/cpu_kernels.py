@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
 _FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "routed_experts.cpp", "float_linear.cpp",
-          "gated_delta.cpp", "small_ops.cpp", "hybrid_layers.cpp")
+          "gated_delta.cpp", "small_ops.cpp", "hybrid_layers.cpp",
+          "hybrid_ops.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"
@@ -202,6 +203,17 @@ def small_ops():
     if reason is not None:
         raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
     return torch.ops.ponder.head_norms.default, torch.ops.ponder.silu_mul.default
+
+
+def hybrid_ops():
+    """(`torch.ops.ponder.gated_norm`, `qk_heads`, `sigmoid_gate`): Qwen3.5's int4 layers' small operators
+    in ponder's own arithmetic (`runtime/kernels/csrc/hybrid_ops.cpp`, the hybrid stack kernel's); raises
+    KernelUnavailable where they cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
+    ops = torch.ops.ponder
+    return ops.gated_norm.default, ops.qk_heads.default, ops.sigmoid_gate.default
 
 
 def q4_unavailable() -> str | None:

@@ -66,6 +66,22 @@ class GatedNorm:
         return h.to(dtype)
 
 
+@dataclass
+class KernelOps:
+    """The int4 loop's small operators in ponder's own arithmetic, the hybrid stack kernel's (runtime/kernels/csrc)."""
+
+    silu_mul: object
+    gated_norm: object
+    qk_heads: object
+    sigmoid_gate: object
+
+    @classmethod
+    def load(cls) -> "KernelOps":
+        from runtime.kernels.cpu_kernels import hybrid_ops, small_ops
+
+        return cls(small_ops()[1], *hybrid_ops())
+
+
 def _format(layer: nn.Module):
     """What two layers must share for one fused layer to hold both without widening either."""
     if isinstance(layer, Int4Linear):
@@ -113,6 +129,7 @@ class _MLP:
     its bits)."""
 
     int4 = False
+    ops: "KernelOps | None" = None  # (the int4 loop's own small operators, set with `int4`)
 
     def __init__(self, layer: nn.Module) -> None:
         mlp = layer.mlp
@@ -130,10 +147,10 @@ class _MLP:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
             return hidden + self.moe(self.post_norm(hidden))
-        if self.int4:
+        if self.int4:  # (silu(gate) * up in ponder's own arithmetic: small_ops.cpp's, as the stack kernel's)
             norm = self.post_norm
-            gate, up = self.gate_up.fused.fused_rows(hidden, norm.scale, norm.eps).split(self.gate_up.sizes, dim=-1)
-            return self.down_module.fused_rows(self.act(gate) * up, residual=hidden)
+            gate_up = self.gate_up.fused.fused_rows(hidden, norm.scale, norm.eps)
+            return self.down_module.fused_rows(self.ops.silu_mul(gate_up, self.gate_up.sizes[0]), residual=hidden)
         gate, up = self.gate_up(self.post_norm(hidden))
         return hidden + self.down(self.act(gate) * up)
 
@@ -160,11 +177,15 @@ class _AttentionLayer(_MLP):
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         tokens, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
-        if self.int4:
-            norm = self.input_norm
-            query_gate, key, value = self.qkv.fused.fused_rows(hidden, norm.scale, norm.eps).split(self.qkv.sizes, dim=-1)
-        else:
-            query_gate, key, value = self.qkv(self.input_norm(hidden))
+        if self.int4:  # the head norms, rotary and output gate in ponder's own arithmetic (hybrid_ops.cpp)
+            norm, q_norm, k_norm = self.input_norm, self.q_norm, self.k_norm
+            qkv = self.qkv.fused.fused_rows(hidden, norm.scale, norm.eps)
+            qk = self.ops.qk_heads(qkv, heads, kv_heads, dim, q_norm.scale, k_norm.scale, q_norm.eps, k_norm.eps, cos, sin)
+            value = qkv[:, (2 * heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+            out = attend(meta, self.index, qk[:, :heads], qk[:, heads:], value, self.scaling)
+            out = self.ops.sigmoid_gate(out.view(tokens, heads * dim), qkv, heads, dim)
+            return super().__call__(self.o_module.fused_rows(out, residual=hidden))
+        query_gate, key, value = self.qkv(self.input_norm(hidden))
         query_gate = query_gate.view(tokens, heads, 2 * dim)
         gate = query_gate[..., dim:].reshape(tokens, heads * dim)
         qk = torch.cat((self.q_norm(query_gate[..., :dim]), self.k_norm(key.view(tokens, kv_heads, dim))), dim=1)
@@ -175,8 +196,7 @@ class _AttentionLayer(_MLP):
         qk = torch.cat((turned, qk[..., rotary:]), dim=-1)
         out = attend(meta, self.index, qk[:, :heads], qk[:, heads:], value.view(tokens, kv_heads, dim), self.scaling)
         out = out.reshape(tokens, heads * dim) * torch.sigmoid(gate)
-        hidden = self.o_module.fused_rows(out, residual=hidden) if self.int4 else hidden + self.o_proj(out)
-        return super().__call__(hidden)
+        return super().__call__(hidden + self.o_proj(out))
 
 
 class _DeltaLayer(_MLP):
@@ -207,9 +227,10 @@ class _DeltaLayer(_MLP):
         else:
             mixed, z, b, a = self.in_proj(self.input_norm(hidden))
         core = self.rule(meta.recurrent, mixed, a, b)
-        out = self.norm(core.to(hidden.dtype).reshape(-1, width), z.reshape(-1, width)).reshape(tokens, -1)
         if not self.int4:
+            out = self.norm(core.to(hidden.dtype).reshape(-1, width), z.reshape(-1, width)).reshape(tokens, -1)
             return super().__call__(hidden + self.out_proj(out))
+        out = self.ops.gated_norm(core.view(-1, width), z, self.norm.weight, self.norm.eps)  # (hybrid_ops.cpp's)
         if self.out_order is not None:
             out = out.index_select(-1, self.out_order)
         return super().__call__(self.out_module.fused_rows(out, residual=hidden))
@@ -234,8 +255,9 @@ class HybridDecoder:
         self.int4 = embedding_dtype(self.embed) == torch.float32 and all(
             isinstance(module, Int4Linear) and module.bias is None
             for layer in self.layers for module in layer.kernel_layers())
+        ops = KernelOps.load() if self.int4 else None
         for layer in self.layers:
-            layer.int4 = self.int4
+            layer.int4, layer.ops = self.int4, ops
         # the int4 loop as one kernel call where every row of a step is the decode kernel's (runtime.model.hybrid_stack)
         self.stack = HybridStack.build(self) if self.int4 else None
 

@@ -1,30 +1,31 @@
 // A whole Qwen3.5 int4 layer stack in one call (runtime.model.hybrid_stack uses it for a step whose
 // every row is attended by the decode kernel): per layer, exactly the operators of the lean decoder's
-// int4 loop (runtime.model.qwen35_layers, `int4 = True`), in its order, on tensors of the same shapes
-// and strides, so the residual stream and the recurrent states come out with the same bits (tested),
-// without the Python calls a layer otherwise costs (most of a small model's decode step).
+// int4 loop (runtime.model.qwen35_layers, `int4 = True`), in its order, the small ones ponder's own
+// (hybrid_ops.cpp, small_ops.cpp: the loop calls the same ops), so the residual stream and the recurrent
+// states come out with the same bits (tested), without the Python calls a layer otherwise costs (most
+// of a small model's decode step).
 //
-// hybrid_layers(hidden [T, E], cos [T, 1, R], sin [T, 1, R], weights, sizes, floats, dims,
+// hybrid_layers(hidden [T, E], cos [T, 1, R], sin [T, 1, R] (contiguous), weights, sizes, floats, dims,
 //               cache [blocks, layers, 2, KVH, bs, D], slot_rows [2, T, KVH], rows [G], tables [G, W], ctx [G],
 //               conv_states, states, seq_rows [S], lengths [S], snapshots, counts [S])
 // returns [the residual stream after every layer, then for each Gated DeltaNet layer in turn: its
 // convolution's inputs [T, C] (a view of its projection's output), then gated_delta_steps's outputs
-// for the step's S sequences]. For a Gated DeltaNet layer (kind 0):
+// for the step's S sequences].
+// For a Gated DeltaNet layer (kind 0):
 //   runs     = q4_linear(hidden; input norm (1 + w)) for each run of fused in-projections
 //   mixed, z, b, a = the runs' columns [C | Hv dv | Hv | Hv]                 (views, as split() gives)
 //   core     = gated_delta_steps(mixed, a, b; the sequences' states)      (gated_delta.cpp, into zeros)
-//   out      = GatedNorm(core [T Hv, dv], z [T Hv, dv]) [T, Hv dv]         (ATen, operator for operator)
+//   out      = gated_norm(core, z)                                         (hybrid_ops.cpp)
 //              (its columns reordered where the layer reads the file's order: index_select)
 //   hidden   = hidden + q4_linear(out)                                     (the residual in the kernel)
 // For a gated full-attention layer (kind 1):
-//   q|gate, k, v = q4_linear(hidden; input norm)                          ([q(D), gate(D)] a query head)
-//   qk       = cat(OffsetRMSNorm(q; q norm), OffsetRMSNorm(k; k norm))     [T, H + KVH, D]
-//   qk[..., :R] = qk[..., :R] * cos + roll(qk[..., :R], R / 2) * sin       (partial rotary)
+//   qkv      = q4_linear(hidden; input norm)                               ([q(D), gate(D)] a query head, k, v)
+//   qk       = qk_heads(qkv; q and k norms, the partial rotary)           (hybrid_ops.cpp) [T, H + KVH, D]
 //   the keys and values are stored at slot_rows (+ the layer's cache offset) and every query of `rows`
-//   attends to its context with decode_attention
-//   hidden   = hidden + q4_linear(attention [T, H D] * sigmoid(gate))
+//   attends to its context with decode_attention (the other rows' outputs are 0: padding)
+//   hidden   = hidden + q4_linear(sigmoid_gate(attention, qkv))            (hybrid_ops.cpp)
 // then, either kind, llama's MLP: gate, up = q4_linear(hidden; post norm);
-//   hidden = hidden + q4_linear(silu(gate) * up)                           (ATen's silu and product).
+//   hidden = hidden + q4_linear(silu_mul(gate, up))                        (small_ops.cpp).
 // weights: 29 tensors a layer: the input norm's scale; four in-projection layers' codes, d and m (a
 // delta layer's runs, empty codes for none; an attention layer's qkv first); the out projection's
 // codes, d, m; the post norm's scale; gate/up's and down's codes, d, m; a delta layer's gated norm
@@ -57,19 +58,6 @@ namespace {
 constexpr int64_t kTensors = 29, kSizes = 10, kFloats = 5;
 
 using ponder::present;
-
-// runtime.model.norms.OffsetRMSNorm on float32 rows (its conversions change nothing there)
-at::Tensor offset_norm(const at::Tensor& x, const at::Tensor& scale, double eps) {
-  const at::Tensor normed = x * at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps);
-  return normed * scale;
-}
-
-// runtime.model.qwen35_layers.GatedNorm on float32 rows
-at::Tensor gated_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps) {
-  at::Tensor h = x * at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps);
-  h = weight * h;
-  return h * at::silu(gate);
-}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t n, const at::Tensor& norm, double eps,
                   const at::Tensor& residual) {
@@ -142,41 +130,33 @@ std::vector<at::Tensor> hybrid_layers(const at::Tensor& hidden_in, const at::Ten
       result.push_back(mixed);
       result.insert(result.end(), ends.begin(), ends.end());
       ++delta;
-      at::Tensor out = gated_norm(core.reshape({-1, dv}), z.reshape({-1, dv}), w[23], f[2]).reshape({T, -1});
+      at::Tensor out = ponder::gated_norm(core.view({-1, dv}), z, w[23], f[2]);
       if (w[24].numel() != 0) out = out.index_select(-1, w[24]);
       hidden = linear(out, w + 13, n[5], {}, 0.0, hidden);
     } else {  // a gated full-attention layer
-      const at::Tensor query_gate = columns(runs, widths, 0, 2 * H * D).view({T, H, 2 * D});
-      const at::Tensor key = columns(runs, widths, 2 * H * D, KVH * D);
-      const at::Tensor value = columns(runs, widths, 2 * H * D + KVH * D, KVH * D);
-      const at::Tensor gate = query_gate.narrow(-1, D, D).reshape({T, H * D});
-      at::Tensor qk = at::cat({offset_norm(query_gate.narrow(-1, 0, D), w[23], f[3]),
-                               offset_norm(key.view({T, KVH, D}), w[24], f[4])}, 1);
-      const int64_t rotary = cos.size(-1);
-      at::Tensor turned = qk.narrow(-1, 0, rotary);
-      turned = (turned * cos) + (at::roll(turned, {rotary / 2}, {-1}) * sin);
-      qk = at::cat({turned, qk.narrow(-1, rotary, D - rotary)}, -1);
+      const at::Tensor qkv = runs[0];
+      TORCH_CHECK(qkv.size(1) == (2 * H + 2 * KVH) * D, "hybrid_layers: layer ", l, "'s qkv has ", qkv.size(1), " outputs");
+      const at::Tensor qk = ponder::qk_heads(qkv, H, KVH, D, w[23], w[24], f[3], f[4], cos, sin);
+      const at::Tensor value = qkv.narrow(1, (2 * H + KVH) * D, KVH * D);
       const int64_t offset = n[9] * layer_rows;
       const float* keys = qk.data_ptr<float>();  // (contiguous [T, H + KVH, D])
-      const at::Tensor values = value.contiguous();
-      const float* vp = values.data_ptr<float>();
+      const float* vp = value.data_ptr<float>();
+      const int64_t value_stride = value.stride(0);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t h = 0; h < KVH; ++h) {
           const int64_t key_row = slots[t * KVH + h] + offset, value_row = slots[(T + t) * KVH + h] + offset;
           TORCH_CHECK(key_row >= 0 && key_row < cache_rows && value_row >= 0 && value_row < cache_rows,
                       "hybrid_layers: no cache row ", key_row);
           std::memcpy(kv + key_row * D, keys + (t * (H + KVH) + H + h) * D, D * sizeof(float));
-          std::memcpy(kv + value_row * D, vp + (t * KVH + h) * D, D * sizeof(float));
+          std::memcpy(kv + value_row * D, vp + t * value_stride + h * D, D * sizeof(float));
         }
       at::Tensor attended = at::zeros({T, H, D}, hidden.options());
       ponder::decode_attention(qk.narrow(1, 0, H), rows, cache, tables, ctx, n[9], f[2], attended, 0.0, 0,
                                std::nullopt);
-      const at::Tensor out = attended.reshape({T, H * D}) * at::sigmoid(gate);
-      hidden = linear(out, w + 13, n[5], {}, 0.0, hidden);
+      hidden = linear(ponder::sigmoid_gate(attended.view({T, H * D}), qkv, H, D), w + 13, n[5], {}, 0.0, hidden);
     }
     const at::Tensor gate_up = linear(hidden, w + 17, n[6], w[16], f[1], {});
-    const at::Tensor act = at::silu(gate_up.narrow(1, 0, n[8])) * gate_up.narrow(1, n[8], gate_up.size(1) - n[8]);
-    hidden = linear(act, w + 20, n[7], {}, 0.0, hidden);
+    hidden = linear(ponder::silu_mul(gate_up, n[8]), w + 20, n[7], {}, 0.0, hidden);
   }
   result[0] = hidden;
   return result;

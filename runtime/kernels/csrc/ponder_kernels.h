@@ -40,6 +40,13 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const a
 at::Tensor head_norms(const at::Tensor& x, int64_t heads, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& x, int64_t gate);
 
+// hybrid_ops.cpp: Qwen3.5's int4 layers' gated norm, head norms with the partial rotary, and output gate
+// in ponder's own arithmetic (see there).
+at::Tensor gated_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, double eps);
+at::Tensor qk_heads(const at::Tensor& qkv, int64_t H, int64_t KVH, int64_t D, const at::Tensor& q_scale,
+                    const at::Tensor& k_scale, double q_eps, double k_eps, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor sigmoid_gate(const at::Tensor& x, const at::Tensor& qkv, int64_t H, int64_t D);
+
 // An empty (or undefined) tensor as a missing optional argument.
 inline c10::optional<at::Tensor> present(const at::Tensor& t) {
   return !t.defined() || t.numel() == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(t);

@@ -28,52 +28,6 @@
 
 namespace {
 
-// The eight lanes of v added as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
-inline float lanes_sum(__m256 v) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-}
-
-void norm_head(const float* x, const float* w, int64_t D, float eps, float* y) {
-  const int64_t full = D - D % 8;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < full; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float s = lanes_sum(acc);
-  for (int64_t i = full; i < D; ++i) s += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(s / static_cast<float>(D) + eps);
-  const __m256 rv = _mm256_set1_ps(r);
-  for (int64_t i = 0; i < full; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(w + i)));
-  for (int64_t i = full; i < D; ++i) y[i] = (x[i] * r) * w[i];
-}
-
-void silu_mul_row(const float* g, const float* u, int64_t G, float* y) {
-  const int64_t full = G - G % 8;
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
-  for (int64_t i = 0; i < full; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = ponder::exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
-    const __m256 denominator = _mm256_add_ps(one, e);
-    const __m256 positive = _mm256_div_ps(gv, denominator);
-    const __m256 negative = _mm256_div_ps(_mm256_mul_ps(gv, e), denominator);
-    const __m256 silu = _mm256_blendv_ps(negative, positive, _mm256_cmp_ps(gv, zero, _CMP_GE_OQ));
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-  }
-  // the tail through the same vector arithmetic, one lane at a time
-  for (int64_t i = full; i < G; ++i) {
-    const __m256 gv = _mm256_set1_ps(g[i]);
-    const __m256 e = ponder::exp_nonpositive(_mm256_or_ps(gv, sign));
-    const __m256 denominator = _mm256_add_ps(one, e);
-    const __m256 silu = g[i] >= 0.0f ? _mm256_div_ps(gv, denominator)
-                                     : _mm256_div_ps(_mm256_mul_ps(gv, e), denominator);
-    y[i] = _mm256_cvtss_f32(silu) * u[i];
-  }
-}
-
 // Rows a thread takes at least: a one-token step stays on the calling thread.
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
 
@@ -99,7 +53,7 @@ at::Tensor head_norms(const at::Tensor& x, int64_t heads, const at::Tensor& weig
   const float e = static_cast<float>(eps);
   at::parallel_for(0, T, grain(heads * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h) norm_head(xp + t * stride + h * D, wp + h * D, D, e, yp + (t * heads + h) * D);
+      for (int64_t h = 0; h < heads; ++h) ponder::norm_head(xp + t * stride + h * D, wp + h * D, D, e, yp + (t * heads + h) * D);
   });
   return out;
 }
@@ -112,7 +66,7 @@ at::Tensor silu_mul(const at::Tensor& x, int64_t gate) {
   const float* xp = x.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   at::parallel_for(0, T, grain(gate), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) silu_mul_row(xp + t * stride, xp + t * stride + gate, gate, yp + t * gate);
+    for (int64_t t = begin; t < end; ++t) ponder::silu_mul_row(xp + t * stride, xp + t * stride + gate, gate, yp + t * gate);
   });
   return out;
 }
