@@ -323,8 +323,8 @@ class LeanDecoder:
             v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling, window=layer.window)
             hidden = layer.o_module.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
-            if layer.moe is not None:
-                hidden = hidden + layer.moe(layer.post_norm(hidden))
+            if layer.moe is not None:  # (over int4 experts one call: the norm, routing and sum routed_int4.cpp's)
+                hidden = layer.moe.add_to(hidden, layer.post_norm)
                 continue
             norm = layer.post_norm
             gate_up = layer.gate_up.fused.fused_rows(hidden, norm.weight, norm.eps)
