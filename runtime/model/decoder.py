@@ -29,7 +29,9 @@ the qkv projection and the rotary, as transformers runs them; SmolLM3's NoPE lay
 layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel does the same,
 in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts' `RoutedMLP`
 (transformers' reference loop's arithmetic, rows grouped by expert); over kernel experts and router the
-stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators). gpt-oss's layers
+stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators; over int4
+experts the block is one op in ponder's own arithmetic, norm and residual included, that both call:
+routed_int4.cpp). gpt-oss's layers
 run the Python loop (biased o projections and experts are not the stack kernel's): its yarn rotary (one
 angle a pair of halves), sinks, sliding layers, norms and `RoutedMLP` (top-k, softmax, clamped SwiGLU).
 Gemma 3's layers (gemma3_text) run the Python loop: its (1 + w) norms (runtime.model.norms), the norms of
