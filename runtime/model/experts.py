@@ -75,8 +75,9 @@ class Routing:
     own: bool = False
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.own:
-            return routed_ops()[1](logits.contiguous(), self.top_k, self.norm_topk_prob)
+        if self.own:  # (in float32; the weights in the logits' dtype, as transformers' router gives them)
+            weights, indices = routed_ops()[1](logits.float().contiguous(), self.top_k, self.norm_topk_prob)
+            return weights.to(logits.dtype), indices
         if self.softmax_first:
             return route(logits, self.top_k, self.norm_topk_prob)
         top, indices = torch.topk(logits, self.top_k, dim=-1)
@@ -140,9 +141,9 @@ class KernelExperts(nn.Module):
             type(self.glu.act) in SILU else None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.tensors is not None:
-            return routed_ops()[2](hidden_states, top_k_index, top_k_weights, self.tensors,
-                                   self.gate_up[0].out_features, self.down[0].out_features)
+        if self.tensors is not None:  # (float32 rows, as the int4 kernel's; the sum back in the rows' dtype)
+            return routed_ops()[2](hidden_states.float(), top_k_index, top_k_weights.float(), self.tensors,
+                                   self.gate_up[0].out_features, self.down[0].out_features).to(hidden_states.dtype)
         calls = [(g.rows, d.rows) for g, d in zip(self.gate_up, self.down)]
         return mix_experts(hidden_states, top_k_index, top_k_weights, calls, self.glu)
 
@@ -252,7 +253,7 @@ class RoutedMLP:
         return bool(self.modules) and all(isinstance(l, kind) and l.bias is None for pair in self.modules for l in pair)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4_tensors is not None:
+        if self.int4_tensors is not None and x.dtype == torch.float32:
             return self._block(x, None, 0.0, False)
         weights, indices = self.routing(self.router(x))
         return self.mix(x, indices, weights)
@@ -260,7 +261,7 @@ class RoutedMLP:
     def add_to(self, hidden: torch.Tensor, norm) -> torch.Tensor:
         """hidden + self(norm(hidden)) for the post-attention norm `norm` (runtime.model.decoder's `_Norm`);
         over int4 experts in one call, the norm routed_int4.cpp's own (as the stack kernel computes it)."""
-        if self.int4_tensors is not None:
+        if self.int4_tensors is not None and hidden.dtype == torch.float32 == norm.weight.dtype:
             return self._block(hidden, norm.weight, norm.eps, True)
         return hidden + self(norm(hidden))
 
