@@ -158,7 +158,8 @@ def int4_tensors(gate_up: list, down: list) -> list[torch.Tensor] | None:
             or gate_up[0].out_features != 2 * down[0].in_features or gate_up[0].in_features != down[0].out_features:
         return None
     empty = torch.empty(0)
-    return [empty if t is None else t.detach() for g, d in zip(gate_up, down) for t in (g.weight, g.d, g.m, d.weight, d.d, d.m)]
+    return [empty if t is None else t.detach() for g, d in zip(gate_up, down)
+            for t in (g.weight, g.d, g.m, d.weight, d.d, d.m)]
 
 
 def int4_routing(routing: Routing, experts: KernelExperts) -> Routing:
