@@ -101,6 +101,56 @@ void check_experts(at::TensorList experts, int64_t E) {
     TORCH_CHECK(!experts[i].is_floating_point(), "routed_int4: the experts must be int4 kernel layers");
 }
 
+// The experts' weighted sum (mix_rows) of rows xp [T, H] routed to ip / wp [T, k]; `residual` (or null)
+// added after, element by element.
+at::Tensor mix(const float* xp, int64_t T, int64_t H, const int64_t* ip, const float* wp, int64_t k,
+               const at::Tensor* experts, int64_t num_experts, int64_t gate_up_n, int64_t down_n,
+               const at::TensorOptions& options, const float* residual) {
+  TORCH_CHECK(down_n == H && gate_up_n % 2 == 0, "routed_int4: an expert's down must give the hidden size");
+  std::vector<int64_t> counts(num_experts, 0);
+  for (int64_t i = 0; i < T * k; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < num_experts, "routed_int4: no expert ", ip[i]);
+    ++counts[ip[i]];
+  }
+  std::vector<int64_t> starts{0}, next(num_experts, 0);
+  std::vector<const at::Tensor*> gate_ups, downs;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    next[e] = starts.back();
+    if (counts[e] == 0) continue;
+    starts.push_back(starts.back() + counts[e]);
+    gate_ups.push_back(experts + kExpertTensors * e);
+    downs.push_back(experts + kExpertTensors * e + 3);
+  }
+  // the entries grouped by expert, by token within one: entry i is token tokens[i]'s, weighted entry_weights[i]
+  const int64_t entries = T * k;
+  std::vector<int64_t> tokens(entries);
+  std::vector<float> entry_weights(entries);
+  at::Tensor gathered = at::empty({entries, H}, options);
+  float* gp = gathered.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t i = next[ip[t * k + j]]++;
+      tokens[i] = t;
+      entry_weights[i] = wp[t * k + j];
+      std::memcpy(gp + i * H, xp + t * H, H * sizeof(float));
+    }
+  const at::Tensor gate_up = ponder::q4_linear_segments(gathered, starts, gate_ups, gate_up_n);
+  const at::Tensor h = ponder::q4_linear_segments(ponder::silu_mul(gate_up, gate_up_n / 2), starts, downs, down_n);
+  at::Tensor out = at::empty({T, H}, options);
+  float* op = out.data_ptr<float>();
+  std::fill(op, op + T * H, 0.0f);
+  const float* hp = h.data_ptr<float>();
+  for (int64_t i = 0; i < entries; ++i) {  // in ascending expert order
+    float* row = op + tokens[i] * H;
+    const float* add = hp + i * H;
+    const float w = entry_weights[i];
+    for (int64_t c = 0; c < H; ++c) row[c] += w * add[c];
+  }
+  if (residual != nullptr)  // x + out, each element's float32 add (as ATen's add computes it)
+    for (int64_t i = 0; i < T * H; ++i) op[i] = residual[i] + op[i];
+  return out;
+}
+
 }  // namespace
 
 namespace ponder {
@@ -128,50 +178,8 @@ at::Tensor mix_rows(const at::Tensor& x, const at::Tensor& indices, const at::Te
   TORCH_CHECK(indices.scalar_type() == at::kLong && indices.is_contiguous() && indices.size(0) == T &&
                   weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == indices.sizes(),
               "routed_int4: indices (int64) and weights (float32) must be contiguous [rows, top_k]");
-  TORCH_CHECK(down_n == H && gate_up_n % 2 == 0, "routed_int4: an expert's down must give the hidden size");
-  const int64_t* ip = indices.data_ptr<int64_t>();
-  const float* wp = weights.data_ptr<float>();
-  std::vector<int64_t> counts(num_experts, 0);
-  for (int64_t i = 0; i < T * k; ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < num_experts, "routed_int4: no expert ", ip[i]);
-    ++counts[ip[i]];
-  }
-  std::vector<int64_t> starts{0}, first(num_experts, 0);
-  std::vector<const at::Tensor*> gate_ups, downs;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    first[e] = starts.back();
-    if (counts[e] == 0) continue;
-    starts.push_back(starts.back() + counts[e]);
-    gate_ups.push_back(experts + kExpertTensors * e);
-    downs.push_back(experts + kExpertTensors * e + 3);
-  }
-  // the entries grouped by expert, by token within one: entry i is token tokens[i]'s, weighted entry_weights[i]
-  const int64_t entries = T * k;
-  std::vector<int64_t> tokens(entries), next(first);
-  std::vector<float> entry_weights(entries);
-  at::Tensor gathered = at::empty({entries, H}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* gp = gathered.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t i = next[ip[t * k + j]]++;
-      tokens[i] = t;
-      entry_weights[i] = wp[t * k + j];
-      std::memcpy(gp + i * H, xp + t * H, H * sizeof(float));
-    }
-  const at::Tensor gate_up = q4_linear_segments(gathered, starts, gate_ups, gate_up_n);
-  const at::Tensor h = q4_linear_segments(silu_mul(gate_up, gate_up_n / 2), starts, downs, down_n);
-  at::Tensor out = at::empty_like(x);
-  float* op = out.data_ptr<float>();
-  std::fill(op, op + T * H, 0.0f);
-  const float* hp = h.data_ptr<float>();
-  for (int64_t i = 0; i < entries; ++i) {  // in ascending expert order
-    float* row = op + tokens[i] * H;
-    const float* add = hp + i * H;
-    const float w = entry_weights[i];
-    for (int64_t c = 0; c < H; ++c) row[c] += w * add[c];
-  }
-  return out;
+  return mix(x.data_ptr<float>(), T, H, indices.data_ptr<int64_t>(), weights.data_ptr<float>(), k, experts,
+             num_experts, gate_up_n, down_n, x.options(), nullptr);
 }
 
 at::Tensor routed_int4(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& router,
@@ -179,25 +187,27 @@ at::Tensor routed_int4(const at::Tensor& x, const at::Tensor& norm_weight, doubl
                        int64_t down_n, int64_t float_isa, bool residual) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "routed_int4: rows must be float32 [rows, hidden]");
   const at::Tensor rows = x.contiguous();
-  const int64_t T = rows.size(0), H = rows.size(1);
-  at::Tensor normed = rows;
+  const int64_t T = rows.size(0), H = rows.size(1), E = router.size(0);
+  TORCH_CHECK(top_k > 0 && top_k <= E, "route_rows: top_k ", top_k, " of ", E, " experts");
+  // (the block's own buffers in vectors: no ATen allocation for them)
+  std::vector<float> normed(norm_weight.numel() != 0 ? T * H : 0), p(E), weights(T * top_k);
+  std::vector<int64_t> indices(T * top_k);
+  const float* np = rows.data_ptr<float>();
   if (norm_weight.numel() != 0) {
     TORCH_CHECK(norm_weight.scalar_type() == at::kFloat && norm_weight.is_contiguous() && norm_weight.numel() == H,
                 "routed_int4: the norm's weight must be contiguous float32 [hidden]");
-    normed = at::empty_like(rows);
     for (int64_t t = 0; t < T; ++t)
-      norm_row(rows.data_ptr<float>() + t * H, norm_weight.data_ptr<float>(), H, static_cast<float>(eps),
-               normed.data_ptr<float>() + t * H);
+      norm_row(np + t * H, norm_weight.data_ptr<float>(), H, static_cast<float>(eps), normed.data() + t * H);
+    np = normed.data();
   }
-  const at::Tensor logits = float_rows(normed, router, at::Tensor(), float_isa).contiguous();
-  auto [weights, indices] = route_rows(logits, top_k, norm_topk_prob);
-  at::Tensor out = mix_rows(normed, indices, weights, experts, router.size(0), gate_up_n, down_n);
-  if (residual) {  // x + out, each element's float32 add (as ATen's add computes it)
-    float* op = out.data_ptr<float>();
-    const float* xp = rows.data_ptr<float>();
-    for (int64_t i = 0; i < T * H; ++i) op[i] = xp[i] + op[i];
-  }
-  return out;
+  const at::Tensor logits =
+      float_rows(at::from_blob(const_cast<float*>(np), {T, H}, rows.options()), router, at::Tensor(), float_isa)
+          .contiguous();
+  for (int64_t t = 0; t < T; ++t)
+    route_row(logits.data_ptr<float>() + t * E, E, top_k, norm_topk_prob, p.data(), weights.data() + t * top_k,
+              indices.data() + t * top_k);
+  return mix(np, T, H, indices.data(), weights.data(), top_k, experts, E, gate_up_n, down_n, rows.options(),
+             residual ? rows.data_ptr<float>() : nullptr);
 }
 
 }  // namespace ponder
