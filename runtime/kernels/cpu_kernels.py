@@ -15,8 +15,9 @@ bfloat16 weights as nn.Linear holds them, each output's sum in one fixed order, 
 
 `int4_layers` runs a whole int4 decoder stack (`runtime/kernels/csrc/int4_layers.cpp`) through those two
 kernels in one call, operator for operator as runtime.model.decoder's int4 loop, so with the same bits;
-a layer routed over experts (Qwen3-MoE's) as runtime.model.experts.RoutedMLP computes it
-(`runtime/kernels/csrc/routed_experts.cpp`).
+a layer routed over experts (Qwen3-MoE's) as runtime.model.experts.RoutedMLP computes it (over int4
+experts `routed_int4`, `runtime/kernels/csrc/routed_int4.cpp`, in ponder's own arithmetic, the op
+RoutedMLP calls; over float ones `runtime/kernels/csrc/routed_experts.cpp`, RoutedMLP's ATen operators).
 
 `gated_delta_steps` runs a step's sequences through a Gated DeltaNet layer past its projections in one
 call (`runtime/kernels/csrc/gated_delta.cpp`): the causal convolution, the normalisations and the
@@ -52,8 +53,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
 _FILES = ("q4_linear.cpp", "decode_attention.cpp", "int4_layers.cpp", "routed_experts.cpp", "float_linear.cpp",
-          "gated_delta.cpp", "small_ops.cpp", "hybrid_layers.cpp",
-          "hybrid_ops.cpp")
+          "gated_delta.cpp", "small_ops.cpp", "routed_int4.cpp", "hybrid_layers.cpp", "hybrid_ops.cpp")
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]  # no contraction: a row's arithmetic is as written
 _NAME = "ponder_cpu_kernels"
 _LIBRARY = f"{_NAME}.so"
@@ -214,6 +214,17 @@ def hybrid_ops():
         raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
     ops = torch.ops.ponder
     return ops.gated_norm.default, ops.qk_heads.default, ops.sigmoid_gate.default
+
+
+def routed_ops():
+    """(`torch.ops.ponder.routed_int4`, `route_rows`, `mix_int4`): a routed block over int4 experts, its
+    routing and its experts' weighted sum in ponder's own arithmetic (`runtime/kernels/csrc/routed_int4.cpp`,
+    the stack kernel's); raises KernelUnavailable where they cannot run."""
+    reason = _load()
+    if reason is not None:
+        raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
+    ops = torch.ops.ponder
+    return ops.routed_int4.default, ops.route_rows.default, ops.mix_int4.default
 
 
 def q4_unavailable() -> str | None:

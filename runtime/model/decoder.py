@@ -29,7 +29,9 @@ the qkv projection and the rotary, as transformers runs them; SmolLM3's NoPE lay
 layer's sliding window (Qwen2/Qwen3's `layer_types`) bounds its attention. The stack kernel does the same,
 in the same operators. Qwen3-MoE's routed MLP blocks run as runtime.model.experts' `RoutedMLP`
 (transformers' reference loop's arithmetic, rows grouped by expert); over kernel experts and router the
-stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators). gpt-oss's layers
+stack kernel runs them too (runtime/kernels/csrc/routed_experts.cpp, the same operators; over int4
+experts the block is one op in ponder's own arithmetic, norm and residual included, that both call:
+routed_int4.cpp). gpt-oss's layers
 run the Python loop (biased o projections and experts are not the stack kernel's): its yarn rotary (one
 angle a pair of halves), sinks, sliding layers, norms and `RoutedMLP` (top-k, softmax, clamped SwiGLU).
 Gemma 3's layers (gemma3_text) run the Python loop: its (1 + w) norms (runtime.model.norms), the norms of
@@ -323,8 +325,8 @@ class LeanDecoder:
             v = qkv[:, (heads + kv_heads) * dim:].reshape(num_tokens, kv_heads, dim)
             out = attend(meta, layer.index, qk[:, :heads], qk[:, heads:], v, layer.scaling, window=layer.window)
             hidden = layer.o_module.fused_rows(out.reshape(num_tokens, heads * dim), residual=hidden)
-            if layer.moe is not None:
-                hidden = hidden + layer.moe(layer.post_norm(hidden))
+            if layer.moe is not None:  # (over int4 experts one call: the norm, routing and sum routed_int4.cpp's)
+                hidden = layer.moe.add_to(hidden, layer.post_norm)
                 continue
             norm = layer.post_norm
             gate_up = layer.gate_up.fused.fused_rows(hidden, norm.weight, norm.eps)

@@ -20,10 +20,16 @@ entries instead of a mask per expert, so a step pays for each expert hit once, w
   bits (tested), but a row's bits depend on how many rows share its expert (the routed-experts refusal
   of runtime.model.row_padding stands);
 - over `KernelExperts` (one ponder kernel layer per expert's gate/up and down: `FloatLinear` for a
-  float model, `Int4Linear` for `quantize = "int4"`) and a `KernelRouter` (the router in ponder's
-  float kernel): every output row comes from its own input row only, and a token's experts are added
-  in ascending expert order into zeros, so a row's bits never depend on the batch. Such a model holds
-  no stacked parameter, and batch invariance is served (tested: the same row alone and in a crowd).
+  float model, `Int4Linear` for `quantize = "int4"` and a GGUF's blocks) and a `KernelRouter` (the
+  router in ponder's float kernel): every output row comes from its own input row only, and a token's
+  experts are added in ascending expert order into zeros, so a row's bits never depend on the batch.
+  Such a model holds no stacked parameter, and batch invariance is served (tested: the same row alone
+  and in a crowd). Float experts run the operators above through ATen; int4 experts with SiLU(gate) * up
+  (Qwen3-MoE's) and a softmax-first router run the block in ponder's own fixed-order arithmetic
+  (runtime/kernels/csrc/routed_int4.cpp: `KernelRouter`'s routing is its `route_rows`, `KernelExperts`'
+  sum its `mix_int4`, `RoutedMLP` the whole block in one call, with the norm before and the residual
+  after in the int4 loop), the functions the stack kernel calls: one set of bits, without ATen's
+  operators in the layer.
 
 `hold_experts(model, mode)` replaces the stacked modules by the kernel ones (their `forward` is
 transformers' signature, so transformers' forward still runs them); a gpt-oss expert's layers keep
@@ -38,6 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformers.activations import SiLUActivation
+
+from runtime.kernels.cpu_kernels import float_isa, routed_ops
 from runtime.model.float_layers import FloatLinear, narrowest, takes_weight
 from runtime.model.quantize import INT4_GROUP_SIZE, Int4Linear, Quantized, QuantizedLinear
 
@@ -50,6 +59,7 @@ ALWAYS_RENORMALISED = ("Qwen3_5MoeTopKRouter",)
 # gpt-oss's: top-k of the (biased) logits, softmax over the k; its experts transposed, biased, clamped SwiGLU
 TOPK_SOFTMAX_ROUTERS = ("GptOssTopKRouter",)
 BIASED_EXPERTS = ("GptOssExperts",)
+SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation routed_int4.cpp (and the stack kernel) computes
 
 
 @dataclass(frozen=True)
@@ -60,8 +70,14 @@ class Routing:
     top_k: int
     norm_topk_prob: bool = False
     softmax_first: bool = True
+    # softmax first in ponder's own arithmetic (routed_int4.cpp's `route_rows`: float32 logits), the
+    # routing of int4 experts (`int4_routing`)
+    own: bool = False
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.own:  # (in float32; the weights in the logits' dtype, as transformers' router gives them)
+            weights, indices = routed_ops()[1](logits.float().contiguous(), self.top_k, self.norm_topk_prob)
+            return weights.to(logits.dtype), indices
         if self.softmax_first:
             return route(logits, self.top_k, self.norm_topk_prob)
         top, indices = torch.topk(logits, self.top_k, dim=-1)
@@ -120,10 +136,36 @@ class KernelExperts(nn.Module):
         self.gate_up, self.down, self.act_fn = nn.ModuleList(gate_up), nn.ModuleList(down), act_fn
         self.glu = glu or SiluGLU(act_fn)
         self.num_experts = len(gate_up)
+        # int4 experts with SiLU(gate) * up: their 6 tensors each for routed_int4.cpp (None: the ATen loop)
+        self.tensors = int4_tensors(self.gate_up, self.down) if isinstance(self.glu, SiluGLU) and \
+            type(self.glu.act) in SILU else None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.tensors is not None:  # (float32 rows, as the int4 kernel's; the sum back in the rows' dtype)
+            return routed_ops()[2](hidden_states.float(), top_k_index, top_k_weights.float(), self.tensors,
+                                   self.gate_up[0].out_features, self.down[0].out_features).to(hidden_states.dtype)
         calls = [(g.rows, d.rows) for g, d in zip(self.gate_up, self.down)]
         return mix_experts(hidden_states, top_k_index, top_k_weights, calls, self.glu)
+
+
+def int4_tensors(gate_up: list, down: list) -> list[torch.Tensor] | None:
+    """Every expert's (gate/up codes, d, m, down codes, d, m) (m empty where absent) for routed_int4.cpp,
+    where every layer is an Int4Linear without a bias, all of one shape and the gate's half of gate/up
+    the down's input; else None."""
+    layers = [*gate_up, *down]
+    if not layers or not all(isinstance(l, Int4Linear) and l.bias is None for l in layers) or \
+            len({(g.out_features, g.in_features, d.out_features, d.in_features) for g, d in zip(gate_up, down)}) != 1 \
+            or gate_up[0].out_features != 2 * down[0].in_features or gate_up[0].in_features != down[0].out_features:
+        return None
+    empty = torch.empty(0)
+    return [empty if t is None else t.detach() for g, d in zip(gate_up, down)
+            for t in (g.weight, g.d, g.m, d.weight, d.d, d.m)]
+
+
+def int4_routing(routing: Routing, experts: KernelExperts) -> Routing:
+    """`routing` in ponder's own arithmetic where it is softmax first and `experts` run routed_int4.cpp's
+    sum: the router and the experts then compute what RoutedMLP's one call computes."""
+    return replace(routing, own=routing.softmax_first and experts.tensors is not None)
 
 
 def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,10 +225,16 @@ class RoutedMLP:
             self.router = lambda x: F.linear(x, weight, bias)
         if isinstance(experts, KernelExperts):
             self.modules = list(zip(experts.gate_up, experts.down))
-            self.calls = [(g.rows, d.rows) for g, d in self.modules]
+            self.mix = experts.forward
         else:
             self.modules = []
-            self.calls = [stacked_calls(experts, e) for e in range(experts.num_experts)]
+            calls = [stacked_calls(experts, e) for e in range(experts.num_experts)]
+            self.mix = lambda x, indices, weights: mix_experts(x, indices, weights, calls, self.glu)
+        # the whole block in one call of routed_int4.cpp (routing and experts in its arithmetic), with
+        # the experts' tensors for it and the stack kernel; None: routing, then `mix`
+        own = isinstance(experts, KernelExperts) and self.routing.own and experts.tensors is not None and \
+            self.router_linear is not None and self.router_linear.bias is None
+        self.int4_tensors = experts.tensors if own else None
 
     @staticmethod
     def takes(mlp: nn.Module) -> bool:
@@ -206,8 +254,22 @@ class RoutedMLP:
         return bool(self.modules) and all(isinstance(l, kind) and l.bias is None for pair in self.modules for l in pair)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4_tensors is not None and x.dtype == torch.float32:
+            return self._block(x, None, 0.0, False)
         weights, indices = self.routing(self.router(x))
-        return mix_experts(x, indices, weights, self.calls, self.glu)
+        return self.mix(x, indices, weights)
+
+    def add_to(self, hidden: torch.Tensor, norm) -> torch.Tensor:
+        """hidden + self(norm(hidden)) for the post-attention norm `norm` (runtime.model.decoder's `_Norm`);
+        over int4 experts in one call, the norm routed_int4.cpp's own (as the stack kernel computes it)."""
+        if self.int4_tensors is not None and hidden.dtype == torch.float32 == norm.weight.dtype:
+            return self._block(hidden, norm.weight, norm.eps, True)
+        return hidden + self(norm(hidden))
+
+    def _block(self, x: torch.Tensor, norm_weight, eps: float, residual: bool) -> torch.Tensor:
+        gate_up, down = self.modules[0]
+        return routed_ops()[0](x, norm_weight, eps, self.router_linear.weight, self.int4_tensors, self.top_k,
+                               self.norm_topk_prob, gate_up.out_features, down.out_features, float_isa(), residual)
 
 
 def router_of(mlp: nn.Module) -> tuple[str, nn.Module | None]:
@@ -283,7 +345,7 @@ def hold_experts(model: nn.Module, mode: str) -> int:
         down = [make(down, down_bias) for _, _, down, down_bias in layers]
         glu = glu_of(experts)
         module.experts = KernelExperts(gate_up, down, glu.act if isinstance(glu, SiluGLU) else None, glu)
-        routing = routing_of(router)
+        routing = int4_routing(routing_of(router), module.experts)
         bias = getattr(router, "bias", None)
         setattr(module, name, KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach()),
                                                                    None if bias is None else bias.detach()),

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from runtime.model import gguf_gpt_oss
-from runtime.model.experts import ClampedSwiGLU, KernelExperts, KernelRouter, RoutedMLP, Routing, renormalises
+from runtime.model.experts import (ClampedSwiGLU, KernelExperts, KernelRouter, RoutedMLP, Routing, int4_routing,
+                                   renormalises)
 from runtime.model.float_layers import FloatLinear, narrowest
 from runtime.model.loader import CheckpointMismatch
 from runtime.model.quantize import QuantizedLinear
@@ -77,8 +78,9 @@ class ExpertTensors:
                 raise CheckpointMismatch(f"{block_name}: its experts' gate and up layers cannot be computed side by side")
             block.experts = KernelExperts(gate_up, parts["down"], block.experts.act_fn)
             router = block.gate
+            routing = int4_routing(Routing(router.top_k, renormalises(router)), block.experts)
             block.gate = KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach())), router.top_k,
-                                      renormalises(router))
+                                      renormalises(router), routing)
             made += 3 * len(gate_up)
         return made
 

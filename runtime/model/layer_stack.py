@@ -5,16 +5,13 @@ its MLP dense or routed over experts (Qwen3-MoE's `RoutedMLP` over kernel expert
 from __future__ import annotations
 
 import torch
-from torch import nn
-from transformers.activations import SiLUActivation
 
 from runtime.kernels.cpu_kernels import float_isa
 from runtime.model.attention import AttentionMetadata
 from runtime.model.block_embedding import embedding_dtype
+from runtime.model.experts import SILU
 from runtime.model.float_layers import FloatLinear
 from runtime.model.quantize import Int4Linear, QuantizedLinear
-
-SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: the activation the kernel computes
 
 
 class LayerStack:
@@ -50,9 +47,11 @@ class LayerStack:
                 gate_up, down = moe.modules[0]
                 mlp_sizes = [gate_up.out_features, down.out_features, gate_up.out_features // 2, moe.top_k,
                              int(moe.norm_topk_prob)]
-                for gate_up, down in moe.modules:
-                    self.experts += [empty if t is None else t.detach()
-                                     for t in (gate_up.weight, *scales(gate_up), down.weight, *scales(down))]
+                if moe.int4_tensors is not None:  # (routed_int4.cpp's, the tensors RoutedMLP passes it)
+                    self.experts += moe.int4_tensors
+                else:  # float experts: their weights, no scales
+                    self.experts += [empty if t is None else t.detach() for gate_up, down in moe.modules
+                                     for t in (gate_up.weight, None, None, down.weight, None, None)]
             tensors = (layer.input_norm.weight, qkv.weight, *scales(qkv), qkv.bias, o.weight, *scales(o),
                        layer.post_norm.weight, *mlp, head_norms)
             self.weights += [empty if t is None else t.detach() for t in tensors]
@@ -98,10 +97,15 @@ class LayerStack:
 
 def routed_takes(moe) -> bool:  # (a runtime.model.experts.RoutedMLP)
     """Whether the kernel computes a routed block: a float-kernel router without a bias, SiLU, every
-    expert's gate/up and down in one kind of kernel layer without a bias, all of one size."""
+    expert's gate/up and down in one kind of kernel layer without a bias, all of one size; int4 experts
+    where RoutedMLP runs them in one call of routed_int4.cpp (the op the kernel calls), float ones where
+    their routing is transformers' (the ATen operators the kernel repeats)."""
     router = moe.router_linear
     if not isinstance(router, FloatLinear) or router.bias is not None or type(moe.act) not in SILU or \
-            not (moe.all_kernel(Int4Linear) or moe.all_kernel(FloatLinear)) or len(moe.modules) != router.out_features:
+            len(moe.modules) != router.out_features:
+        return False
+    if not (moe.int4_tensors is not None or moe.all_kernel(FloatLinear) and moe.routing.softmax_first
+            and not moe.routing.own):
         return False
     shapes = {(g.out_features, g.in_features, d.out_features, d.in_features) for g, d in moe.modules}
     if len(shapes) != 1:

@@ -19,10 +19,14 @@
 //   hidden = hidden + q4_linear(attention)                     (the o projection)
 //   gate, up = q4_linear(hidden; post-attention norm) (+ bias)
 //   hidden = hidden + q4_linear(silu(gate) * up)               (the down projection; small_ops.cpp's silu_mul)
-// A layer whose MLP is routed over experts (Qwen3-MoE's; its top_k size is not 0) runs instead
+// A layer whose MLP is routed over experts (Qwen3-MoE's; its top_k size is not 0) runs instead, over
+// int4 experts,
+//   hidden = routed_int4(hidden; post-attention norm, residual)
+// (routed_int4.cpp: the norm, router, top-k and experts' weighted sum in ponder's own arithmetic, the
+// functions runtime.model.experts.RoutedMLP calls), or over float experts
 //   hidden = hidden + routed_experts(rms_norm(hidden; post-attention norm))
-// (routed_experts.cpp: runtime.model.experts.RoutedMLP's operators), its router's weight and bias in
-// the gate/up slots, its experts' 6 tensors each in `experts`, layer after layer.
+// (routed_experts.cpp: RoutedMLP's ATen operators), its router's weight and bias in the gate/up slots,
+// its experts' 6 tensors each in `experts`, layer after layer.
 // A layer whose qkv "codes" are float weights (float32, bfloat16 or float16: FloatLinear's) is the
 // float loop's instead: qkv = float_linear(rms_norm(hidden), W, bias), hidden = hidden +
 // float_linear(attention, W_o), gate, up likewise, hidden = hidden + float_linear(silu(gate) * up, W_down),
@@ -190,9 +194,12 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     } else {
       hidden = ponder::q4_linear(attended.view({T, H * D}), w[5], w[6], present(w[7]), n[1], {}, 0.0, hidden, -1);
     }
-    if (n[7] != 0) {  // routed experts
-      hidden = hidden + ponder::routed_experts(rms_norm(hidden, w[8], f[1]), w[9], w[12], expert, n[7], n[8] != 0,
-                                               n[2], n[3], float_isa);
+    if (n[7] != 0) {  // routed experts: int4 ones in ponder's own arithmetic, float ones ATen's
+      hidden = expert[0].is_floating_point()
+                   ? hidden + ponder::routed_experts(rms_norm(hidden, w[8], f[1]), w[9], w[12], expert, n[7],
+                                                     n[8] != 0, n[2], n[3], float_isa)
+                   : ponder::routed_int4(hidden, w[8], f[1], w[9], expert, n[7], n[8] != 0, n[2], n[3], float_isa,
+                                         /*residual=*/true);
       expert += kExpertTensors * w[9].size(0);
       continue;
     }

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace ponder {
@@ -35,6 +36,16 @@ at::Tensor float_rows(const at::Tensor& x, const at::Tensor& weight, const at::T
 at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const at::Tensor& router_bias,
                           const at::Tensor* experts, int64_t top_k, bool norm_topk_prob, int64_t gate_up_n,
                           int64_t down_n, int64_t float_isa);
+
+// routed_int4.cpp: a routed block over int4 experts in ponder's own arithmetic (see there): the whole
+// block on rows x (normed first where norm_weight is not empty; x added where `residual`), its routing,
+// and its experts' weighted sum for given routes.
+at::Tensor routed_int4(const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& router,
+                       const at::Tensor* experts, int64_t top_k, bool norm_topk_prob, int64_t gate_up_n,
+                       int64_t down_n, int64_t float_isa, bool residual);
+std::tuple<at::Tensor, at::Tensor> route_rows(const at::Tensor& logits, int64_t top_k, bool norm_topk_prob);
+at::Tensor mix_rows(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& weights,
+                    const at::Tensor* experts, int64_t num_experts, int64_t gate_up_n, int64_t down_n);
 
 // small_ops.cpp: the int4 decoder's head norms and silu(gate) * up in ponder's own arithmetic (see there).
 at::Tensor head_norms(const at::Tensor& x, int64_t heads, const at::Tensor& weight, double eps);

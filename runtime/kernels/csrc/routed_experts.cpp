@@ -1,6 +1,7 @@
-// A routed MLP block (Qwen3-MoE's) inside the stack kernel (int4_layers.cpp): exactly
-// runtime.model.experts.RoutedMLP over kernel layers (`KernelRouter`, `KernelExperts`), operator for
-// operator in its order and dtypes, so the same bits (tested), without its Python calls:
+// A routed MLP block (Qwen3-MoE's) over float experts inside the stack kernel (int4_layers.cpp):
+// exactly runtime.model.experts.RoutedMLP over float kernel layers (`KernelRouter`, `KernelExperts` of
+// FloatLinear), operator for operator in its order and dtypes, so the same bits (tested), without its
+// Python calls (int4 experts are routed_int4.cpp's, in ponder's own arithmetic):
 //   logits  = float_rows(x, router)                        (the router in ponder's float kernel)
 //   weights = softmax(logits) in float32, top-k (renormalised where `norm_topk_prob`), in logits' dtype
 //   the (token, expert) entries in (top-k position, token) order, sorted stably by expert; for each
@@ -10,13 +11,12 @@
 //     out[tokens] = out[tokens] + h                        (an expert's tokens are distinct)
 // starting from zeros, so a token's experts are added in ascending expert order, and every output row
 // comes from its own input row only: a row's bits never depend on the batch.
-// A linear is ponder's float kernel (FloatLinear.rows) where the expert's weight is float, else its
-// int4 block kernel (Int4Linear.rows: float32 rows). Every hit's gate/up runs in one parallel region
-// over the hits' output columns, and so does every hit's down (`float_linear_segments`,
-// `q4_linear_segments`): each output is the one its own kernel call gives, so the same bits in 3
-// regions a layer (router, gate/up, down) where the Python loop opens 1 + 2 an expert hit.
-// experts: 6 tensors an expert (gate/up codes or weight, d, m, down codes or weight, d, m; empty where
-// absent), as many experts as the router has outputs.
+// A linear is ponder's float kernel (FloatLinear.rows). Every hit's gate/up runs in one parallel region
+// over the hits' output columns, and so does every hit's down (`float_linear_segments`): each output is
+// the one its own kernel call gives, so the same bits in 3 regions a layer (router, gate/up, down)
+// where the Python loop opens 1 + 2 an expert hit.
+// experts: 6 tensors an expert (gate/up weight, d, m, down weight, d, m; d and m empty), as many
+// experts as the router has outputs.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -26,21 +26,12 @@
 
 namespace {
 
-// Every expert hit's linear (layers[s]: its codes or weight, d, m) on its rows [starts[s], starts[s + 1])
-// of x, all in one parallel region over the hits' output columns: each output is the one its own
-// kernel call gives (the tiles' arithmetic never depends on the rows or columns beside it).
+// Every expert hit's linear (layers[s]: its weight) on its rows [starts[s], starts[s + 1]) of x, all in
+// one parallel region over the hits' output columns: each output is the one its own kernel call gives.
 at::Tensor expert_rows(const at::Tensor& x, const std::vector<int64_t>& starts,
-                       const std::vector<const at::Tensor*>& layers, int64_t n, int64_t float_isa) {
-  bool is_float = true;
-  std::vector<const at::Tensor*> weights;
-  for (const at::Tensor* w : layers) {
-    is_float = is_float && w[0].is_floating_point();
-    weights.push_back(w);
-  }
-  if (is_float) return ponder::float_linear_segments(x, starts, weights, float_isa);
-  for (const at::Tensor* w : layers) TORCH_CHECK(!w[0].is_floating_point(), "routed_experts: experts of one kind");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "routed_experts: int4 experts take float32 rows");
-  return ponder::q4_linear_segments(x.contiguous(), starts, layers, n);
+                       const std::vector<const at::Tensor*>& layers, int64_t float_isa) {
+  for (const at::Tensor* w : layers) TORCH_CHECK(w[0].is_floating_point(), "routed_experts: float experts only");
+  return ponder::float_linear_segments(x, starts, layers, float_isa);
 }
 
 }  // namespace
@@ -49,7 +40,7 @@ namespace ponder {
 
 at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const at::Tensor& router_bias,
                           const at::Tensor* experts, int64_t top_k, bool norm_topk_prob, int64_t gate_up_n,
-                          int64_t down_n, int64_t float_isa) {
+                          int64_t /*down_n*/, int64_t float_isa) {
   const int64_t T = x.size(0), E = router.size(0);
   TORCH_CHECK(top_k > 0 && top_k <= E, "routed_experts: top_k ", top_k, " of ", E, " experts");
   // route(): transformers' Qwen3MoeTopKRouter
@@ -74,7 +65,7 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const a
     gate_ups.push_back(experts + 6 * e);
     downs.push_back(experts + 6 * e + 3);
   }
-  const at::Tensor gate_up = expert_rows(gathered, starts, gate_ups, gate_up_n, float_isa);
+  const at::Tensor gate_up = expert_rows(gathered, starts, gate_ups, float_isa);
   const int64_t gate = gate_up_n / 2;  // chunk(2): gate, up (LayerStack takes an even gate/up only)
   at::Tensor act = at::empty({gate_up.size(0), gate}, gate_up.options());
   for (size_t s = 0; s + 1 < starts.size(); ++s) {
@@ -85,7 +76,7 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& router, const a
     at::silu_out(out, rows.narrow(1, 0, gate)).mul_(rows.narrow(1, gate, gate));
   }
   // (elementwise products: the same bits over all hits at once as hit by hit)
-  const at::Tensor h = expert_rows(act, starts, downs, down_n, float_isa).mul_(entry_weights);
+  const at::Tensor h = expert_rows(act, starts, downs, float_isa).mul_(entry_weights);
   // out[tokens] = out[tokens] + h, hit after hit: each entry added in order into its token's row
   at::Tensor out = at::zeros_like(x);
   const int64_t width = x.size(1), entries = h.size(0);

@@ -108,6 +108,8 @@ def test_the_stack_kernel_gives_the_python_loop_s_bits(moe_dir, invariant, mode,
     def routed_everywhere(decoder) -> None:
         assert all(layer.moe is not None for layer in decoder.layers) and len(decoder.stack.experts) == \
             6 * NUM_EXPERTS * len(decoder.layers)
+        # int4 experts: the block in ponder's own arithmetic (routed_int4.cpp) in both; float ones: ATen's
+        assert all((layer.moe.int4_tensors is not None) == (mode == "int4") for layer in decoder.layers)
 
     results, logits, covered, _ = stack_against_loop(moe_dir, mode, dtype, invariant, [*PROMPTS, LONG_PROMPT],
                                                      routed_everywhere)
