@@ -8,7 +8,7 @@
 //             gate_up_n, down_n, float_isa, residual) -> [T, H]:
 //   n       = x's RMS norm where norm_weight is given (else x):  n = (x * r) * w,
 //             r = 1 / sqrt(s / H + eps), s = sum of x^2 in eight lanes over the row in order, the lanes
-//             added in one fixed tree, then the tail (H % 8) in order (small_ops.cpp's head norm's)
+//             added in one fixed tree, then the tail (H % 8) in order (vec_math.h's norm_head)
 //   logits  = float_rows(n, router)                              (ponder's float kernel: FloatLinear.rows)
 //   weights, indices = route_rows(logits)                        (below)
 //   out     = mix_rows(n, indices, weights)                      (below), plus x where `residual`.
