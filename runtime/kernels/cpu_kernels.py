@@ -128,19 +128,13 @@ def _build(entry) -> str | None:
 
 def q4_kernel():
     """The `torch.ops.ponder.q4_linear` op; raises KernelUnavailable where it cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's int4 CPU kernel cannot run here: {reason}")
-    return torch.ops.ponder.q4_linear.default
+    return _ops("int4 CPU kernel", "q4_linear")[0]
 
 
 def float_kernel():
     """`torch.ops.ponder.float_linear` with the instruction set `model.cpu_isa` allows; raises
     KernelUnavailable where it cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's float CPU kernel cannot run here: {reason}")
-    op = torch.ops.ponder.float_linear.default
+    op, = _ops("float CPU kernel", "float_linear")
     return lambda x, weight, bias=None: op(x, weight, bias, float_isa())
 
 
@@ -154,77 +148,60 @@ KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16)  # the KV caches `attentio
 
 def attention_kernel():
     """The `torch.ops.ponder.decode_attention` op; raises KernelUnavailable where it cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's decode attention kernel cannot run here: {reason}")
-    return torch.ops.ponder.decode_attention.default
+    return _ops("decode attention kernel", "decode_attention")[0]
 
 
 def layers_kernel():
     """The `torch.ops.ponder.int4_layers` op (an int4 or float decoder stack); raises KernelUnavailable
     where it cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's int4 decoder kernel cannot run here: {reason}")
-    return torch.ops.ponder.int4_layers.default
+    return _ops("int4 decoder kernel", "int4_layers")[0]
 
 
 def gated_delta_kernel():
     """The `torch.ops.ponder.gated_delta` op; raises KernelUnavailable where it cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's Gated DeltaNet kernel cannot run here: {reason}")
-    return torch.ops.ponder.gated_delta.default
+    return _ops("Gated DeltaNet kernel", "gated_delta")[0]
 
 
 def hybrid_layers_kernel():
     """The `torch.ops.ponder.hybrid_layers` op (Qwen3.5's int4 layer stack); raises KernelUnavailable
     where it cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's hybrid decoder kernel cannot run here: {reason}")
-    return torch.ops.ponder.hybrid_layers.default
+    return _ops("hybrid decoder kernel", "hybrid_layers")[0]
 
 
 def gated_delta_steps_kernel():
     """The `torch.ops.ponder.gated_delta_steps` op (every sequence of a step through a Gated DeltaNet layer
     in one call); raises KernelUnavailable where it cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's Gated DeltaNet kernel cannot run here: {reason}")
-    return torch.ops.ponder.gated_delta_steps.default
+    return _ops("Gated DeltaNet kernel", "gated_delta_steps")[0]
 
 
 def small_ops():
     """(`torch.ops.ponder.head_norms`, `torch.ops.ponder.silu_mul`): the int4 decoder's head norms and
     silu(gate) * up in ponder's own arithmetic (`runtime/kernels/csrc/small_ops.cpp`, the stack kernel's);
     raises KernelUnavailable where they cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
-    return torch.ops.ponder.head_norms.default, torch.ops.ponder.silu_mul.default
+    return _ops("CPU kernels", "head_norms", "silu_mul")
 
 
 def hybrid_ops():
     """(`torch.ops.ponder.gated_norm`, `qk_heads`, `sigmoid_gate`): Qwen3.5's int4 layers' small operators
     in ponder's own arithmetic (`runtime/kernels/csrc/hybrid_ops.cpp`, the hybrid stack kernel's); raises
     KernelUnavailable where they cannot run."""
-    reason = _load()
-    if reason is not None:
-        raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
-    ops = torch.ops.ponder
-    return ops.gated_norm.default, ops.qk_heads.default, ops.sigmoid_gate.default
+    return _ops("CPU kernels", "gated_norm", "qk_heads", "sigmoid_gate")
 
 
 def routed_ops():
     """(`torch.ops.ponder.routed_int4`, `route_rows`, `mix_int4`): a routed block over int4 experts, its
     routing and its experts' weighted sum in ponder's own arithmetic (`runtime/kernels/csrc/routed_int4.cpp`,
     the stack kernel's); raises KernelUnavailable where they cannot run."""
+    return _ops("CPU kernels", "routed_int4", "route_rows", "mix_int4")
+
+
+def _ops(what: str, *names: str) -> tuple:
+    """The ops `torch.ops.ponder.<name>` once the kernels load; raises KernelUnavailable (ponder's `what`
+    cannot run here, and why) where they cannot."""
     reason = _load()
     if reason is not None:
-        raise KernelUnavailable(f"ponder's CPU kernels cannot run here: {reason}")
-    ops = torch.ops.ponder
-    return ops.routed_int4.default, ops.route_rows.default, ops.mix_int4.default
+        raise KernelUnavailable(f"ponder's {what} cannot run here: {reason}")
+    return tuple(getattr(torch.ops.ponder, name).default for name in names)
 
 
 def q4_unavailable() -> str | None:
