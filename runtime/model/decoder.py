@@ -54,9 +54,9 @@ from torch import nn
 from runtime.kernels.cpu_kernels import small_ops
 from runtime.model.attention import AttentionMetadata, attend
 from runtime.model.block_embedding import embedding_dtype
-from runtime.model.experts import RoutedMLP
+from runtime.model.experts import SILU, RoutedMLP
 from runtime.model.float_layers import FloatLinear
-from runtime.model.layer_stack import SILU, LayerStack, head_norm_weights
+from runtime.model.layer_stack import LayerStack, head_norm_weights
 from runtime.model.norms import Norm, is_kernel_form, norm_of
 from runtime.model.projections import Projections, rows_call
 from runtime.model.quantize import Int4Linear, QuantizedLinear

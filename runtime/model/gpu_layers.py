@@ -20,15 +20,11 @@ torch loop (runtime.model.decoder), decided per step.
 from __future__ import annotations
 
 import torch
-from torch import nn
-from transformers.activations import SiLUActivation
 
 from runtime.kernels.gpu.elementwise import rms_norm, rotary, silu_mul
 from runtime.kernels.gpu.paged import decode_attention, write_kv
 from runtime.model.attention import AttentionMetadata
-
-
-_SILU = (nn.SiLU, SiLUActivation)  # both call F.silu: what the SiLU * mul kernel computes
+from runtime.model.experts import SILU  # (both call F.silu: what the SiLU * mul kernel computes)
 
 
 class GpuLayers:
@@ -49,7 +45,7 @@ class GpuLayers:
             return None
         for layer in decoder.layers:
             if layer.qkv.fused_call is None or layer.gate_up.fused_call is None or len(layer.gate_up.sizes) != 2 \
-                    or layer.gate_up.sizes[0] != layer.gate_up.sizes[1] or type(layer.act) not in _SILU:
+                    or layer.gate_up.sizes[0] != layer.gate_up.sizes[1] or type(layer.act) not in SILU:
                 return None
         return cls(decoder)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from runtime.model.attention import AttentionMetadata
-from runtime.model.layer_stack import SILU
+from runtime.model.experts import SILU
 from runtime.model.norms import OffsetRMSNorm
 from runtime.model.quantize import Int4Linear
 from runtime.model.recurrent import kernel_ends
