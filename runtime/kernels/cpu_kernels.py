@@ -181,6 +181,15 @@ def small_ops():
     return _ops("CPU kernels", "head_norms", "silu_mul")
 
 
+def loaded_argmax():
+    """`torch.ops.ponder.argmax_rows` (each row's torch.argmax, `runtime/kernels/csrc/small_ops.cpp`) where
+    this process has loaded the kernels already (a model on the int or float kernels), else None: the
+    greedy sampler never builds them for itself, and the index is the same either way."""
+    if _load.cache_info().currsize == 0 or _load() is not None:
+        return None
+    return torch.ops.ponder.argmax_rows.default
+
+
 def hybrid_ops():
     """(`torch.ops.ponder.gated_norm`, `qk_heads`, `sigmoid_gate`): Qwen3.5's int4 layers' small operators
     in ponder's own arithmetic (`runtime/kernels/csrc/hybrid_ops.cpp`, the hybrid stack kernel's); raises

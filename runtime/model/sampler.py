@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.kernels.cpu_kernels import loaded_argmax
 from runtime.model.philox import uniforms
 from runtime.wire.params import SamplingParams
 
@@ -129,8 +130,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
                 x[masked] = x[masked].masked_fill(mask[:, :x.shape[-1]], float("-inf"))
     rows = [i for i, s in enumerate(states) if not s.params.is_greedy and s.params.temperature >= MIN_TEMPERATURE]
     # Greedy rows take the argmax; when every row samples, the sampled tokens fill `tokens` below.
-    tokens = torch.argmax(x, dim=-1) if len(rows) < len(states) else torch.empty(len(states), dtype=torch.long,
-                                                                                   device=device)
+    tokens = _argmax(x) if len(rows) < len(states) else torch.empty(len(states), dtype=torch.long, device=device)
     if rows:
         temperatures = torch.tensor([states[i].params.temperature for i in rows], dtype=x.dtype, device=device)
         y = (x if len(rows) == len(states) else x[rows]) / temperatures[:, None]
@@ -185,6 +185,13 @@ def sample(logits: torch.Tensor, states: list[SamplingState], token_histories: l
     for j, value in zip(confident, host[len(host) - len(confident):]):
         outputs[wants[j]].confidence = value
     return outputs
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over each row of `x`: on the CPU through ponder's kernel where it is loaded (a row
+    a thread, vectorized: torch's took 0.6 ms a step of 16 rows of a 49k vocabulary), the same index."""
+    op = loaded_argmax() if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 else None
+    return torch.argmax(x, dim=-1) if op is None or x.shape[-1] == 0 else op(x)
 
 
 def _to_host(values: torch.Tensor) -> list[float]:

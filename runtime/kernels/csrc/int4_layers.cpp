@@ -44,8 +44,10 @@
 // sliding window or 0, its experts a token (0: a dense MLP), 1 if their weights are renormalised);
 // floats: 4 a layer (the two norms' eps, the attention scale, the head norms' eps).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -73,11 +75,8 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
 // (the kernels are built without floating-point contraction, so no fused multiply-add).
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
   const int64_t half = D / 2;
-  for (int64_t i = 0; i < D; ++i) {
-    const float a = x[i] * cos[i];
-    const float b = x[(i + half) % D] * sin[i];
-    out[i] = a + b;
-  }
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < D; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
 // The same in bfloat16, as ATen computes it on bfloat16 tensors: each product and the sum computed in
@@ -155,37 +154,41 @@ at::Tensor int4_layers(const at::Tensor& hidden_in, const at::Tensor& cos, const
     const at::Tensor qk32 = narrow ? qk.to(at::kFloat) : qk.contiguous();  // bfloat16 values, widened exactly
     const float* x = qk32.data_ptr<float>();
     const int64_t width = qk32.numel() / T, value_width = qkv.size(1);
-    std::vector<c10::BFloat16> rotated(narrow ? D : 0);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = x + t * width;
-      for (int64_t h = 0; h < H; ++h) {
-        float* q = qp + (t * H + h) * D;
-        if (!rotary) {
-          std::memcpy(q, row + h * D, D * sizeof(float));
-          continue;
+    // (rows on the threads, about 4096 values each: one row stays on the calling thread)
+    at::parallel_for(0, T, std::max<int64_t>(1, 4096 / width), [&](int64_t t0, int64_t t1) {
+      std::vector<c10::BFloat16> rotated(narrow ? D : 0);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* row = x + t * width;
+        for (int64_t h = 0; h < H; ++h) {
+          float* q = qp + (t * H + h) * D;
+          if (!rotary) {
+            std::memcpy(q, row + h * D, D * sizeof(float));
+            continue;
+          }
+          if (!narrow) {
+            rotate(row + h * D, cp + t * D, sp + t * D, D, q);
+            continue;
+          }
+          rotate_bf16(row + h * D, cp + t * D, sp + t * D, D, rotated.data());
+          for (int64_t i = 0; i < D; ++i) q[i] = static_cast<float>(rotated[i]);
         }
-        if (!narrow) {
-          rotate(row + h * D, cp + t * D, sp + t * D, D, q);
-          continue;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const int64_t key = (slots[t * KVH + h] + l * layer_rows) * D;
+          const int64_t value = (slots[(T + t) * KVH + h] + l * layer_rows) * D;
+          if (!narrow) {
+            if (rotary) rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + key);
+            else std::memcpy(kv + key, row + (H + h) * D, D * sizeof(float));
+            std::memcpy(kv + value, qkv.data_ptr<float>() + t * value_width + (H + KVH + h) * D, D * sizeof(float));
+            continue;
+          }
+          const c10::BFloat16* keys = qk.data_ptr<c10::BFloat16>() + t * (qk.numel() / T) + (H + h) * D;
+          const c10::BFloat16* values = qkv.data_ptr<c10::BFloat16>() + t * value_width + (H + KVH + h) * D;
+          if (rotary) rotate_bf16(row + (H + h) * D, cp + t * D, sp + t * D, D, kv16 + key);
+          else std::memcpy(kv16 + key, keys, D * sizeof(c10::BFloat16));
+          std::memcpy(kv16 + value, values, D * sizeof(c10::BFloat16));
         }
-        rotate_bf16(row + h * D, cp + t * D, sp + t * D, D, rotated.data());
-        for (int64_t i = 0; i < D; ++i) q[i] = static_cast<float>(rotated[i]);
       }
-      for (int64_t h = 0; h < KVH; ++h) {
-        const int64_t key = (slots[t * KVH + h] + l * layer_rows) * D, value = (slots[(T + t) * KVH + h] + l * layer_rows) * D;
-        if (!narrow) {
-          if (rotary) rotate(row + (H + h) * D, cp + t * D, sp + t * D, D, kv + key);
-          else std::memcpy(kv + key, row + (H + h) * D, D * sizeof(float));
-          std::memcpy(kv + value, qkv.data_ptr<float>() + t * value_width + (H + KVH + h) * D, D * sizeof(float));
-          continue;
-        }
-        const c10::BFloat16* keys = qk.data_ptr<c10::BFloat16>() + t * (qk.numel() / T) + (H + h) * D;
-        const c10::BFloat16* values = qkv.data_ptr<c10::BFloat16>() + t * value_width + (H + KVH + h) * D;
-        if (rotary) rotate_bf16(row + (H + h) * D, cp + t * D, sp + t * D, D, kv16 + key);
-        else std::memcpy(kv16 + key, keys, D * sizeof(c10::BFloat16));
-        std::memcpy(kv16 + value, values, D * sizeof(c10::BFloat16));
-      }
-    }
+    });
     attended.zero_();
     ponder::decode_attention(queries, rows, cache, tables, ctx, l, f[2], attended, 0.0, n[6], std::nullopt);
     if (is_float) {

@@ -164,10 +164,14 @@ void run_blocks(int format, int64_t isa, const int8_t* xq, const float* xscale, 
     avx2::any_blocks(format, xq, xscale, xsum, R, K, cp, dp, mp, rp, op, N, b0, b1);
 }
 
+// Rows a thread prepares at least: about 8192 inputs, so one row (a decode step of one stream) stays on
+// the calling thread and 16 rows of a 576-wide model are split (each row's bits are its own either way).
+inline int64_t prepare_grain(int64_t K) { return std::max<int64_t>(1, 8192 / K); }
+
 // Each row of x [R, K] quantized per group for the kernel (`prepare`), without a norm.
 void prepare_rows(const float* xp, int64_t R, int64_t K, int64_t isa, int8_t* xq, float* xscale, float* xsum) {
   const int64_t G = K / 32;
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, prepare_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (isa == 1)
         vnni::prepare(xp + r * K, K, nullptr, 0.0f, nullptr, xq + r * K, xscale + r * G, xsum + r * G);
@@ -206,7 +210,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* wp = with_norm ? norm_weight->data_ptr<float>() : nullptr;
   std::vector<int8_t> xq(R * K);
   std::vector<float> xscale(R * G), xsum(R * G), scratch(with_norm ? R * K : 0);
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, R, prepare_grain(K), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* y = with_norm ? scratch.data() + r * K : nullptr;
       if (isa == 1)

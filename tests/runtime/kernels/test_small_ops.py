@@ -1,10 +1,12 @@
 """The int4 decoder's head norms and silu(gate) * up in ponder's own arithmetic (small_ops.cpp): close to
-torch's in float64, each row's bits its own whatever the batch and the threads, the exponential's edges."""
+torch's in float64, each row's bits its own whatever the batch and the threads, the exponential's edges;
+the greedy sampler's argmax: torch.argmax's index, ties, NaN and infinities included."""
 
 import pytest
 import torch
 
-from runtime.kernels.cpu_kernels import q4_unavailable, small_ops
+from runtime.kernels.cpu_kernels import loaded_argmax, q4_unavailable, small_ops
+from runtime.model.sampler import _argmax
 
 pytestmark = pytest.mark.skipif(q4_unavailable() is not None, reason="ponder's CPU kernels need an x86-64 CPU with AVX2")
 
@@ -64,3 +66,40 @@ def test_bad_shapes_are_refused():
         silu_mul(torch.zeros(2, 11), 5)
     with pytest.raises(RuntimeError, match="head_norms: weight must be"):
         head_norms(torch.zeros(2, 16), 3, torch.zeros(3, 8), 1e-6)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 49152, 49157])  # no full vector, one, many, and a tail
+def test_argmax_rows_is_torch_s_argmax(vocab):
+    small_ops()  # (the kernels loaded, as a model on them has)
+    argmax_rows = loaded_argmax()
+    assert argmax_rows is not None
+    generator = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=generator).round()  # integers: ties between positions
+    last = vocab - 1
+    x[1] = float("-inf")  # every position -inf: the first
+    x[2, last] = float("inf")
+    x[3, last] = float("nan")  # a NaN is torch's maximum (the first NaN), even beside +inf
+    x[3, 0] = float("inf")
+    x[4, :] = 0.0
+    x[4, last // 2:] = -0.0  # -0.0 and 0.0 tie
+    x[5, :] = -0.0
+    x[6, last // 3] = float("nan")
+    x[6, last] = float("nan")
+    x[7, :] = x[7].max()  # all equal
+    expected = torch.argmax(x, dim=-1)
+    assert torch.equal(argmax_rows(x), expected)
+    assert torch.equal(_argmax(x), expected)
+    assert torch.equal(argmax_rows(x[2:5]), expected[2:5])  # a view of rows: the same rows' indices
+    wide = torch.randn(3, 2 * vocab, generator=generator)
+    assert torch.equal(argmax_rows(wide[:, ::2].contiguous()), torch.argmax(wide[:, ::2], dim=-1))
+    assert torch.equal(argmax_rows(wide[:, :vocab]), torch.argmax(wide[:, :vocab], dim=-1))  # a row stride
+
+
+def test_argmax_rows_refuses_what_it_cannot_read():
+    small_ops()
+    argmax_rows = loaded_argmax()
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+        argmax_rows(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+        argmax_rows(torch.zeros(2, 0))
+    assert torch.equal(_argmax(torch.zeros(3, 4)[:, ::2]), torch.zeros(3, dtype=torch.long))  # torch's, strided
