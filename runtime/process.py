@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 
-from runtime.wire.framing import recv_frame, send_frame
+from runtime.wire.framing import recv_frame, send_frame, send_frames
 from runtime.wire.protocol import (
     AbortRequest, DetokenizeRequest, GenerateRequest, LoadFailed, Ready, RequestError, RewardRequest, Shutdown,
     TokenizeRequest, decode_to_runtime, encode,
@@ -39,6 +39,9 @@ class Channel:
 
     def send(self, message) -> None:
         send_frame(self.sock, encode(message))
+
+    def send_all(self, messages) -> None:
+        send_frames(self.sock, [encode(message) for message in messages])
 
     def poll(self, timeout: float) -> bool:
         readable, _, _ = select.select([self.sock], [], [], timeout)
@@ -160,8 +163,7 @@ def _loop(channel: Channel, engine, options) -> None:
                     channel.send(RequestError(request_id=request_id, status=500, type="server_error",
                                               message="internal error in the runtime step"))
                 continue
-            for out in outputs:
-                channel.send(out)
+            channel.send_all(outputs)
             if not engine.has_work:
                 check_when_idle(engine)
         now = time.monotonic()

@@ -13,6 +13,13 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(HEADER.pack(len(payload)) + payload)
 
 
+def send_frames(sock: socket.socket, payloads: list[bytes]) -> None:
+    """Several frames in one write: the reader sees them as one after another, as sent one at a time
+    (a decode step's outputs, one a stream: one system call and one wake-up of the reader, not 16)."""
+    if payloads:
+        sock.sendall(b"".join(HEADER.pack(len(payload)) + payload for payload in payloads))
+
+
 def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
     chunks = []
     while size:

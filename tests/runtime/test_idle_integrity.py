@@ -51,6 +51,10 @@ class BreakingChannel:
         if isinstance(message, Finished) and self.corrupt is not None:
             self.corrupt(self.engine)
 
+    def send_all(self, messages) -> None:
+        for message in messages:
+            self.send(message)
+
     def poll(self, timeout: float) -> bool:
         if not self.engine.has_work:
             raise process.Stop()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime import process
-from runtime.wire.framing import recv_frame, send_frame
+from runtime.wire.framing import recv_frame, send_frame, send_frames
 from runtime.wire.params import SamplingParams
 from runtime.wire.protocol import (
     GenerateRequest, Ready, RequestError, SettingsChecked, decode_from_runtime, encode,
@@ -57,6 +57,9 @@ class Recorder:
 
     def send(self, message) -> None:
         self.sent.append(message)
+
+    def send_all(self, messages) -> None:
+        self.sent.extend(messages)
 
     def poll(self, timeout: float) -> bool:
         if not self.engine.has_work:
@@ -204,3 +207,14 @@ def test_a_real_engine_passes_its_idle_check_after_a_search_and_a_plain_request(
         assert process.check_when_idle(engine)
     engine.pool.ref_counts[0] += 1  # a block nobody holds
     assert not process.check_when_idle(engine)
+
+
+def test_a_step_s_outputs_go_in_one_write_and_arrive_as_frames():
+    """send_frames: several frames in one write, read back one by one as if sent apart."""
+    parent, child = socket.socketpair()
+    with parent, child:
+        payloads = [b"first", b"", b"x" * 70000]
+        send_frames(child, payloads)
+        send_frames(child, [])  # nothing to send: nothing written
+        send_frame(child, b"last")
+        assert [recv_frame(parent) for _ in range(4)] == [*payloads, b"last"]
