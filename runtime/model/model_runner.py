@@ -26,6 +26,7 @@ from runtime.model.attention import (AttentionMetadata, DecodeGroup, DecodeRows,
                                      bucket_blocks)
 from runtime.kernels.cpu_kernels import KERNEL_CACHE_DTYPES, KernelUnavailable, attention_kernel
 from runtime.kernels.gpu import attends as gpu_attends
+from runtime.model.decode_step import PlainDecode, plain_decode
 from runtime.model.decoders import build_decoder
 from runtime.model.recurrent import RecurrentLayers, RecurrentStep, Segment
 from runtime.model.row_padding import ATTENTION_BATCH, RowPadding
@@ -223,6 +224,10 @@ class ModelRunner:
             meta = AttentionMetadata(self.cache, torch.empty(0), [], [], attention=attention)
             return StepInputs(torch.tensor([entry.seq.token_ids[start:end]], device=self.device),
                               torch.arange(start, end, device=self.device)[None], meta, [end - start - 1], [0])
+        plain = None if self.recurrent is not None or self.window is not None or self.attention_kernel is None \
+            else plain_decode(scheduled, self.block_size, self.exact_prefill)
+        if plain is not None and self.padding.pad(len(plain.positions)) == len(plain.positions):
+            return self._plain_inputs(plain, scheduled, copies)
         bs = self.block_size
         input_ids: list[int] = []
         tables: list[int] = []  # every entry's block table, one after another
@@ -296,6 +301,19 @@ class ModelRunner:
             positions = torch.cat([positions, torch.arange(num_pad)])
         return StepInputs(torch.tensor([input_ids], device=to), positions[None].to(to), meta, last_token_index,
                           entry_start)
+
+    def _plain_inputs(self, plain: PlainDecode, scheduled: Seq[ScheduledSequence],
+                      copies: Seq[tuple[int, int]]) -> "StepInputs":
+        """The step `_prepare` builds for a plain decode step (runtime.model.decode_step), from its lists."""
+        to, n, residency = self.device, len(plain.positions), self.residency
+        layers = residency if residency is not None and residency.begin_step(scheduled, copies) else None
+        slot_rows = self.cache.row_index(torch.tensor(plain.slot_blocks), torch.tensor(plain.slot_offsets))
+        rows = DecodeRows(torch.arange(n).to(to), torch.tensor(plain.tables).to(to), torch.tensor(plain.ctx).to(to),
+                          self.attention_kernel, widen=not self.gpu_kernels)
+        meta = AttentionMetadata(cache=self.cache, slot_rows=slot_rows.to(to), decode_groups=[], prefills=[],
+                                 decode_rows=rows, layers=layers)
+        return StepInputs(torch.tensor([plain.token_ids], device=to), torch.tensor([plain.positions], device=to), meta,
+                          list(range(n)), list(range(n)))
 
     def _cache_meta(self, cache: KVCache, tables: list[int], prefills: list[PrefillSlice], table_starts: torch.Tensor,
                     positions: torch.Tensor, entry_of: torch.Tensor, generated: torch.Tensor,

@@ -277,3 +277,46 @@ def test_both_paths_cap_scores_and_keep_to_a_sliding_window_alike():
             results[path, bool(features)] = out[0]
     torch.testing.assert_close(results["torch", True], results["kernel", True], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(results["torch", True], results["torch", False])
+
+
+@pytest.mark.skipif(q4_unavailable() is not None, reason="needs ponder's CPU kernels")
+@pytest.mark.parametrize("exact_prefill", [True, False])
+def test_a_plain_decode_step_s_inputs_are_the_general_path_s(monkeypatch, exact_prefill):
+    """runtime.model.decode_step's lists give the step `_prepare` builds with its tensor operations: the
+    same tokens, positions, slots, contexts and, within each context, block tables."""
+    import runtime.model.model_runner as model_runner
+
+    cache = _cache()
+    entries = [_decoding(9, 0), _decoding(1 + BS, 5), _decoding(2, 8), _decoding(3 * BS, 10)]
+    entries[2].seq.block_table.append(39)  # a block past its context (allocated ahead)
+    runner = _runner(cache, "kernel")
+    runner.exact_prefill = exact_prefill
+    plain = runner._prepare(entries, [])
+    monkeypatch.setattr(model_runner, "plain_decode", lambda *args: None)
+    general = runner._prepare(entries, [])
+    for name in ("input_ids", "positions", "last_token_index", "entry_start"):
+        got, want = getattr(plain, name), getattr(general, name)
+        assert (torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want), name
+    assert torch.equal(plain.meta.slot_rows, general.meta.slot_rows)
+    p, g = plain.meta.decode_rows, general.meta.decode_rows
+    assert torch.equal(p.rows, g.rows) and torch.equal(p.ctx, g.ctx) and p.tables.shape == g.tables.shape
+    for row, ctx in enumerate(g.ctx.tolist()):
+        blocks = -(-ctx // BS)
+        assert torch.equal(p.tables[row, :blocks], g.tables[row, :blocks])
+    assert not plain.meta.decode_groups and not plain.meta.prefills and plain.meta.num_padding == 0
+    q, k, v = (torch.randn(1, n, len(entries), D, generator=torch.Generator().manual_seed(3)) for n in (H, KVH, KVH))
+    layer = types.SimpleNamespace(layer_idx=0)
+    assert torch.equal(paged_attention(layer, q, k, v, None, ponder_attention=plain.meta)[0],
+                       paged_attention(layer, q, k, v, None, ponder_attention=general.meta)[0])
+
+
+def test_a_step_with_a_prompt_token_is_not_a_plain_decode():
+    from runtime.model.decode_step import plain_decode
+
+    seq = Sequence(list(range(6)), num_prompt_tokens=6)
+    seq.num_computed_tokens, seq.block_table = 5, [0, 1]
+    prompt_end = ScheduledSequence(seq, 1)  # the prompt's last token
+    assert plain_decode([prompt_end], BS, exact_prefill=False) is None
+    assert plain_decode([prompt_end], BS, exact_prefill=True) is not None  # every token attends alone
+    assert plain_decode([_decoding(9, 0), ScheduledSequence(_decoding(5, 3).seq, 2)], BS, exact_prefill=True) is None
+    assert plain_decode([], BS, exact_prefill=True) is None
