@@ -166,7 +166,7 @@ void run_blocks(int format, int64_t isa, const int8_t* xq, const float* xscale, 
 
 // Rows a thread prepares at least: about 8192 inputs, so one row (a decode step of one stream) stays on
 // the calling thread and 16 rows of a 576-wide model are split (each row's bits are its own either way).
-inline int64_t prepare_grain(int64_t K) { return std::max<int64_t>(1, 8192 / K); }
+inline int64_t prepare_grain(int64_t K) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)); }
 
 // Each row of x [R, K] quantized per group for the kernel (`prepare`), without a norm.
 void prepare_rows(const float* xp, int64_t R, int64_t K, int64_t isa, int8_t* xq, float* xscale, float* xsum) {
