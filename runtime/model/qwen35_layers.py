@@ -238,7 +238,7 @@ class _DeltaLayer(_MLP):
 
 class HybridDecoder:
     """The lean decoder's Qwen3.5 (see the module docstring): runtime.model.decoder.LeanDecoder's interface
-    (`hidden_states`, `logits`), its kernel-stack and GPU-loop parts absent."""
+    (`hidden_states`, `logits`), its GPU-loop part absent and its stack kernel runtime.model.hybrid_stack's."""
 
     gpu = None  # (no Triton loop)
     floats = kernel_form = False
