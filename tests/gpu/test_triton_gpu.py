@@ -70,13 +70,20 @@ def test_the_block_gemm_keeps_each_row_s_bits():
     torch.testing.assert_close(batch.float(), x.float() @ dense.T, atol=0.5, rtol=0.02)
 
 
-def test_the_triton_loop_gives_the_torch_loop_s_tokens_in_float32(tiny_llama):
+@pytest.fixture
+def fixture_value(request):
+    return request.getfixturevalue
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])  # (Qwen3: head norms in the attention inputs)
+def test_the_triton_loop_gives_the_torch_loop_s_tokens_in_float32(fixture_value, model):
+    path = fixture_value(model)
     requests = lambda: [request("greedy", [1, 5, 6, 7, 8, 9], max_tokens=12),  # noqa: E731
                         request("sampled", [1, 40, 41], max_tokens=12, temperature=0.8, seed=3, n=3)]
-    triton_engine = engine_for(tiny_llama, device="cuda", dtype="float32")
+    triton_engine = engine_for(path, device="cuda", dtype="float32")
     assert triton_engine.runner.gpu_kernels and triton_engine.runner.decoder.gpu is not None
     expected = run(triton_engine, requests())
-    torch_engine = engine_for(tiny_llama, device="cuda", dtype="float32")
+    torch_engine = engine_for(path, device="cuda", dtype="float32")
     torch_engine.runner.graphs = None
     torch_engine.runner.gpu_kernels = False
     torch_engine.runner.attention_kernel = None  # decode attention in torch's batched matmuls

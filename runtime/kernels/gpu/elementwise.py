@@ -1,6 +1,6 @@
-"""RMSNorm (with the residual add before it), rotary embeddings and SiLU * mul as Triton kernels.
+"""RMSNorm (with the residual add before it) and SiLU * mul as Triton kernels.
 
-The arithmetic is transformers' (LlamaRMSNorm, `x * cos + rotate_half(x) * sin`, `silu(gate) * up`),
+The arithmetic is transformers' (LlamaRMSNorm, `silu(gate) * up`),
 computed in float32 and rounded to the activations' dtype where transformers rounds between
 operators that change the result (the norm's output before the weight, silu's output before the
 product); the rest is rounded once, so bfloat16 results are within one rounding of torch's.
@@ -43,34 +43,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                            0 if residual is None else residual.stride(0), out.stride(0), eps,
                            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n))
     return out, summed
-
-
-@triton.jit
-def _rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, x_token_stride, x_head_stride, D: tl.constexpr,
-            BLOCK: tl.constexpr):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    inside = d < D
-    base = x_ptr + token * x_token_stride + head * x_head_stride
-    x = tl.load(base + d, mask=inside, other=0.0).to(tl.float32)
-    rolled = tl.load(base + (d + D // 2) % D, mask=inside, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + token * D + d, mask=inside, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + token * D + d, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (token * heads + head) * D + d, (x * cos + rolled * sin).to(out_ptr.dtype.element_ty),
-             mask=inside)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x` `[T, heads, D]` (heads and tokens may be strided) rotated: x * cos + roll(x, D / 2) * sin,
-    `cos` and `sin` `[T, D]` with the sign of rotate_half already in `sin` (its first half negated)."""
-    tokens, heads, dim = x.shape
-    assert x.stride(2) == 1 and dim % 2 == 0
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-    if tokens:
-        _rotary[(tokens, heads)](x, cos.contiguous(), sin.contiguous(), out, heads, x.stride(0), x.stride(1),
-                                 D=dim, BLOCK=triton.next_power_of_2(dim))
-    return out
 
 
 @triton.jit

@@ -16,30 +16,61 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_kv(key_ptr, value_ptr, rows_ptr, cache_ptr, layer_offset, tokens, heads, key_stride, value_stride,
-              D: tl.constexpr, BLOCK: tl.constexpr):
+def _attention_inputs(qkv_ptr, cos_ptr, sin_ptr, norms_ptr, eps, q_ptr, rows_ptr, cache_ptr, layer_offset, tokens,
+                      qkv_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_NORM: tl.constexpr, HAS_ROTARY: tl.constexpr):
     token = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1)  # a query head, then (from HEADS on) a key head with its value head
     d = tl.arange(0, BLOCK)
     inside = d < D
-    key_row = tl.load(rows_ptr + token * heads + head).to(tl.int64) + layer_offset
-    value_row = tl.load(rows_ptr + (tokens + token) * heads + head).to(tl.int64) + layer_offset
-    key = tl.load(key_ptr + token * key_stride + head * D + d, mask=inside)
-    value = tl.load(value_ptr + token * value_stride + head * D + d, mask=inside)
-    tl.store(cache_ptr + key_row * D + d, key, mask=inside)
-    tl.store(cache_ptr + value_row * D + d, value, mask=inside)
+    base = qkv_ptr + token * qkv_stride + head * D
+    x = tl.load(base + d, mask=inside, other=0.0)
+    half = (d + D // 2) % D
+    rolled = tl.load(base + half, mask=inside, other=0.0)
+    if HAS_NORM:  # Qwen3's RMSNorm over the head: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the weight q's or k's
+        wide = x.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(wide * wide, axis=0) / D + eps)
+        weights = norms_ptr + (head >= HEADS).to(tl.int32) * D
+        x = (tl.load(weights + d, mask=inside, other=0.0).to(tl.float32) *
+             (wide * scale).to(x.dtype).to(tl.float32)).to(x.dtype)
+        rolled = (tl.load(weights + half, mask=inside, other=0.0).to(tl.float32) *
+                  (rolled.to(tl.float32) * scale).to(x.dtype).to(tl.float32)).to(x.dtype)
+    if HAS_ROTARY:  # x * cos + roll(x, D / 2) * sin (rotate_half's sign in `sin`), rounded once
+        cos = tl.load(cos_ptr + token * D + d, mask=inside, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + token * D + d, mask=inside, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) * cos + rolled.to(tl.float32) * sin).to(x.dtype)
+    if head < HEADS:
+        tl.store(q_ptr + (token * HEADS + head) * D + d, x.to(q_ptr.dtype.element_ty), mask=inside)
+    else:
+        kv_head = head - HEADS
+        key_row = tl.load(rows_ptr + token * KV_HEADS + kv_head).to(tl.int64) + layer_offset
+        value_row = tl.load(rows_ptr + (tokens + token) * KV_HEADS + kv_head).to(tl.int64) + layer_offset
+        value = tl.load(base + KV_HEADS * D + d, mask=inside)
+        tl.store(cache_ptr + key_row * D + d, x.to(cache_ptr.dtype.element_ty), mask=inside)
+        tl.store(cache_ptr + value_row * D + d, value.to(cache_ptr.dtype.element_ty), mask=inside)
 
 
-def write_kv(kv: torch.Tensor, layer_rows: int, layer: int, slot_rows: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor) -> None:
-    """`KVCache.write_rows` as one kernel: `key`, `value` `[T, KVH, D]` (heads contiguous, tokens may
-    be strided) stored at `slot_rows` `[2, T, KVH]` (layer 0's rows) of layer `layer`."""
-    tokens, heads, dim = key.shape
-    assert key.stride(2) == 1 and key.stride(1) == dim and value.stride(2) == 1 and value.stride(1) == dim
-    assert slot_rows.shape == (2, tokens, heads) and key.shape == value.shape
-    if tokens:
-        _write_kv[(tokens, heads)](key, value, slot_rows.contiguous(), kv, layer * layer_rows, tokens, heads,
-                                   key.stride(0), value.stride(0), D=dim, BLOCK=triton.next_power_of_2(dim))
+def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                     norms: torch.Tensor | None, eps: float, queries: torch.Tensor, kv: torch.Tensor, layer_rows: int,
+                     layer: int, slot_rows: torch.Tensor) -> None:
+    """A decode layer's qkv projection `[T, (H + 2 KVH) * D]` made ready to attend, in one launch: each
+    query and key head normed (`norms` `[2, D]`: q's weight, then k's; None: no head norms, Qwen3 has
+    them) and rotated (`cos`, `sin` `[T, D]`, rotate_half's sign in `sin`'s first half; None: the layer does not rotate),
+    the queries written to `queries` `[T, H, D]`, the keys and values stored in layer `layer` of `kv` at
+    `slot_rows` `[2, T, KVH]` (layer 0's rows, as `KVCache.write_rows` takes them). The arithmetic is transformers': the
+    norm rounds where Qwen3RMSNorm does, the rotary once (as `rotary`)."""
+    tokens = qkv.shape[0]
+    dim = queries.shape[2]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * dim and queries.is_contiguous()
+    assert slot_rows.shape == (2, tokens, kv_heads) and queries.shape[:2] == (tokens, heads) and dim % 2 == 0
+    if not tokens:
+        return
+    rotary = cos is not None
+    _attention_inputs[(tokens, heads + kv_heads)](
+        qkv, cos.contiguous() if rotary else qkv, sin.contiguous() if rotary else qkv,
+        qkv if norms is None else norms.contiguous(), float(eps), queries, slot_rows.contiguous(), kv,
+        layer * layer_rows, tokens, qkv.stride(0), HEADS=heads, KV_HEADS=kv_heads, D=dim,
+        BLOCK=triton.next_power_of_2(dim), HAS_NORM=norms is not None, HAS_ROTARY=rotary)
 
 
 @triton.jit

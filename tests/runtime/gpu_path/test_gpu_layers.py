@@ -4,7 +4,6 @@ layer loop (runtime.model.gpu_layers) and the Triton decode attention give the t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runtime.model import gpu_layers
 from tests.runtime.engine_helpers import engine_for, request, run
@@ -104,3 +103,50 @@ def test_the_device_check_splits_a_replayed_step_and_leaves_the_graphs_as_they_w
     assert out["other_us"] == pytest.approx(out["step_us"] - out["fill_us"] - out["replay_us"], abs=0.15)
     assert "_fill" not in vars(graphs) and "_step" not in vars(graphs)
     assert type(graphs)._fill is DecodeGraphs._fill
+
+
+# llama; Qwen3 (its head norms in the attention-inputs kernel too); Qwen2 (a bias on the qkv matmul)
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3", "tiny_qwen2"])
+def test_a_decode_layer_is_nine_launches(request_fixture_value, model, monkeypatch):
+    """What a decode step of the Triton loop runs, counted on the CPU: each of ponder's kernels a launch,
+    and every torch operator outside them that is not a view or an allocation (a matmul, a fill)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    engine = engine_for(request_fixture_value(model), quantize="none", num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    launches, inside = [], []
+    for name in ("rms_norm", "attention_inputs", "decode_attention", "silu_mul"):
+        def kernel(*args, _run=getattr(gpu_layers, name), _name=name, **kwargs):
+            launches.append(_name)
+            inside.append(_name)
+            try:
+                return _run(*args, **kwargs)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(gpu_layers, name, kernel)
+    free = {"aten.empty.memory_format", "aten.view.default", "aten.slice.Tensor", "aten.t.default",
+            "aten._unsafe_view.default", "aten.detach.default", "aten.alias.default",
+            "aten.reshape.default"}  # (the step's cos and sin to [T, D]: views of the decoder's)
+
+    class Operators(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside and str(func) not in free:
+                launches.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    steps, call = [], gpu_layers.GpuLayers.__call__
+
+    def counted(self, *args, **kwargs):
+        launches.clear()
+        with Operators():
+            out = call(self, *args, **kwargs)
+        steps.append(list(launches))
+        return out
+
+    monkeypatch.setattr(gpu_layers.GpuLayers, "__call__", counted)
+    engine.runner.attention_kernel = gpu_layers.decode_attention  # (the counted kernel: `covers` asks for it)
+    run(engine, [request("greedy", PROMPTS[0], max_tokens=3)])
+    layer = ["rms_norm", "aten.linear.default", "attention_inputs", "decode_attention", "aten.linear.default",
+             "rms_norm", "aten.linear.default", "silu_mul", "aten.linear.default"]
+    assert len(steps) == 3  # (the prompt's step too: exact prefill attends each prompt token alone)
+    assert steps[-1] == ["aten.zeros.default"] + layer * len(engine.runner.decoder.layers) + ["rms_norm"]

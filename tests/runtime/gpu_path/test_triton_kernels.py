@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.gpu.elementwise import rms_norm, rotary, silu_mul
-from runtime.kernels.gpu.paged import decode_attention, write_kv
+from runtime.kernels.gpu.elementwise import rms_norm, silu_mul
+from runtime.kernels.gpu.paged import attention_inputs, decode_attention
 from storage.kv_cache import KVCache, KVShape
 
 
@@ -34,18 +34,6 @@ def test_rms_norm_with_and_without_residual(dtype):
     torch.testing.assert_close(out, torch_rms_norm(x + res, weight, 1e-6), **tol)
 
 
-def test_rotary_of_strided_heads_matches_rotate_half():
-    gen = torch.Generator().manual_seed(1)
-    qkv = torch.randn(3, 7, 16, generator=gen)  # 4 query heads, 2 key heads, 1 value head: rotate 6 of 7
-    angles = torch.randn(3, 8, generator=gen)
-    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
-    signed = torch.cat((-sin[:, :8], sin[:, 8:]), -1)
-    out = rotary(qkv[:, :6], cos, signed)
-    x = qkv[:, :6]
-    expected = x * cos[:, None] + torch.cat((-x[..., 8:], x[..., :8]), -1) * sin[:, None]
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
-
-
 def test_silu_mul():
     gen = torch.Generator().manual_seed(2)
     gate_up = torch.randn(4, 2 * 40, generator=gen)
@@ -60,14 +48,46 @@ def _cache(dtype=torch.float32, blocks=8):
     return cache
 
 
-def test_write_kv_is_write_rows():
+def _rotation(tokens, dim, gen):
+    angles = torch.randn(tokens, dim // 2, generator=gen)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    return cos, torch.cat((-sin[:, :dim // 2], sin[:, dim // 2:]), -1)  # (rotate_half's sign in sin, as the decoder's)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("rotated", [True, False])
+def test_attention_inputs_are_the_torch_loop_s_norms_rotary_and_kv_write(dtype, normed, rotated):
+    """One launch for what the torch loop does in `queries_and_keys` and `KVCache.write_rows`: 4 query
+    heads and 2 KV heads of a strided qkv, Qwen3's head norms (or none), the rotary (or none)."""
+    from runtime.model.norms import RMSNorm
+
     gen = torch.Generator().manual_seed(4)
-    mine, theirs = _cache(), _cache()
-    key, value = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    heads, kv_heads, dim, tokens = 4, 2, 16, 3
+    wide = torch.randn(tokens, (heads + 2 * kv_heads) * dim + 5, generator=gen).to(dtype)
+    qkv = wide[:, :(heads + 2 * kv_heads) * dim]  # (rows strided, as a slice of a wider output)
+    cos, sin = _rotation(tokens, dim, gen)
+    weights = torch.randn(2, dim, generator=gen).to(dtype)
+    mine, theirs = _cache(dtype), _cache(dtype)
     slots = mine.row_index(torch.tensor([5, 0, 2]), torch.tensor([3, 1, 0]))
-    write_kv(mine.kv, mine.layer_rows, 1, slots, key, value)
-    theirs.write_rows(1, slots, key, value)
-    assert torch.equal(mine.kv, theirs.kv)
+    queries = torch.empty(tokens, heads, dim, dtype=dtype)
+    attention_inputs(qkv, heads, kv_heads, cos if rotated else None, sin if rotated else None,
+                     weights if normed else None, 1e-6, queries, mine.kv, mine.layer_rows, 1, slots)
+    qk = qkv[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim)
+    if normed:
+        qk = torch.cat((RMSNorm(weights[0], 1e-6)(qk[:, :heads]), RMSNorm(weights[1], 1e-6)(qk[:, heads:])), 1)
+    if rotated:  # (in float32, rounded once: the kernel's rounding)
+        qk = (qk.float() * cos[:, None] + torch.roll(qk.float(), dim // 2, -1) * sin[:, None]).to(dtype)
+    value = qkv[:, (heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim)
+    theirs.write_rows(1, slots, qk[:, heads:], value)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0.0625, rtol=0.016)
+    if not normed and not rotated or (dtype == torch.float32 and not normed):
+        tol = dict(atol=0.0, rtol=0.0)  # (no norm: the same operations in the same order)
+    torch.testing.assert_close(queries, qk[:, :heads], **tol)
+    torch.testing.assert_close(mine.kv, theirs.kv, **tol)
+    written = torch.zeros(mine.kv.numel() // dim, dtype=torch.bool)
+    written[slots.flatten() + mine.layer_rows] = True
+    assert torch.equal(mine.kv.view(-1, dim)[~written], theirs.kv.view(-1, dim)[~written])  # nothing else touched
 
 
 def torch_attention(q, cache, layer, table, ctx, scale, window=0):
