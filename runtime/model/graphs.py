@@ -4,7 +4,8 @@ A pure decode step (every scheduled sequence computes one new token, its block t
 the buffers, no residency hooks, no recurrent layers, nothing asked of it but the logits of its
 last tokens) is written into persistent device buffers (token ids, positions, KV slots, block
 tables, context lengths) at the padded batch size row padding gives its sequence count
-(runtime.model.row_padding), and the lean decoder's Triton loop (runtime.model.gpu_layers) and the
+(runtime.model.row_padding): two copies from host buffers a step (pinned on CUDA), the tables and the
+rest, and the lean decoder's Triton loop (runtime.model.gpu_layers) and the
 head run on them. On a CUDA device each padded size is captured once as a CUDA graph, the largest
 first, all sharing one memory pool (vLLM's FULL_DECODE_ONLY), and a step replays its size's graph;
 elsewhere (the CPU twin the tests run in Triton's interpreter) the same static-buffer step runs
@@ -48,15 +49,30 @@ class DecodeGraphs:
         self.capture = cache.device.type == "cuda" if capture is None else capture
         device, largest = cache.device, self.sizes[-1]
         kv_heads = cache.shape.num_kv_heads
-        self.input_ids = torch.zeros((1, largest), dtype=torch.long, device=device)
-        self.positions = torch.zeros((1, largest), dtype=torch.long, device=device)
-        self.slot_rows = torch.zeros((2, largest, kv_heads), dtype=torch.long, device=device)
+        # Token ids, positions, context lengths and KV slot rows: views of one device buffer, written a step
+        # by one copy of its host mirror (pinned on CUDA); block tables a second copy.
+        pinned = self.capture
+        self._host = torch.zeros(largest * (3 + 2 * kv_heads), dtype=torch.long, pin_memory=pinned)
+        flat = torch.zeros_like(self._host, device=device)
+        self._flat = flat
+        self.input_ids, self.positions = flat[:largest].view(1, largest), flat[largest:2 * largest].view(1, largest)
+        self.ctx, self.slot_rows = flat[2 * largest:3 * largest], flat[3 * largest:].view(2, largest, kv_heads)
+        host = self._host.numpy()
+        self._ids, self._positions, self._ctx = host[:largest], host[largest:2 * largest], host[2 * largest:3 * largest]
+        self._slots = host[3 * largest:].reshape(2, largest, kv_heads)
+        # a slot's rows are its block times `_block_rows`, plus its offset, plus the pattern `[2, KVH]`
+        origin = torch.zeros(1, dtype=torch.long)
+        self._pattern = cache.row_index(origin, origin)[:, 0].numpy()
+        self._block_rows = cache.shape.num_layers * cache.layer_rows
+        self._pad_slots = self._pattern + cache.scratch_block * self._block_rows  # (block `scratch`, offset 0)
+        self._tables_host = torch.empty(0, dtype=torch.long)
+        self._copied = torch.cuda.Event() if pinned else None  # the last step's copies out of the host buffers
         self.tables = torch.full((largest, self.max_blocks), cache.scratch_block, dtype=torch.long, device=device)
-        self.ctx = torch.ones(largest, dtype=torch.long, device=device)
         self.rows = torch.arange(largest, device=device)
         self.logits: dict[int, torch.Tensor] = {}  # each size's output (a graph's static output on CUDA)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._scratch_slots()
+        self._pad(0, largest)
+        flat.copy_(self._host)
         if self.capture:
             self._capture_all()
 
@@ -77,37 +93,37 @@ class DecodeGraphs:
         return logits[:len(scheduled)]
 
     def _fill(self, scheduled: Seq[ScheduledSequence], size: int) -> None:
-        n, bs = len(scheduled), self.cache.block_size
-        ids, positions, blocks, offsets, widest = [], [], [], [], 1
-        for entry in scheduled:
-            seq = entry.seq
-            position = seq.num_computed_tokens
-            ids.append(seq.token_ids[position])
-            positions.append(position)
-            blocks.append(seq.block_table[position // bs])
-            offsets.append(position % bs)
-            widest = max(widest, len(seq.block_table))
-        tables = torch.full((n, widest), self.cache.scratch_block, dtype=torch.long)
+        n, bs, rows = len(scheduled), self.cache.block_size, self._block_rows
+        if self._copied is not None:
+            self._copied.synchronize()  # (the host buffers' last copies are done before they are rewritten)
+        widest = max(len(entry.seq.block_table) for entry in scheduled)
+        tables = self._host_tables(size, widest)
+        tables.fill(self.cache.scratch_block)
+        ids, positions, ctx, slots = self._ids, self._positions, self._ctx, self._slots
         for i, entry in enumerate(scheduled):
-            tables[i, :len(entry.seq.block_table)] = torch.tensor(entry.seq.block_table)
-        to = self.cache.device
-        position_t = torch.tensor(positions)
-        self.input_ids[0, :n].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[0, :n].copy_(position_t, non_blocking=True)
-        self.ctx[:n].copy_(position_t + 1, non_blocking=True)
-        self.slot_rows[:, :n].copy_(self.cache.row_index(torch.tensor(blocks), torch.tensor(offsets)).to(to))
-        self.tables[:n, :widest].copy_(tables.to(to))
-        if n < size:  # the padded rows: throwaway tokens at position 0 in the scratch block (see `_scratch_slots`)
-            self.input_ids[0, n:size] = 0
-            self.positions[0, n:size] = 0
-            self.ctx[n:size] = 1
-            self.tables[n:size, 0] = self.cache.scratch_block
-            self.slot_rows[:, n:size] = self._pad_slots[:, :size - n]
+            seq, table = entry.seq, entry.seq.block_table
+            position = seq.num_computed_tokens
+            ids[i], positions[i], ctx[i] = seq.token_ids[position], position, position + 1
+            tables[i, :len(table)] = table
+            slots[:, i] = self._pattern + (table[position // bs] * rows + position % bs)
+        self._pad(n, size)
+        self._flat.copy_(self._host, non_blocking=True)
+        self.tables[:size, :widest].copy_(self._tables_host[:size * widest].view(size, widest), non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
-    def _scratch_slots(self) -> None:
-        scratch = torch.full((self.sizes[-1],), self.cache.scratch_block)
-        self._pad_slots = self.cache.row_index(scratch, torch.zeros_like(scratch)).to(self.cache.device)
-        self.slot_rows.copy_(self._pad_slots)
+    def _pad(self, start: int, end: int) -> None:
+        """Rows `start`..`end` of the host buffer as padded rows: throwaway tokens at position 0 in the
+        scratch block (see the module docstring)."""
+        self._ids[start:end], self._positions[start:end], self._ctx[start:end] = 0, 0, 1
+        self._slots[:, start:end] = self._pad_slots[:, None]
+
+    def _host_tables(self, size: int, widest: int):
+        """The host's `[size, widest]` block tables (a numpy view of a buffer grown as tables widen)."""
+        if self._tables_host.numel() < size * widest:
+            self._tables_host = torch.empty(max(size * widest, 2 * self._tables_host.numel()), dtype=torch.long,
+                                            pin_memory=self._copied is not None)
+        return self._tables_host[:size * widest].numpy().reshape(size, widest)
 
     def _step(self, size: int) -> torch.Tensor:
         """The static-buffer step at padded size `size`: the lean decoder's Triton loop and the head."""

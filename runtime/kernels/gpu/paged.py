@@ -16,8 +16,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _attention_inputs(qkv_ptr, cos_ptr, sin_ptr, norms_ptr, eps, q_ptr, rows_ptr, cache_ptr, layer_offset, tokens,
-                      qkv_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+def _attention_inputs(qkv_ptr, cos_ptr, sin_ptr, norms_ptr, eps, q_ptr, rows_ptr, cache_ptr, layer_offset, rows_stride,
+                      rows_token_stride, qkv_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_NORM: tl.constexpr, HAS_ROTARY: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # a query head, then (from HEADS on) a key head with its value head
@@ -43,8 +43,8 @@ def _attention_inputs(qkv_ptr, cos_ptr, sin_ptr, norms_ptr, eps, q_ptr, rows_ptr
         tl.store(q_ptr + (token * HEADS + head) * D + d, x.to(q_ptr.dtype.element_ty), mask=inside)
     else:
         kv_head = head - HEADS
-        key_row = tl.load(rows_ptr + token * KV_HEADS + kv_head).to(tl.int64) + layer_offset
-        value_row = tl.load(rows_ptr + (tokens + token) * KV_HEADS + kv_head).to(tl.int64) + layer_offset
+        key_row = tl.load(rows_ptr + token * rows_token_stride + kv_head).to(tl.int64) + layer_offset
+        value_row = tl.load(rows_ptr + rows_stride + token * rows_token_stride + kv_head).to(tl.int64) + layer_offset
         value = tl.load(base + KV_HEADS * D + d, mask=inside)
         tl.store(cache_ptr + key_row * D + d, x.to(cache_ptr.dtype.element_ty), mask=inside)
         tl.store(cache_ptr + value_row * D + d, value.to(cache_ptr.dtype.element_ty), mask=inside)
@@ -57,19 +57,21 @@ def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Te
     query and key head normed (`norms` `[2, D]`: q's weight, then k's; None: no head norms, Qwen3 has
     them) and rotated (`cos`, `sin` `[T, D]`, rotate_half's sign in `sin`'s first half; None: the layer does not rotate),
     the queries written to `queries` `[T, H, D]`, the keys and values stored in layer `layer` of `kv` at
-    `slot_rows` `[2, T, KVH]` (layer 0's rows, as `KVCache.write_rows` takes them). The arithmetic is transformers': the
+    `slot_rows` `[2, T, KVH]` (layer 0's rows, as `KVCache.write_rows` takes them; keys and values, and
+    tokens, may be strided). The arithmetic is transformers': the
     norm rounds where Qwen3RMSNorm does, the rotary once (as `rotary`)."""
     tokens = qkv.shape[0]
     dim = queries.shape[2]
     assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * dim and queries.is_contiguous()
-    assert slot_rows.shape == (2, tokens, kv_heads) and queries.shape[:2] == (tokens, heads) and dim % 2 == 0
+    assert slot_rows.shape == (2, tokens, kv_heads) and slot_rows.stride(2) == 1
+    assert queries.shape[:2] == (tokens, heads) and dim % 2 == 0
     if not tokens:
         return
     rotary = cos is not None
     _attention_inputs[(tokens, heads + kv_heads)](
         qkv, cos.contiguous() if rotary else qkv, sin.contiguous() if rotary else qkv,
-        qkv if norms is None else norms.contiguous(), float(eps), queries, slot_rows.contiguous(), kv,
-        layer * layer_rows, tokens, qkv.stride(0), HEADS=heads, KV_HEADS=kv_heads, D=dim,
+        qkv if norms is None else norms.contiguous(), float(eps), queries, slot_rows, kv, layer * layer_rows,
+        slot_rows.stride(0), slot_rows.stride(1), qkv.stride(0), HEADS=heads, KV_HEADS=kv_heads, D=dim,
         BLOCK=triton.next_power_of_2(dim), HAS_NORM=norms is not None, HAS_ROTARY=rotary)
 
 

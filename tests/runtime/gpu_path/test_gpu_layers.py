@@ -4,6 +4,7 @@ layer loop (runtime.model.gpu_layers) and the Triton decode attention give the t
 from __future__ import annotations
 
 import pytest
+import torch
 
 from runtime.model import gpu_layers
 from tests.runtime.engine_helpers import engine_for, request, run
@@ -71,6 +72,32 @@ def test_the_static_buffer_decode_step_gives_the_eager_path_s_tokens(tiny_llama,
     assert run(engine, requests()) == expected
     # The prompts' step is eager; then two steps of three sequences, each padded as row padding pads 3.
     assert sizes == [engine.runner.padding.pad(3)] * 2
+
+
+def test_the_static_buffers_follow_a_batch_that_shrinks_and_tables_that_widen(tiny_llama, monkeypatch):
+    """Three sequences, then one past the others' end: the rows the host buffers held for the others are
+    padded rows again, and the long one's table widens a block every 4 tokens."""
+    from runtime.model.graphs import DecodeGraphs
+
+    asked = lambda: [request("long", PROMPTS[0], max_tokens=11),  # noqa: E731
+                     request("sampled", PROMPTS[1], max_tokens=3, temperature=0.8, seed=3, n=2)]
+    expected = run(engine_for(tiny_llama, quantize="none", num_blocks=32), asked())
+    engine = engine_for(tiny_llama, quantize="none", num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    assert engine.runner.use_graphs(capture=False, max_rows=4)
+    sizes = []
+    step = DecodeGraphs._step
+    monkeypatch.setattr(DecodeGraphs, "_step", lambda self, size: sizes.append(size) or step(self, size))
+    assert run(engine, asked()) == expected
+    pad = engine.runner.padding.pad
+    assert sizes == [pad(3)] * 2 + [pad(1)] * 8
+    # after the last step the rows the others held are padded rows: token 0 at position 0, its KV bound for
+    # the scratch block alone (not into the blocks the others freed)
+    graphs, scratch = engine.runner.graphs, engine.runner.cache.scratch_block
+    assert graphs.input_ids[0, 1:4].tolist() == [0] * 3 and graphs.positions[0, 1:4].tolist() == [0] * 3
+    assert graphs.ctx[1:4].tolist() == [1] * 3 and graphs.tables[1:4, 0].tolist() == [scratch] * 3
+    padded = engine.runner.cache.row_index(torch.tensor([scratch] * 3), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(graphs.slot_rows[:, 1:4], padded)
 
 
 def test_graphs_need_row_padding_and_the_triton_loop(tiny_llama):

@@ -71,8 +71,10 @@ def test_attention_inputs_are_the_torch_loop_s_norms_rotary_and_kv_write(dtype, 
     mine, theirs = _cache(dtype), _cache(dtype)
     slots = mine.row_index(torch.tensor([5, 0, 2]), torch.tensor([3, 1, 0]))
     queries = torch.empty(tokens, heads, dim, dtype=dtype)
+    wider = torch.zeros(2, tokens + 2, kv_heads, dtype=torch.long)
+    wider[:, :tokens] = slots  # (strided, as a static buffer's first rows: read in place)
     attention_inputs(qkv, heads, kv_heads, cos if rotated else None, sin if rotated else None,
-                     weights if normed else None, 1e-6, queries, mine.kv, mine.layer_rows, 1, slots)
+                     weights if normed else None, 1e-6, queries, mine.kv, mine.layer_rows, 1, wider[:, :tokens])
     qk = qkv[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim)
     if normed:
         qk = torch.cat((RMSNorm(weights[0], 1e-6)(qk[:, :heads]), RMSNorm(weights[1], 1e-6)(qk[:, heads:])), 1)
