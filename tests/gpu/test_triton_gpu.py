@@ -54,18 +54,19 @@ def test_the_elementwise_kernels_stay_within_a_rounding_of_torch():
                                atol=0.03, rtol=0.016)
 
 
-def test_the_block_gemm_keeps_each_row_s_bits():
+@pytest.mark.parametrize("tile", [None, (8, 128, 4, 4)])  # (the default tile; the inputs split four ways)
+def test_the_block_gemm_keeps_each_row_s_bits(tile):
     from runtime.kernels.gpu.linear import block_linear, pack_nibbles
 
     gen = torch.Generator().manual_seed(2)
     codes = torch.randint(0, 16, (96, 512), generator=gen, dtype=torch.uint8).to(DEVICE)
     d, m = torch.rand(96, 16, generator=gen).to(DEVICE), torch.randn(96, 16, generator=gen).to(DEVICE)
     x = torch.randn(40, 512, generator=gen).to(DEVICE, torch.bfloat16)
-    batch = block_linear(x, codes, d, m)
+    batch = block_linear(x, codes, d, m, tile=tile)
     for count in (1, 5, 17):
-        assert torch.equal(block_linear(x[:count], codes, d, m), batch[:count])
+        assert torch.equal(block_linear(x[:count], codes, d, m, tile=tile), batch[:count])
     packed = pack_nibbles(codes)  # two codes a byte: the same arithmetic, the same bits
-    assert torch.equal(block_linear(x, packed, d, m, packed=True), batch)
+    assert torch.equal(block_linear(x, packed, d, m, packed=True, tile=tile), batch)
     dense = d.repeat_interleave(32, 1) * codes.float() + m.repeat_interleave(32, 1)
     torch.testing.assert_close(batch.float(), x.float() @ dense.T, atol=0.5, rtol=0.02)
 

@@ -5,6 +5,8 @@ Each program computes `BLOCK_N` outputs of one row (a GEMV: decode steps have fe
 the input features in chunks of `BLOCK_K` in order (a packed chunk's bytes loaded once each, its
 groups' scales once a group), with sizes that never depend on the number of rows: a row's outputs
 are the same bits whatever the other rows (batch invariance by construction, as the CPU kernels are).
+A tile may split the inputs among `SPLITS` programs (split-K: their float32 sums added up in order by a
+second kernel), which the shape alone decides too.
 The weights are dequantized in registers from the file's codes and scales (no re-quantization; what
 `gguf.dequantize` computes, tested), and the products summed in float32 on the CUDA cores.
 
@@ -28,22 +30,28 @@ import triton.language as tl
 
 TILE = (8, 512, 4)  # (outputs, inputs a chunk, warps) a program: from the shapes alone, never the rows
 # Tiles the device check times (bench/gpu.py, `linear_sweep`); on an H200 (bench/results/gpu-nvidia-h200.json)
-# TILE was within 20 % of the fastest at one row for every matmul of an 8B-shaped llama
-TILES = ((32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (8, 256, 2), (4, 1024, 4))
+# TILE was within 20 % of the fastest at one row for every matmul of an 8B-shaped llama. A fourth number
+# splits the inputs among that many programs a row and outputs (float32 sums, added up in order by a
+# second launch): more programs in flight for a narrow layer, not yet timed on a GPU.
+TILES = ((32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (8, 256, 2), (4, 1024, 4),
+         (8, 512, 4, 2), (8, 512, 4, 4), (16, 256, 4, 8), (4, 1024, 4, 4))
 # A layer shape's tile where one was chosen for it, (outputs, inputs, packed) -> tile: keyed on the shape
 # alone, so every row count of that shape still sums in one order (the device check fills it from its sweep)
-CHOSEN: dict[tuple[int, int, bool], tuple[int, int, int]] = {}
+CHOSEN: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
 
 @triton.jit
-def _linear(x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, outs, x_stride, w_stride, d_stride, out_stride,
+def _linear(x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, outs, rows, x_stride, w_stride, d_stride, out_stride,
             INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
-            PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+            CHUNK: tl.constexpr):
     row = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)  # the inputs split * CHUNK .. (split + 1) * CHUNK
     out_ok = rn < outs
     acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, INS, BLOCK_K):  # (the width a constant: one compiled kernel per layer shape)
+    for i in range(0, CHUNK, BLOCK_K):  # (the width a constant: one compiled kernel per layer shape)
+        k0 = split * CHUNK + i
         rk = k0 + tl.arange(0, BLOCK_K)
         in_ok = rk < INS
         x = tl.load(x_ptr + row * x_stride + rk, mask=in_ok, other=0.0).to(tl.float32)
@@ -65,26 +73,47 @@ def _linear(x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, outs, x_stride, w_stride, d_str
                 w = w + tl.load(m_ptr + group, mask=group_ok, other=0.0)[:, :, None]
             w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + row * out_stride + rn, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    if SPLITS == 1:
+        tl.store(out_ptr + row * out_stride + rn, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:  # a split's float32 sums `[SPLITS, rows, outs]`, added up in order by `_sum_splits`
+        tl.store(out_ptr + (split * rows + row) * outs + rn, acc, mask=out_ok)
+
+
+@triton.jit
+def _sum_splits(part_ptr, out_ptr, outs, rows, out_stride, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < outs
+    acc = tl.load(part_ptr + row * outs + cols, mask=inside, other=0.0)
+    for split in tl.static_range(1, SPLITS):  # (first to last: one order whatever the rows)
+        acc += tl.load(part_ptr + (split * rows + row) * outs + cols, mask=inside, other=0.0)
+    tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
-            packed: bool = False, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """`tile` (outputs, inputs a chunk, warps): the sweep's; else the shape's, whatever the rows."""
+            packed: bool = False, tile: tuple[int, ...] | None = None) -> torch.Tensor:
+    """`tile` (outputs, inputs a chunk, warps[, splits]): the sweep's; else the shape's, whatever the rows."""
     rows, ins = x.shape
     outs = w.shape[0]
     assert w.shape[1] * (2 if packed else 1) == ins and x.stride(1) == 1 and w.stride(1) == 1
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     group = ins // d.shape[1] if d is not None else 1
-    block_n, block_k, warps = tile or CHOSEN.get((outs, ins, packed), TILE)
+    block_n, block_k, warps, *more = tile or CHOSEN.get((outs, ins, packed), TILE)
+    splits = more[0] if more else 1
     block_k = max(block_k, group)
     assert block_k % group == 0, f"a chunk of {block_k} inputs holds no whole number of groups of {group}"
-    grid = (rows, triton.cdiv(outs, block_n))  # (rows fastest: a tile's programs for every row run together)
-    if rows:
-        _linear[grid](x, w, w if d is None else d, w if m is None else m, out, outs, x.stride(0),
-                      w.stride(0), 0 if d is None else d.stride(0), out.stride(0), INS=ins, GROUP=group,
-                      BLOCKS=d is not None, HAS_M=m is not None, PACKED=packed, BLOCK_N=block_n, BLOCK_K=block_k,
-                      num_warps=warps)
+    if not rows:
+        return out
+    chunk = triton.cdiv(ins, splits * block_k) * block_k  # (a split's inputs: whole chunks)
+    parts = out if splits == 1 else torch.empty((splits, rows, outs), dtype=torch.float32, device=x.device)
+    grid = (rows, triton.cdiv(outs, block_n), splits)  # (rows fastest: a tile's programs for every row run together)
+    _linear[grid](x, w, w if d is None else d, w if m is None else m, parts, outs, rows, x.stride(0),
+                  w.stride(0), 0 if d is None else d.stride(0), out.stride(0), INS=ins, GROUP=group,
+                  BLOCKS=d is not None, HAS_M=m is not None, PACKED=packed, BLOCK_N=block_n, BLOCK_K=block_k,
+                  SPLITS=splits, CHUNK=chunk, num_warps=warps)
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(outs))
+        _sum_splits[(rows, triton.cdiv(outs, block))](parts, out, outs, rows, out.stride(0), SPLITS=splits, BLOCK=block)
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from runtime.kernels.gpu.linear import TILES, block_linear, linear, pack_nibbles
+from runtime.kernels.gpu.linear import TILES, _launch, block_linear, linear, pack_nibbles
 from runtime.model.gguf_blocks import decode
 
 
@@ -22,10 +22,13 @@ def assert_rows_are_their_own(fn, x):
     return batch
 
 
-def test_float_linear_matches_torch_and_keeps_each_row_s_bits():
+# the default tile; the inputs split in three programs' worth, and in four of which two read nothing
+@pytest.mark.parametrize("tile", [None, (8, 32, 4, 3), (16, 64, 4, 4)])
+def test_float_linear_matches_torch_and_keeps_each_row_s_bits(tile):
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(20, 96, generator=gen), torch.randn(40, 96, generator=gen)
-    out = assert_rows_are_their_own(lambda rows: linear(rows, w), x)
+    out = assert_rows_are_their_own(lambda rows: linear(rows, w) if tile is None else _launch(rows, w, None, None,
+                                                                                               tile=tile), x)
     torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
