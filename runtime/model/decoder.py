@@ -201,7 +201,7 @@ class LeanDecoder:
 
     def use_gpu_layers(self) -> bool:
         """Run every step the Triton kernels' loop covers there; False where the layers are not of its form."""
-        if self.gpu is None and self.kernel_form:
+        if self.gpu is None:
             from runtime.model.gpu_layers import GpuLayers
 
             self.gpu = GpuLayers.build(self)
@@ -272,7 +272,7 @@ class LeanDecoder:
         num_tokens = input_ids.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         if self.gpu is not None and self.gpu.covers(meta):
-            return self.gpu(hidden, cos, sin, meta, normed)
+            return self.gpu(hidden, rotations, meta, normed)
         if self.int4:
             hidden = self._int4_layers(hidden, cos, sin, meta)
             return self.norm(hidden) if normed else hidden

@@ -132,11 +132,12 @@ class ModelRunner:
     def use_graphs(self, capture: bool | None = None, max_rows: int | None = None) -> bool:
         """Run pure decode steps from static buffers, replaying a CUDA graph per padded batch size on a CUDA
         device (`capture`; False: the same static-buffer step run eagerly, the CPU twin); False where that
-        cannot be (no Triton loop for this model, or no row padding: batch invariance off)."""
+        cannot be (no Triton loop for this model, no row padding (batch invariance off), recurrent layers, or
+        the sliding layers' KV in a cache of its own)."""
         from runtime.model.graphs import MAX_GRAPH_ROWS, DecodeGraphs
 
         if not self.gpu_kernels or self.decoder is None or self.decoder.gpu is None or not self.padding.max_rows \
-                or self.recurrent is not None:
+                or self.recurrent is not None or self.window is not None:  # (the buffers hold one cache's slots)
             return False
         self.graphs = DecodeGraphs(self.decoder, self.cache, self.padding, max_rows or MAX_GRAPH_ROWS, capture=capture)
         return True

@@ -39,7 +39,7 @@ def test_decode_attention_gives_a_query_the_same_bits_alone_and_in_a_batch():
 
 
 def test_the_elementwise_kernels_stay_within_a_rounding_of_torch():
-    from runtime.kernels.gpu.elementwise import rms_norm, silu_mul
+    from runtime.kernels.gpu.elementwise import act_mul, rms_norm
 
     gen = torch.Generator().manual_seed(1)
     x, res = (torch.randn(9, 576, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
@@ -50,7 +50,7 @@ def test_the_elementwise_kernels_stay_within_a_rounding_of_torch():
     expected = weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
     torch.testing.assert_close(out, expected, atol=0.07, rtol=0.016)
     gate_up = torch.randn(9, 2 * 1536, generator=gen).to(DEVICE, torch.bfloat16)
-    torch.testing.assert_close(silu_mul(gate_up, 1536), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
+    torch.testing.assert_close(act_mul(gate_up, 1536), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
                                atol=0.03, rtol=0.016)
 
 
@@ -76,7 +76,15 @@ def fixture_value(request):
     return request.getfixturevalue
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])  # (Qwen3: head norms in the attention inputs)
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    from tests.runtime.model.test_decoder_gemma3 import write_gemma3
+
+    return write_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+# (Qwen3: head norms in the attention inputs; Gemma 3: its norms, GELU, two rotaries, its sliding layers' cache)
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
 def test_the_triton_loop_gives_the_torch_loop_s_tokens_in_float32(fixture_value, model):
     path = fixture_value(model)
     requests = lambda: [request("greedy", [1, 5, 6, 7, 8, 9], max_tokens=12),  # noqa: E731

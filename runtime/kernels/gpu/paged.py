@@ -18,7 +18,7 @@ import triton.language as tl
 @triton.jit
 def _attention_inputs(qkv_ptr, cos_ptr, sin_ptr, norms_ptr, eps, q_ptr, rows_ptr, cache_ptr, layer_offset, rows_stride,
                       rows_token_stride, qkv_stride, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                      HAS_NORM: tl.constexpr, HAS_ROTARY: tl.constexpr):
+                      HAS_NORM: tl.constexpr, OFFSET: tl.constexpr, HAS_ROTARY: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # a query head, then (from HEADS on) a key head with its value head
     d = tl.arange(0, BLOCK)
@@ -27,14 +27,18 @@ def _attention_inputs(qkv_ptr, cos_ptr, sin_ptr, norms_ptr, eps, q_ptr, rows_ptr
     x = tl.load(base + d, mask=inside, other=0.0)
     half = (d + D // 2) % D
     rolled = tl.load(base + half, mask=inside, other=0.0)
-    if HAS_NORM:  # Qwen3's RMSNorm over the head: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the weight q's or k's
+    if HAS_NORM:  # an RMS norm over the head, the weight q's or k's
         wide = x.to(tl.float32)
         scale = tl.rsqrt(tl.sum(wide * wide, axis=0) / D + eps)
         weights = norms_ptr + (head >= HEADS).to(tl.int32) * D
-        x = (tl.load(weights + d, mask=inside, other=0.0).to(tl.float32) *
-             (wide * scale).to(x.dtype).to(tl.float32)).to(x.dtype)
-        rolled = (tl.load(weights + half, mask=inside, other=0.0).to(tl.float32) *
-                  (rolled.to(tl.float32) * scale).to(x.dtype).to(tl.float32)).to(x.dtype)
+        if OFFSET:  # Gemma's: x * rsqrt(mean(x^2) + eps) * (1 + w) in float32 (`norms` 1 + w), rounded once
+            x = (wide * scale * tl.load(weights + d, mask=inside, other=0.0)).to(x.dtype)
+            rolled = (rolled.to(tl.float32) * scale * tl.load(weights + half, mask=inside, other=0.0)).to(x.dtype)
+        else:  # Qwen3's: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
+            x = (tl.load(weights + d, mask=inside, other=0.0).to(tl.float32) *
+                 (wide * scale).to(x.dtype).to(tl.float32)).to(x.dtype)
+            rolled = (tl.load(weights + half, mask=inside, other=0.0).to(tl.float32) *
+                      (rolled.to(tl.float32) * scale).to(x.dtype).to(tl.float32)).to(x.dtype)
     if HAS_ROTARY:  # x * cos + roll(x, D / 2) * sin (rotate_half's sign in `sin`), rounded once
         cos = tl.load(cos_ptr + token * D + d, mask=inside, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + token * D + d, mask=inside, other=0.0).to(tl.float32)
@@ -52,10 +56,10 @@ def _attention_inputs(qkv_ptr, cos_ptr, sin_ptr, norms_ptr, eps, q_ptr, rows_ptr
 
 def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor | None, sin: torch.Tensor | None,
                      norms: torch.Tensor | None, eps: float, queries: torch.Tensor, kv: torch.Tensor, layer_rows: int,
-                     layer: int, slot_rows: torch.Tensor) -> None:
+                     layer: int, slot_rows: torch.Tensor, offset: bool = False) -> None:
     """A decode layer's qkv projection `[T, (H + 2 KVH) * D]` made ready to attend, in one launch: each
     query and key head normed (`norms` `[2, D]`: q's weight, then k's; None: no head norms, Qwen3 has
-    them) and rotated (`cos`, `sin` `[T, D]`, rotate_half's sign in `sin`'s first half; None: the layer does not rotate),
+    them; `offset`: Gemma's norms, `norms` their float32 1 + w) and rotated (`cos`, `sin` `[T, D]`, rotate_half's sign in `sin`'s first half; None: the layer does not rotate),
     the queries written to `queries` `[T, H, D]`, the keys and values stored in layer `layer` of `kv` at
     `slot_rows` `[2, T, KVH]` (layer 0's rows, as `KVCache.write_rows` takes them; keys and values, and
     tokens, may be strided). The arithmetic is transformers': the
@@ -72,7 +76,7 @@ def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Te
         qkv, cos.contiguous() if rotary else qkv, sin.contiguous() if rotary else qkv,
         qkv if norms is None else norms.contiguous(), float(eps), queries, slot_rows, kv, layer * layer_rows,
         slot_rows.stride(0), slot_rows.stride(1), qkv.stride(0), HEADS=heads, KV_HEADS=kv_heads, D=dim,
-        BLOCK=triton.next_power_of_2(dim), HAS_NORM=norms is not None, HAS_ROTARY=rotary)
+        BLOCK=triton.next_power_of_2(dim), HAS_NORM=norms is not None, OFFSET=offset, HAS_ROTARY=rotary)
 
 
 @triton.jit

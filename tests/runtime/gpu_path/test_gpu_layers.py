@@ -29,8 +29,15 @@ def counting_gpu_steps(monkeypatch):
     return seen
 
 
-# llama; Qwen3 (per-head norms before the rotary)
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    from tests.runtime.model.test_decoder_gemma3 import write_gemma3
+
+    return write_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+# llama; Qwen3 (per-head norms before the rotary); Gemma 3 (its (1 + w) norms, four a layer, GELU, two rotaries)
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3", "tiny_gemma3"])
 def test_triton_decode_steps_give_the_normal_path_s_tokens(request_fixture_value, model, monkeypatch):
     path = request_fixture_value(model)
     expected = run(engine_for(path, quantize="none", num_blocks=32), requests())
@@ -41,6 +48,23 @@ def test_triton_decode_steps_give_the_normal_path_s_tokens(request_fixture_value
     assert run(engine, requests()) == expected
     # Every step decodes (exact prefill attends prompt tokens one query at a time too): all in Triton
     assert len(steps) == 3
+
+
+def test_gemma3_decodes_past_its_window_in_triton_to_the_normal_path_s_tokens(tiny_gemma3, monkeypatch):
+    """Gemma 3's sliding layers (a window of 8, their own rotary) and its global layer, decoding from a
+    30-token prompt: every decode step in the Triton loop, the normal path's tokens."""
+    from tests.runtime.model.test_decoder_gemma3 import LONG_PROMPT
+
+    asked = lambda: [request("long", LONG_PROMPT, max_tokens=12),  # noqa: E731
+                     request("sampled", PROMPTS[0], max_tokens=6, temperature=0.8, seed=5, n=2)]
+    expected = run(engine_for(tiny_gemma3, quantize="none", num_blocks=64), asked())
+    engine = engine_for(tiny_gemma3, quantize="none", num_blocks=64)
+    engine.runner.use_gpu_kernels()
+    gpu = engine.runner.decoder.gpu
+    assert gpu is not None and gpu.offset and gpu.gelu
+    steps = counting_gpu_steps(monkeypatch)
+    assert run(engine, asked()) == expected
+    assert len(steps) == 12
 
 
 def test_without_padding_prompts_prefill_in_torch_and_decode_steps_run_in_triton(tiny_llama, monkeypatch):
@@ -132,8 +156,9 @@ def test_the_device_check_splits_a_replayed_step_and_leaves_the_graphs_as_they_w
     assert type(graphs)._fill is DecodeGraphs._fill
 
 
-# llama; Qwen3 (its head norms in the attention-inputs kernel too); Qwen2 (a bias on the qkv matmul)
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3", "tiny_qwen2"])
+# llama; Qwen3 (its head norms in the attention-inputs kernel too); Qwen2 (a bias on the qkv matmul); Gemma 3
+# (each sublayer's output normed in the launch that adds it)
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3", "tiny_qwen2", "tiny_gemma3"])
 def test_a_decode_layer_is_nine_launches(request_fixture_value, model, monkeypatch):
     """What a decode step of the Triton loop runs, counted on the CPU: each of ponder's kernels a launch,
     and every torch operator outside them that is not a view or an allocation (a matmul, a fill)."""
@@ -142,7 +167,7 @@ def test_a_decode_layer_is_nine_launches(request_fixture_value, model, monkeypat
     engine = engine_for(request_fixture_value(model), quantize="none", num_blocks=32)
     engine.runner.use_gpu_kernels()
     launches, inside = [], []
-    for name in ("rms_norm", "attention_inputs", "decode_attention", "silu_mul"):
+    for name in ("rms_norm", "attention_inputs", "decode_attention", "act_mul"):
         def kernel(*args, _run=getattr(gpu_layers, name), _name=name, **kwargs):
             launches.append(_name)
             inside.append(_name)
@@ -174,6 +199,6 @@ def test_a_decode_layer_is_nine_launches(request_fixture_value, model, monkeypat
     engine.runner.attention_kernel = gpu_layers.decode_attention  # (the counted kernel: `covers` asks for it)
     run(engine, [request("greedy", PROMPTS[0], max_tokens=3)])
     layer = ["rms_norm", "aten.linear.default", "attention_inputs", "decode_attention", "aten.linear.default",
-             "rms_norm", "aten.linear.default", "silu_mul", "aten.linear.default"]
+             "rms_norm", "aten.linear.default", "act_mul", "aten.linear.default"]
     assert len(steps) == 3  # (the prompt's step too: exact prefill attends each prompt token alone)
     assert steps[-1] == ["aten.zeros.default"] + layer * len(engine.runner.decoder.layers) + ["rms_norm"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels.gpu.elementwise import rms_norm, silu_mul
+from runtime.kernels.gpu.elementwise import act_mul, rms_norm
 from runtime.kernels.gpu.paged import attention_inputs, decode_attention
 from storage.kv_cache import KVCache, KVShape
 
@@ -34,10 +34,30 @@ def test_rms_norm_with_and_without_residual(dtype):
     torch.testing.assert_close(out, torch_rms_norm(x + res, weight, 1e-6), **tol)
 
 
+def test_gemma_s_norm_of_a_sublayer_s_output_then_the_add_then_the_next_norm():
+    """`hidden = residual + post_attention_layernorm(out)`, then `pre_feedforward_layernorm(hidden)`:
+    Gemma 3's (1 + w) norms, in one launch."""
+    from runtime.model.norms import OffsetRMSNorm
+
+    gen = torch.Generator().manual_seed(7)
+    out, residual = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    after, before = (OffsetRMSNorm(torch.randn(48, generator=gen) * 0.3, 1e-6) for _ in range(2))
+    normed, summed = rms_norm(out, before.scale, 1e-6, residual=residual, offset=True, pre=(after.scale, 1e-6))
+    torch.testing.assert_close(summed, residual + after(out), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(normed, before(residual + after(out)), atol=1e-5, rtol=1e-5)
+
+
+def test_gelu_mul_is_gemma_s_gelu_tanh_of_the_gate_times_up():
+    gen = torch.Generator().manual_seed(8)
+    gate_up = torch.randn(4, 2 * 40, generator=gen) * 3
+    torch.testing.assert_close(act_mul(gate_up, 40, gelu=True),
+                               F.gelu(gate_up[:, :40], approximate="tanh") * gate_up[:, 40:], atol=1e-5, rtol=1e-5)
+
+
 def test_silu_mul():
     gen = torch.Generator().manual_seed(2)
     gate_up = torch.randn(4, 2 * 40, generator=gen)
-    torch.testing.assert_close(silu_mul(gate_up, 40), F.silu(gate_up[:, :40]) * gate_up[:, 40:],
+    torch.testing.assert_close(act_mul(gate_up, 40), F.silu(gate_up[:, :40]) * gate_up[:, 40:],
                                atol=1e-6, rtol=1e-6)
 
 
@@ -55,12 +75,12 @@ def _rotation(tokens, dim, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("norm", [None, "qwen3", "gemma"])
 @pytest.mark.parametrize("rotated", [True, False])
-def test_attention_inputs_are_the_torch_loop_s_norms_rotary_and_kv_write(dtype, normed, rotated):
+def test_attention_inputs_are_the_torch_loop_s_norms_rotary_and_kv_write(dtype, norm, rotated):
     """One launch for what the torch loop does in `queries_and_keys` and `KVCache.write_rows`: 4 query
-    heads and 2 KV heads of a strided qkv, Qwen3's head norms (or none), the rotary (or none)."""
-    from runtime.model.norms import RMSNorm
+    heads and 2 KV heads of a strided qkv, Qwen3's or Gemma's head norms (or none), the rotary (or none)."""
+    from runtime.model.norms import OffsetRMSNorm, RMSNorm
 
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, tokens = 4, 2, 16, 3
@@ -73,11 +93,13 @@ def test_attention_inputs_are_the_torch_loop_s_norms_rotary_and_kv_write(dtype, 
     queries = torch.empty(tokens, heads, dim, dtype=dtype)
     wider = torch.zeros(2, tokens + 2, kv_heads, dtype=torch.long)
     wider[:, :tokens] = slots  # (strided, as a static buffer's first rows: read in place)
-    attention_inputs(qkv, heads, kv_heads, cos if rotated else None, sin if rotated else None,
-                     weights if normed else None, 1e-6, queries, mine.kv, mine.layer_rows, 1, wider[:, :tokens])
+    kind, normed = {None: None, "qwen3": RMSNorm, "gemma": OffsetRMSNorm}[norm], norm is not None
+    given = None if kind is None else torch.stack([kind(w, 1e-6).scale if norm == "gemma" else w for w in weights])
+    attention_inputs(qkv, heads, kv_heads, cos if rotated else None, sin if rotated else None, given, 1e-6,
+                     queries, mine.kv, mine.layer_rows, 1, wider[:, :tokens], offset=norm == "gemma")
     qk = qkv[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim)
     if normed:
-        qk = torch.cat((RMSNorm(weights[0], 1e-6)(qk[:, :heads]), RMSNorm(weights[1], 1e-6)(qk[:, heads:])), 1)
+        qk = torch.cat((kind(weights[0], 1e-6)(qk[:, :heads]), kind(weights[1], 1e-6)(qk[:, heads:])), 1)
     if rotated:  # (in float32, rounded once: the kernel's rounding)
         qk = (qk.float() * cos[:, None] + torch.roll(qk.float(), dim // 2, -1) * sin[:, None]).to(dtype)
     value = qkv[:, (heads + kv_heads) * dim:].reshape(tokens, kv_heads, dim)
