@@ -168,7 +168,8 @@ def decode(runner, streams: int, steps: int, seed: int = 0) -> dict:
 def q4_figures(steps: int, bandwidth: float, report: dict, device: torch.device, shapes: dict = EIGHT_B,
                dtype: torch.dtype = torch.bfloat16) -> None:
     """The 8B-shaped model from 4-bit blocks: its limit at the file's 4.5 bits a weight (the issue's
-    mark), and at the bytes the kernel reads (two codes a byte, float32 scales) beside it."""
+    mark), and at the bytes the kernel reads (two codes a byte, int8 sub-scales, float32 super-block
+    scales: 4.75 bits a weight) beside it."""
     from bench.decode import step_weight_bytes
     from runtime.model.gpu_blocks import GpuBlockLinear
 

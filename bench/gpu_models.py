@@ -82,8 +82,9 @@ def embedded_blocks_model(device: torch.device, dtype: torch.dtype, report: dict
 
 def random_q4_blocks(model) -> int:
     """Every linear layer of `model` (the head too) replaced by random 4-bit blocks on its device, Q4_K's
-    form (codes 0..15 two a byte, d and m per 32 inputs: runtime.model.gpu_blocks); returns the bytes the
-    file's Q4_K would hold of them (4.5 bits a weight)."""
+    form (codes 0..15 two a byte; d and m per 32 inputs as an int8 sub-scale times a float32 scale a 256
+    inputs: runtime.model.gpu_blocks); returns the bytes the file's Q4_K would hold of them (4.5 bits a
+    weight)."""
     from torch import nn
 
     from runtime.model.gpu_blocks import GpuBlockLinear
@@ -95,8 +96,11 @@ def random_q4_blocks(model) -> int:
                 out, ins = child.weight.shape
                 device = child.weight.device
                 codes = torch.randint(0, 256, (out, ins // 2), dtype=torch.uint8, device=device)  # two a byte
-                d = torch.rand(out, ins // 32, device=device) * (0.04 / 15)
-                setattr(parent, attribute, GpuBlockLinear(codes, d, -7.5 * d, packed=True))
+                sub = torch.randint(1, 64, (out, ins // 32), dtype=torch.int8, device=device)  # 6-bit, as Q4_K's
+                # (a scale a 256 inputs; a tiny dry-run model's narrower layers: one a row)
+                d_super = torch.rand(out, max(1, ins // 256), device=device) * (0.04 / 15 / 63)
+                setattr(parent, attribute, GpuBlockLinear(codes, sub, -(sub // 2), packed=True, d_super=d_super,
+                                                          m_super=d_super * 15))
                 file_bytes += out * ins * 9 // 16
     empty_cache()
     return file_bytes

@@ -53,14 +53,17 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
         entry = table.setdefault(name, {"shape": [outs, ins]})
         weight = torch.randn(outs, ins, device=device, dtype=dtype) * 0.02
         codes = torch.randint(0, 256, (outs, ins // 2), dtype=torch.uint8, device=device)
-        d = torch.rand(outs, ins // 32, device=device) * 0.003
-        m = -7.5 * d
-        block_bytes = codes.numel() + 2 * d.numel() * 4
+        d = torch.randint(1, 64, (outs, ins // 32), dtype=torch.int8, device=device)  # Q4_K's scales, as held
+        m = -(d // 2)
+        count = max(1, ins // 256)  # (a tiny dry-run model's narrower layers: one a row)
+        supers = (torch.rand(outs, count, device=device) * 0.00005, torch.rand(outs, count, device=device) * 0.0004)
+        block_bytes = codes.numel() + 2 * d.numel() + 2 * supers[0].numel() * 4
         batch = torch.randn(max(rows_set), ins, device=device, dtype=dtype)
         kept, one_row_ms = {}, {}
         for tile in tiles:
             key = "x".join(map(str, tile))
-            q4 = lambda rows: triton_linear.block_linear(rows, codes, d, m, packed=True, tile=tile)  # noqa: E731
+            q4 = lambda rows: triton_linear.block_linear(rows, codes, d, m, packed=True, tile=tile,  # noqa: E731
+                                                         supers=supers)
             fl = lambda rows: triton_linear._launch(rows, weight, None, None, tile=tile)  # noqa: E731
             kept[key] = all(torch.equal(fn(batch[5:6]), fn(batch)[5:6]) and torch.equal(fn(batch[:3]), fn(batch)[:3])
                             for fn in (q4, fl))
@@ -89,5 +92,5 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
             entry["chosen_tile"] = "x".join(map(str, best))
         else:
             report["errors"].append(f"linear_sweep {name}: no tile keeps a row's bits in a batch")
-        del weight, codes, d, m
+        del weight, codes, d, m, supers
     empty_cache()

@@ -6,8 +6,10 @@ The loader makes these layers on a GPU with `quantize = "auto"` (runtime.model.g
 `gpu_block_layer`): every linear tensor of a type the blocks cover (gguf_blocks.SUPPORTED) keeps the
 file's codes and scales, nothing quantized again. Codes that fit in 4 bits (Q4_0, Q4_1, Q4_K, Q2_K) are
 held two a byte (`packed`), the others (5-bit, the signed 6- and 8-bit codes, IQ4's values) one a byte;
-d and m are float32 per group of 32 inputs (16 for Q2_K, Q3_K, Q6_K). A Q4_K layer so holds 4 bits a
-weight plus 2 of scales, against the file's 4.5."""
+d and m are float32 per group of 32 inputs (16 for Q2_K, Q3_K, Q6_K), or for the K-quants and IQ4_XS
+as the file holds them (`Blocks.compact`): an int8 sub-scale a group and a float32 super-block scale a
+256 inputs, multiplied in the kernel to gguf's float32 product. A Q4_K layer so holds 4 bits a weight
+plus 0.75 of scales (2 as float32 products), against the file's 4.5."""
 
 from __future__ import annotations
 
@@ -27,48 +29,73 @@ def is_packed(blocks: Blocks) -> bool:
     return blocks.codes.dtype == torch.uint8 and blocks.bits == 4
 
 
+SCALES = ("weight", "d", "m", "d_super", "m_super")  # a layer's buffers
+
+
 class GpuBlockLinear(QuantizedLinear):
     """w = d * codes + m per group of `in_features / groups` inputs; `forward(x)` is x @ w.T (+ bias)."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, packed: bool = False,
-                 bias: torch.Tensor | None = None) -> None:
-        """`packed`: `codes` holds two 4-bit codes a byte (runtime.kernels.gpu.linear.pack_nibbles)."""
+                 bias: torch.Tensor | None = None, d_super: torch.Tensor | None = None,
+                 m_super: torch.Tensor | None = None) -> None:
+        """`packed`: `codes` holds two 4-bit codes a byte (runtime.kernels.gpu.linear.pack_nibbles);
+        `d_super` (and `m_super` with an `m`): float32 super-block scales `[out, supers]`, `d` and `m`
+        then int8 sub-scales that they multiply (a K-quant's `Blocks.compact`)."""
         super().__init__()
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (2 if packed else 1)
         self.packed = packed
+        compact = d_super is not None
         self.register_buffer("weight", codes)
-        self.register_buffer("d", d.float())
-        self.register_buffer("m", None if m is None else m.float())
+        self.register_buffer("d", d if compact else d.float())
+        self.register_buffer("m", None if m is None else m if compact else m.float())
+        self.register_buffer("d_super", d_super)
+        self.register_buffer("m_super", m_super)
         self.bias = bias
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, device: torch.device | str = "cpu") -> "GpuBlockLinear":
-        """A layer of one tensor's blocks on `device`, the codes packed where they fit in 4 bits."""
+        """A layer of one tensor's blocks on `device`, the codes packed where they fit in 4 bits, a
+        K-quant's scales as the file holds them."""
         from runtime.kernels.gpu.linear import pack_nibbles
 
         packed = is_packed(blocks)
         codes = pack_nibbles(blocks.codes) if packed else blocks.codes
-        return cls(codes.to(device), blocks.d.to(device), None if blocks.m is None else blocks.m.to(device), packed)
+        on = lambda t: None if t is None else t.to(device)  # noqa: E731
+        if blocks.compact is not None:
+            d_super, d, m_super, m = blocks.compact
+            return cls(on(codes), on(d), on(m), packed, d_super=on(d_super), m_super=on(m_super))
+        return cls(on(codes), on(blocks.d), on(blocks.m), packed)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         from runtime.kernels.gpu.linear import block_linear
 
-        y = block_linear(x, self.weight, self.d, self.m, self.packed)
+        supers = None if self.d_super is None else (self.d_super, self.m_super)
+        y = block_linear(x, self.weight, self.d, self.m, self.packed, supers=supers)
         return y if self.bias is None else y + self.bias
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(d, m) as float32 `[out, groups]`: the super-block scales' products where the layer keeps them."""
+        if self.d_super is None:
+            return self.d, self.m
+        per = self.d.shape[1] // self.d_super.shape[1]
+        d = self.d_super.repeat_interleave(per, dim=1) * self.d.float()
+        return d, None if self.m is None else self.m_super.repeat_interleave(per, dim=1) * self.m.float()
 
     def dequantized(self) -> torch.Tensor:
         codes = self.weight
         if self.packed:
             codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(self.out_features, self.in_features)
-        groups = codes.reshape(*self.d.shape, -1).float() * self.d[..., None]
-        if self.m is not None:
-            groups = groups + self.m[..., None]
+        d, m = self.scales()
+        groups = codes.reshape(*d.shape, -1).float() * d[..., None]
+        if m is not None:
+            groups = groups + m[..., None]
         return groups.reshape(self.out_features, self.in_features)
 
     @property
     def form(self) -> tuple:
         """What one kernel call needs alike in every layer it computes."""
-        return self.packed, self.weight.dtype, self.d.shape[1], self.m is None
+        supers = None if self.d_super is None else self.d_super.shape[1]
+        return self.packed, self.weight.dtype, self.d.shape[1], self.m is None, supers
 
     @classmethod
     def concatenated(cls, layers: list["GpuBlockLinear"]) -> "QuantizedLinear":
@@ -78,16 +105,17 @@ class GpuBlockLinear(QuantizedLinear):
         (`SideBySide`), rather than widened to a form that holds them all at more bytes."""
         if len({layer.form for layer in layers}) > 1:
             return SideBySide(layers)
-        m = None if layers[0].m is None else torch.cat([layer.m for layer in layers])
-        fused = cls(torch.cat([layer.weight for layer in layers]), torch.cat([layer.d for layer in layers]), m,
-                    layers[0].packed, cat_bias(layers))
-        share_rows(layers, fused, ("weight", "d", "m"))
+        joined = {name: None if getattr(layers[0], name) is None else torch.cat([getattr(layer, name) for layer in layers])
+                  for name in SCALES}
+        fused = cls(joined["weight"], joined["d"], joined["m"], layers[0].packed, cat_bias(layers),
+                    d_super=joined["d_super"], m_super=joined["m_super"])
+        share_rows(layers, fused, SCALES)
         return fused
 
     @property
     def nbytes(self) -> int:
         """Bytes one call reads of the layer: codes and scales."""
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.d, self.m) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (getattr(self, name) for name in SCALES) if t is not None)
 
 
 class SideBySide(QuantizedLinear):
@@ -120,8 +148,9 @@ def gpu_block_layer(kind: str, rows: Callable[[int, int], np.ndarray], shape: tu
         if layer is None:
             def room(t):
                 return None if t is None else torch.empty((out_features, *t.shape[1:]), dtype=t.dtype, device=device)
-            layer = GpuBlockLinear(room(slab.weight), room(slab.d), room(slab.m), slab.packed)
-        for name in ("weight", "d", "m"):
+            layer = GpuBlockLinear(room(slab.weight), room(slab.d), room(slab.m), slab.packed,
+                                   d_super=room(slab.d_super), m_super=room(slab.m_super))
+        for name in SCALES:
             if getattr(slab, name) is not None:
                 getattr(layer, name)[start:stop] = getattr(slab, name)
     return layer

@@ -84,7 +84,10 @@ def test_random_4_bit_blocks_replace_every_linear_layer(tiny_llama):
     assert file_bytes == sum(o * i * 9 // 16 for o, i in shapes.values())  # 4.5 bits a weight
     layer = blocks["lm_head"]
     assert layer.weight.dtype == torch.uint8 and layer.packed and layer.weight.shape[1] * 2 == shapes["lm_head"][1]
-    assert layer.d.shape == (shapes["lm_head"][0], shapes["lm_head"][1] // 32) and torch.equal(layer.m, -7.5 * layer.d)
+    # Q4_K's scales as the file holds them: int8 a 32 inputs, float32 a 256 (one a row for these 64 inputs)
+    assert layer.d.shape == (shapes["lm_head"][0], shapes["lm_head"][1] // 32) and layer.d.dtype == torch.int8
+    assert layer.d_super.shape == (shapes["lm_head"][0], 1) and torch.equal(layer.m, -(layer.d // 2))
+    assert torch.equal(layer.m_super, 15 * layer.d_super)
 
 
 def test_head_wise_figures_stream_a_tenth_of_the_kv_to_the_resident_tokens():

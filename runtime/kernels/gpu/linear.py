@@ -8,10 +8,12 @@ are the same bits whatever the other rows (batch invariance by construction, as 
 A tile may split the inputs among `SPLITS` programs (split-K: their float32 sums added up in order by a
 second kernel), which the shape alone decides too.
 The weights are dequantized in registers from the file's codes and scales (no re-quantization; what
-`gguf.dequantize` computes, tested), and the products summed in float32 on the CUDA cores.
+`gguf.dequantize` computes, tested), and the products summed in float32 on the CUDA cores. A K-quant's
+scales may come as the file holds them, an int8 sub-scale a group times a float32 super-block scale
+(`supers`), multiplied in registers to the same float32 products (0.75 bits a weight, not 2).
 
-Measured on an H200 (bench/results/gpu-nvidia-h200.json, `linear_sweep`): one row reads the 4-bit
-blocks at 0.4-1.9 TB/s for an 8B's layers by shape and 2.4 TB/s for its head; sixteen rows re-read them
+Measured on an H200 (bench/results/gpu-nvidia-h200.json, `linear_sweep`, scales then float32 products):
+one row reads the 4-bit blocks at 0.4-1.9 TB/s for an 8B's layers by shape and 2.4 TB/s for its head; sixteen rows re-read them
 per row (about 150 GB/s of blocks), so many rows want a tensor-core tile (`tl.dot` over a fixed
 (rows, outputs, inputs) tile) that is not written yet. A first multi-row tile, dequantizing once for
 four to sixteen rows and summing a 3-D product (bench/results/gpu-nvidia-h200-multirow.json), kept
@@ -41,8 +43,9 @@ CHOSEN: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
 
 @triton.jit
-def _linear(x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, outs, rows, x_stride, w_stride, d_stride, out_stride,
-            INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
+def _linear(x_ptr, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_stride, w_stride, d_stride, ds_stride,
+            out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
+            SUPER: tl.constexpr,
             PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
             CHUNK: tl.constexpr):
     row = tl.program_id(0)
@@ -68,9 +71,16 @@ def _linear(x_ptr, w_ptr, d_ptr, m_ptr, out_ptr, outs, rows, x_stride, w_stride,
             group = rn[:, None] * d_stride + rg[None, :]
             group_ok = out_ok[:, None] & (rg[None, :] < INS // GROUP)
             w = tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-            w = w * tl.load(d_ptr + group, mask=group_ok, other=0.0)[:, :, None]
+            d = tl.load(d_ptr + group, mask=group_ok, other=0).to(tl.float32)
+            if SUPER:  # a K-quant's: its super-block's scale times the group's integer sub-scale (gguf's product)
+                supers = rn[:, None] * ds_stride + rg[None, :] // SUPER
+                d = tl.load(ds_ptr + supers, mask=group_ok, other=0.0) * d
+            w = w * d[:, :, None]
             if HAS_M:
-                w = w + tl.load(m_ptr + group, mask=group_ok, other=0.0)[:, :, None]
+                m = tl.load(m_ptr + group, mask=group_ok, other=0).to(tl.float32)
+                if SUPER:
+                    m = tl.load(ms_ptr + supers, mask=group_ok, other=0.0) * m
+                w = w + m[:, :, None]
             w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         acc += tl.sum(w * x[None, :], axis=1)
     if SPLITS == 1:
@@ -91,8 +101,10 @@ def _sum_splits(part_ptr, out_ptr, outs, rows, out_stride, SPLITS: tl.constexpr,
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
-            packed: bool = False, tile: tuple[int, ...] | None = None) -> torch.Tensor:
-    """`tile` (outputs, inputs a chunk, warps[, splits]): the sweep's; else the shape's, whatever the rows."""
+            packed: bool = False, tile: tuple[int, ...] | None = None, supers: tuple | None = None) -> torch.Tensor:
+    """`tile` (outputs, inputs a chunk, warps[, splits]): the sweep's; else the shape's, whatever the rows.
+    `supers` (d's, m's or None): float32 super-block scales `[out, supers]` that `d` and `m`, integer
+    sub-scales then, multiply."""
     rows, ins = x.shape
     outs = w.shape[0]
     assert w.shape[1] * (2 if packed else 1) == ins and x.stride(1) == 1 and w.stride(1) == 1
@@ -107,9 +119,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.T
     chunk = triton.cdiv(ins, splits * block_k) * block_k  # (a split's inputs: whole chunks)
     parts = out if splits == 1 else torch.empty((splits, rows, outs), dtype=torch.float32, device=x.device)
     grid = (rows, triton.cdiv(outs, block_n), splits)  # (rows fastest: a tile's programs for every row run together)
-    _linear[grid](x, w, w if d is None else d, w if m is None else m, parts, outs, rows, x.stride(0),
-                  w.stride(0), 0 if d is None else d.stride(0), out.stride(0), INS=ins, GROUP=group,
-                  BLOCKS=d is not None, HAS_M=m is not None, PACKED=packed, BLOCK_N=block_n, BLOCK_K=block_k,
+    ds, ms = supers or (None, None)
+    per_super = 0 if ds is None else d.shape[1] // ds.shape[1]
+    assert ds is None or (d.shape[1] == per_super * ds.shape[1] and (m is None) == (ms is None))
+    _linear[grid](x, w, w if d is None else d, w if m is None else m, w if ds is None else ds, w if ms is None else ms,
+                  parts, outs, rows, x.stride(0), w.stride(0), 0 if d is None else d.stride(0),
+                  0 if ds is None else ds.stride(0), out.stride(0), INS=ins, GROUP=group, BLOCKS=d is not None,
+                  HAS_M=m is not None, SUPER=per_super, PACKED=packed, BLOCK_N=block_n, BLOCK_K=block_k,
                   SPLITS=splits, CHUNK=chunk, num_warps=warps)
     if splits > 1:
         block = min(1024, triton.next_power_of_2(outs))
@@ -123,13 +139,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def block_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                 packed: bool = False, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 packed: bool = False, tile: tuple[int, ...] | None = None,
+                 supers: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x `[rows, in]` times the weights `d * codes + m` (`codes` `[out, in]` int8 or uint8, `d` and `m`
     `[out, groups]` float32, runtime.model.gguf_blocks.Blocks), transposed; dequantized in registers.
-    `packed`: `codes` `[out, in / 2]` holds two 4-bit codes a byte (`pack_nibbles`)."""
+    `packed`: `codes` `[out, in / 2]` holds two 4-bit codes a byte (`pack_nibbles`). `supers`: a
+    K-quant's scales as the file holds them (`Blocks.compact`): `d` and `m` its int8 sub-scales, and
+    (d's, m's) float32 super-block scales `[out, in / 256]` that multiply them, in the kernel, to gguf's
+    float32 products (exactly: an 11-bit float16 value times a 6-bit integer)."""
     width = codes.shape[1] * (2 if packed else 1)
     assert width % d.shape[1] == 0 and (m is None or m.shape == d.shape)
-    return _launch(x, codes, d.float().contiguous(), None if m is None else m.float().contiguous(), packed, tile)
+    if supers is None:
+        d, m = d.float(), None if m is None else m.float()
+    else:
+        assert d.dtype == torch.int8 and (m is None or m.dtype == torch.int8)
+        supers = tuple(None if t is None else t.float().contiguous() for t in supers)
+    return _launch(x, codes, d.contiguous(), None if m is None else m.contiguous(), packed, tile, supers)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
 PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q2_K")  # codes in 0..15
 PER_16 = ("Q2_K", "Q3_K", "Q6_K")  # a scale per 16 inputs, else per 32
 NO_M = ("Q8_0", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+SUPER_BLOCKS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # scales a group times a super-block's
 PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
@@ -34,10 +35,14 @@ CPU = torch.device("cpu")
 
 
 def expected_bytes(kind: str, out_features: int, in_features: int) -> int:
-    """Codes (half a byte or a byte each) and float32 d (and m) per group."""
+    """Codes (half a byte or a byte each) and float32 d (and m) per group; the K-quants' and IQ4_XS's
+    as the file holds them, an int8 sub-scale a group and a float32 super-block scale a 256 inputs."""
     codes = out_features * in_features // (2 if kind in PACKED else 1)
     groups = out_features * in_features // (16 if kind in PER_16 else 32)
-    return codes + 4 * groups * (1 if kind in NO_M else 2)
+    scales = 1 if kind in NO_M else 2
+    if kind in SUPER_BLOCKS:
+        return codes + scales * (groups + 4 * out_features * in_features // 256)
+    return codes + 4 * groups * scales
 
 
 def load_both(tmp_path, kind, kinds, hidden):
@@ -106,7 +111,8 @@ def test_the_lean_decoder_s_triton_loop_runs_the_blocks_and_paths_say_so(tmp_pat
 @pytest.mark.parametrize("kind", SUPPORTED)
 def test_every_block_type_on_the_device_is_gguf_s_dequantized_weights_in_its_bytes(kind):
     """The layer a slab at a time (3 rows a slab here) holds the file's weights bit for bit, in
-    `expected_bytes`: codes two a byte where they are 0..15, else a byte each, float32 scales."""
+    `expected_bytes`: codes two a byte where they are 0..15, else a byte each, float32 scales (the
+    K-quants': int8 a group, float32 a super-block)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -61,6 +61,22 @@ def test_block_linear_computes_with_the_file_s_own_weights(kind):
         assert torch.equal(block_linear(x, packed, blocks.d, blocks.m, packed=True), out)
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q3_K"])
+def test_a_k_quant_s_scales_as_the_file_holds_them_give_the_products_bits(kind):
+    """int8 sub-scales times float32 super-block scales, multiplied in the kernel, are gguf's float32
+    products exactly: the same output bits as the products given, each row's alone as in a batch."""
+    from tests.gguf_model import blocks_of
+
+    blocks = decode(kind, blocks_of(kind, 40, 512, seed=4))
+    d_super, sub_d, m_super, sub_m = blocks.compact
+    assert sub_d.dtype == torch.int8 and d_super.shape == (40, 2)
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(5))
+    products = block_linear(x, blocks.codes, blocks.d, blocks.m)
+    held = assert_rows_are_their_own(lambda rows: block_linear(rows, blocks.codes, sub_d, sub_m,
+                                                               supers=(d_super, m_super)), x)
+    assert torch.equal(held, products)
+
+
 def test_a_block_layer_fuses_and_computes_with_its_dequantized_weights():
     from runtime.model.projections import fuse_linears
     from runtime.model.gpu_blocks import GpuBlockLinear
