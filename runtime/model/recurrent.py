@@ -134,11 +134,17 @@ def delta_rules(model: nn.Module) -> list["DeltaRule"]:
 
 
 def _kernel_for(layer: nn.Module):
-    """ponder's CPU kernel (runtime/kernels/csrc/gated_delta.cpp) for a float32 layer on a CPU, else None
-    (the token loop below, in torch)."""
+    """ponder's CPU kernel (runtime/kernels/csrc/gated_delta.cpp) for a float32 layer on a CPU, its Triton
+    twin (runtime/kernels/gpu/gated_delta.py) for a layer on a CUDA device, else None (the token loop
+    below, in torch)."""
     from runtime.kernels.cpu_kernels import KernelUnavailable, gated_delta_steps_kernel
+    from runtime.kernels.gpu import runs_on
 
     weight = layer.conv1d.weight
+    if runs_on(weight.device) and layer.head_k_dim & (layer.head_k_dim - 1) == 0:
+        from runtime.kernels.gpu.gated_delta import gated_delta_steps
+
+        return gated_delta_steps
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     try:
@@ -189,7 +195,8 @@ class DeltaRule:
         self.num_v_heads, self.head_v_dim = layer.num_v_heads, layer.head_v_dim
         if kernel is not None:  # the kernel's float32 inputs, made once
             bias = layer.conv1d.bias
-            self.kernel_bias = bias.detach() if bias is not None else self.taps.new_empty(0)
+            self.kernel_taps = self.taps.float().contiguous()
+            self.kernel_bias = bias.detach().float() if bias is not None else self.kernel_taps.new_empty(0)
             self.dt_bias = layer.dt_bias.detach().float().contiguous()
             self.a_log = layer.A_log.detach().float().contiguous()
 
@@ -240,7 +247,7 @@ class DeltaRule:
         """Every segment through ponder's kernel in one call: per segment (its last K-1 convolution inputs,
         its final recurrent state, its state after each of its `counts`), its outputs written into `core`."""
         layer, segments = self.layer, step.segments
-        out = self.kernel(mixed.float(), self.taps, self.kernel_bias, a.float(), b.float(), self.dt_bias, self.a_log,
+        out = self.kernel(mixed.float(), self.kernel_taps, self.kernel_bias, a.float(), b.float(), self.dt_bias, self.a_log,
                           [conv for conv, _ in initial], [state for _, state in initial],
                           [s.row for s in segments], [s.length for s in segments], [c for cs in counts for c in cs],
                           [len(cs) for cs in counts], layer.num_k_heads, layer.head_k_dim, layer.head_v_dim, core)

@@ -1,0 +1,84 @@
+"""The Gated DeltaNet layers' Triton kernel (runtime/kernels/gpu/gated_delta.py, what a CUDA device runs)
+in Triton's interpreter, as runtime.model.recurrent calls it: transformers' greedy tokens, the CPU
+kernel's seeded tokens, a sequence's bits alone and in a crowd, a prompt resumed from its kept states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import runtime.model.recurrent as recurrent
+from runtime.kernels.gpu.gated_delta import gated_delta_steps
+from tests.replicas.hybrid import write_qwen35
+from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
+from tests.runtime.model.test_hybrid_recurrent import LONG, SHORT, choices_with_logprobs, prompt_ids, seeded
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    directory = write_qwen35(tmp_path_factory.mktemp("qwen35_triton"))
+    return directory, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def test_the_triton_kernel_serves_what_the_cpu_kernel_serves(dense, monkeypatch):
+    directory, reference = dense
+    prompt = prompt_ids(directory, LONG)
+    cpu = engine_for(directory)
+    assert cpu.runner.recurrent.layers[0].forward.args[0].kernel is not None
+    cpu_choices = choices_with_logprobs(cpu, [seeded("x", prompt, n=2)])["x"]
+    monkeypatch.setattr(recurrent, "_kernel_for", lambda layer: gated_delta_steps)
+    triton = engine_for(directory)
+    assert triton.runner.recurrent.layers[0].forward.args[0].kernel is gated_delta_steps
+    greedy = hf_greedy(reference, prompt, 8)
+    assert run(triton, [request("g", prompt, max_tokens=8)])["g"]["choices"][0] == greedy
+    # the same engine again: the prompt resumes from the states the kernel kept at its block boundaries
+    again = run(triton, [request("h", prompt, max_tokens=8)])["h"]
+    assert again["finished"].cached_tokens > 0 and again["choices"][0] == greedy
+    alone = choices_with_logprobs(triton, [seeded("x", prompt, n=2)])["x"]
+    crowd = [request(f"c{i}", prompt_ids(directory, SHORT) + [i + 5], max_tokens=6 + i) for i in range(2)]
+    assert choices_with_logprobs(engine_for(directory), [crowd[0], seeded("x", prompt, n=2), crowd[1]])["x"] == alone
+    for ours, theirs in zip(alone.values(), cpu_choices.values()):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in theirs], abs=1e-4)
+
+
+def test_states_are_kept_after_the_counts_asked_and_the_carried_inputs_follow_the_tokens():
+    """Two sequences (three tokens from a carried window; one token), a state kept after tokens 1 and 3
+    of the first: each equals the token loop's (runtime.model.recurrent._in_torch's arithmetic, here
+    written out), and the last K-1 inputs are the window's tail."""
+    gen = torch.Generator().manual_seed(0)
+    hk, hv, dk, dv, taps_n = 1, 2, 8, 4, 3
+    channels = 2 * hk * dk + hv * dv
+    mixed, taps, bias = (torch.randn(4, channels, generator=gen), torch.randn(taps_n, channels, generator=gen),
+                         torch.randn(channels, generator=gen))
+    a, b = torch.randn(4, hv, generator=gen), torch.randn(4, hv, generator=gen)
+    dt_bias, a_log = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    convs = [torch.randn(taps_n - 1, channels, generator=gen) for _ in range(2)]
+    states = [torch.randn(hv, dk, dv, generator=gen) for _ in range(2)]
+    core = torch.zeros(4, hv, dv)
+    out = gated_delta_steps(mixed, taps, bias, a, b, dt_bias, a_log, convs, states, [0, 3], [3, 1], [1, 3], [2, 0],
+                            hk, dk, dv, core)
+    assert len(out) == 2 + 2 + 2
+    expected_core = torch.zeros(4, hv, dv)
+    for s, (row, length) in enumerate([(0, 3), (3, 1)]):
+        window = torch.cat([convs[s], mixed[row:row + length]])
+        state, kept = states[s].clone(), []
+        for t in range(length):
+            x = torch.nn.functional.silu((window[t:t + taps_n] * taps).sum(0) + bias)
+            q, k, v = x[:dk], x[dk:2 * dk], x[2 * dk:].reshape(hv, dv)
+            q = q * torch.rsqrt((q * q).sum() + 1e-6) / dk ** 0.5
+            k = k * torch.rsqrt((k * k).sum() + 1e-6)
+            g = -a_log.exp() * torch.nn.functional.softplus(a[row + t] + dt_bias)
+            state = state * g.exp()[:, None, None]
+            delta = (v - (state * k[None, :, None]).sum(1)) * b[row + t].sigmoid()[:, None]
+            state = state + k[None, :, None] * delta[:, None, :]
+            expected_core[row + t] = (state * q[None, :, None]).sum(1)
+            kept.append(state)
+        first = 0 if s == 0 else 4
+        torch.testing.assert_close(out[first], window[length:], atol=0, rtol=0)
+        torch.testing.assert_close(out[first + 1], state, atol=1e-5, rtol=1e-5)
+        if s == 0:
+            torch.testing.assert_close(out[2], kept[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[3], kept[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(core, expected_core, atol=1e-5, rtol=1e-5)
