@@ -11,7 +11,8 @@
 - `attention`: `cpu_kernel` (ponder's CPU decode attention kernel, prompts prefilled by SDPA) or `torch`
   (ponder's paged attention in torch: batched matmuls per window, SDPA or plain arithmetic for prompts);
 - `recurrent`, for a model with linear-attention layers (runtime.model.recurrent): `cpu_kernel` (ponder's
-  Gated DeltaNet kernel) or `torch` (the same recurrent form, token by token in torch).
+  Gated DeltaNet kernel), `triton` (its Triton twin, on a GPU) or `torch` (the same recurrent form,
+  token by token in torch).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def step_paths(model, decoder, attention_kernel, quantize_mode: str, recurrent=N
              "attention": "torch" if attention_kernel is None else
              "triton" if getattr(attention_kernel, "__module__", "").startswith("runtime.kernels.gpu") else "cpu_kernel"}
     if recurrent is not None:
-        paths["recurrent"] = "cpu_kernel" if recurrent.kernel is not None else "torch"
+        kernel = recurrent.kernel
+        paths["recurrent"] = "torch" if kernel is None else \
+            "triton" if getattr(kernel, "__module__", "").startswith("runtime.kernels.gpu") else "cpu_kernel"
     return paths
 
 

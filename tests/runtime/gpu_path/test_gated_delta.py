@@ -30,6 +30,9 @@ def test_the_triton_kernel_serves_what_the_cpu_kernel_serves(dense, monkeypatch)
     monkeypatch.setattr(recurrent, "_kernel_for", lambda layer: gated_delta_steps)
     triton = engine_for(directory)
     assert triton.runner.recurrent.layers[0].forward.args[0].kernel is gated_delta_steps
+    from runtime.bootstrap import engine_paths
+
+    assert (engine_paths(cpu)["recurrent"], engine_paths(triton)["recurrent"]) == ("cpu_kernel", "triton")
     greedy = hf_greedy(reference, prompt, 8)
     assert run(triton, [request("g", prompt, max_tokens=8)])["g"]["choices"][0] == greedy
     # the same engine again: the prompt resumes from the states the kernel kept at its block boundaries
