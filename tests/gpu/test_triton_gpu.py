@@ -112,3 +112,23 @@ def test_graph_replay_gives_the_eager_steps_bits(tiny_llama):
     eager.runner.graphs = None
     assert run(graphed, requests()) == run(eager, requests())
     assert replays and max(replays) == 5
+
+
+def test_the_gated_delta_kernel_gives_the_torch_loop_s_tokens(tmp_path_factory, monkeypatch):
+    """Qwen3.5's recurrent layers in the Triton twin of the CPU kernel, compiled for the GPU: the token
+    loop's greedy and seeded tokens in float32 (a prompt over several blocks, two sampled paths)."""
+    import runtime.model.recurrent as recurrent
+    from runtime.kernels.gpu.gated_delta import gated_delta_steps
+    from tests.replicas.hybrid import write_qwen35
+
+    directory = write_qwen35(tmp_path_factory.mktemp("qwen35"))
+    prompt = [5 + (11 * i) % 90 for i in range(23)]
+    requests = lambda: [request("greedy", prompt, max_tokens=10),  # noqa: E731
+                        request("sampled", prompt[:9], max_tokens=10, temperature=0.8, seed=3, n=2)]
+    triton_engine = engine_for(directory, device="cuda", dtype="float32")
+    assert triton_engine.runner.recurrent.layers[0].forward.args[0].kernel is gated_delta_steps
+    expected = run(triton_engine, requests())
+    monkeypatch.setattr(recurrent, "_kernel_for", lambda layer: None)
+    torch_engine = engine_for(directory, device="cuda", dtype="float32")
+    assert torch_engine.runner.recurrent.layers[0].forward.args[0].kernel is None
+    assert run(torch_engine, requests()) == expected

@@ -44,7 +44,7 @@ def _gated_delta(mixed_ptr, taps_ptr, bias_ptr, a_ptr, b_ptr, dt_ptr, alog_ptr, 
     decay = -tl.exp(tl.load(alog_ptr + h))
     dt = tl.load(dt_ptr + h)
     conv_base = conv_ptr + s * (TAPS - 1) * channels
-    t = 0
+    t = tl.zeros((), dtype=tl.int32)  # (a tensor: the loop carries it)
     while t < n:  # (a while loop: Triton's interpreter cannot range over a loaded value)
         q = tl.zeros((DK,), tl.float32)
         k = tl.zeros((DK,), tl.float32)
