@@ -14,9 +14,8 @@ the full layers' pool the rest, so it never holds fewer blocks than the budget's
 
 Kept in one tensor (today's layout, said at start-up) where a path reads one cache for every layer:
 host and disk tiers and head-wise offload move whole blocks, the stack kernel (runtime.model.layer_stack)
-and the GPU's CUDA graphs (runtime.model.graphs) take one cache tensor, and linear-attention layers keep
-states per block. (The GPU's Triton layer loop reads each sliding layer from its own cache, eagerly: a
-kernel-form model on a GPU keeps one cache for its graphs; Gemma 3 keeps its windows released.)
+takes one cache tensor, and linear-attention layers keep states per block. (A GPU's Triton layer loop and
+its CUDA graphs read each sliding layer from its own cache.)
 """
 
 from __future__ import annotations
@@ -97,8 +96,7 @@ def plan_split(model, config, num_blocks: int, has_tiers: bool, recurrent: bool,
         ("linear-attention layers keep their states by block", recurrent),
         ("a host or disk tier moves whole blocks", has_tiers),
         ("head-wise offload streams whole blocks", config.kv_granularity != "block"),
-        ("the stack kernel reads one cache", decoder is not None and decoder.stack is not None),
-        ("the GPU's CUDA graphs read one cache", decoder is not None and decoder.kernel_form and device.type == "cuda"))
+        ("the stack kernel reads one cache", decoder is not None and decoder.stack is not None))
         if holds]
     if reasons:
         log.info("sliding-window KV: kept in one cache with the other layers' (%s)", "; ".join(reasons))

@@ -16,9 +16,8 @@ The matmuls are the layers' own: torch's for float weights, the Triton block GEM
 CPU's int4 layers (`decoder.int4`) are not of this loop.
 
 A step runs here when the decode kernel attends every row of it (`covers`): no prompt prefilled by
-SDPA, no residency hooks between layers, no head-wise attention, no recurrent layers. (CUDA graphs,
-runtime.model.graphs, hold one cache's slots: a model whose sliding layers have their own runs this
-loop eagerly.) Others run the torch loop (runtime.model.decoder), decided per step.
+SDPA, no residency hooks between layers, no head-wise attention, no recurrent layers. Others run the
+torch loop (runtime.model.decoder), decided per step.
 """
 
 from __future__ import annotations

@@ -34,13 +34,11 @@ from scheduler.scheduler import ScheduledSequence
 from storage.kv_cache import KVCache
 from storage.recurrent_state import RecurrentStates
 
-
 GATHER_TOKENS = 1 << 16  # keys one attention group may gather (queries x window)
 
 
 def _attention_kernel(cache: KVCache):
-    """ponder's decode attention kernel where it can read this cache (float32 or bfloat16, on the CPU),
-    else None."""
+    """ponder's decode attention kernel where it can read this cache (float32 or bfloat16, on the CPU), else None."""
     if cache.device.type != "cpu" or cache.dtype not in KERNEL_CACHE_DTYPES or cache.shape.head_dim % 8:
         return None
     try:
@@ -130,16 +128,14 @@ class ModelRunner:
             self.decoder.use_gpu_layers()
 
     def use_graphs(self, capture: bool | None = None, max_rows: int | None = None) -> bool:
-        """Run pure decode steps from static buffers, replaying a CUDA graph per padded batch size on a CUDA
-        device (`capture`; False: the same static-buffer step run eagerly, the CPU twin); False where that
-        cannot be (no Triton loop for this model, no row padding (batch invariance off), recurrent layers, or
-        the sliding layers' KV in a cache of its own)."""
+        """Run pure decode steps from static buffers, replaying a CUDA graph per padded batch size on a CUDA device
+        (`capture` False: run eagerly, the CPU twin); False without the Triton loop, row padding or with recurrent layers."""
         from runtime.model.graphs import MAX_GRAPH_ROWS, DecodeGraphs
 
         if not self.gpu_kernels or self.decoder is None or self.decoder.gpu is None or not self.padding.max_rows \
-                or self.recurrent is not None or self.window is not None:  # (the buffers hold one cache's slots)
+                or self.recurrent is not None:
             return False
-        self.graphs = DecodeGraphs(self.decoder, self.cache, self.padding, max_rows or MAX_GRAPH_ROWS, capture=capture)
+        self.graphs = DecodeGraphs(self.decoder, self.cache, self.padding, max_rows or MAX_GRAPH_ROWS, capture, self.window)
         return True
 
     def use_residency(self, residency: StepResidency | None) -> None:
@@ -159,7 +155,7 @@ class ModelRunner:
         `every_row_of` (prompt logprobs) appends the logits of that entry's first `count` new tokens;
         `window_copies`: the copies in the sliding layers' cache (`window`)."""
         if self.graphs is not None and self.residency is None and self.graphs.covers(scheduled, every_row_of):
-            self.cache.copy_blocks(list(copies))
+            self._copy(copies, window_copies)
             logits = self.graphs.run(scheduled)
             return logits[torch.tensor(list(logits_for), dtype=torch.long, device=self.device)].float()
         try:
@@ -210,12 +206,15 @@ class ModelRunner:
         if self.residency is not None:
             self.residency.end_step()
 
-    def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
-                 window_copies: Seq[tuple[int, int]] = ()) -> "StepInputs":
-        """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""
+    def _copy(self, copies: Seq[tuple[int, int]], window_copies: Seq[tuple[int, int]]) -> None:  # (copy on write)
         self.cache.copy_blocks(list(copies))
         if self.window is not None:
             self.window.cache.copy_blocks(list(window_copies))
+
+    def _prepare(self, scheduled: Seq[ScheduledSequence], copies: Seq[tuple[int, int]],
+                 window_copies: Seq[tuple[int, int]] = ()) -> "StepInputs":
+        """The step's tensors, built with O(entries) Python and a fixed number of tensor operations."""
+        self._copy(copies, window_copies)
         attention = self.residency.attention(scheduled) if self.residency is not None else None
         if attention is not None:  # one sequence's tokens and positions, unpadded: the residency attends
             if self.recurrent is not None:

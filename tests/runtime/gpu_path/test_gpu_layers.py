@@ -67,6 +67,35 @@ def test_gemma3_decodes_past_its_window_in_triton_to_the_normal_path_s_tokens(ti
     assert len(steps) == 12
 
 
+def test_gemma3_s_static_buffer_steps_hold_its_sliding_layers_own_cache(tiny_gemma3, monkeypatch):
+    """The step a CUDA graph replays, run eagerly, for Gemma 3 with its sliding layers' KV apart: slots and
+    tables for both caches (blocks before the window released, read as that cache's scratch block), the
+    normal path's tokens."""
+    from runtime.model.graphs import DecodeGraphs
+    from tests.runtime.model.test_decoder_gemma3 import LONG_PROMPT
+
+    asked = lambda: [request("long", LONG_PROMPT, max_tokens=10),  # noqa: E731
+                     request("sampled", PROMPTS[0], max_tokens=4, temperature=0.8, seed=5, n=2)]
+    expected = run(engine_for(tiny_gemma3, quantize="none", num_blocks=64), asked())
+    engine = engine_for(tiny_gemma3, quantize="none", num_blocks=64)
+    assert engine.runner.window is not None  # (the split: the sliding layers' cache apart)
+    engine.runner.use_gpu_kernels()
+    assert engine.runner.use_graphs(capture=False, max_rows=4)
+    assert len(engine.runner.graphs.parts) == 2
+    sizes, released = [], []
+    step = DecodeGraphs._step
+
+    def counted(self, size):
+        sizes.append(size)
+        released.append(sum(b is None for b in engine.scheduler.running[0].window_table)
+                        if engine.scheduler.running else 0)
+        return step(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "_step", counted)
+    assert run(engine, asked()) == expected
+    assert len(sizes) == 9 and max(released) > 0  # (every decode step; the long prompt's early blocks released)
+
+
 def test_without_padding_prompts_prefill_in_torch_and_decode_steps_run_in_triton(tiny_llama, monkeypatch):
     expected = run(engine_for(tiny_llama, quantize="none", batch_invariant=False), requests())
     engine = engine_for(tiny_llama, quantize="none", batch_invariant=False)
