@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_models import (EIGHT_B, TINY, embedded_blocks_model, embedded_model, empty_cache, random_llama,
+from bench.gpu_models import (EIGHT_B, GEMMA3_1B, TINY, TINY_GEMMA3, embedded_blocks_model, embedded_model, empty_cache, random_llama,
                                random_q4_blocks, sync)
 from bench.gpu_split import split
 from bench.gpu_sweep import linear_sweep
@@ -344,6 +344,10 @@ def run(args: argparse.Namespace) -> dict:
         empty_cache()
         steps("llama_8b_q4_blocks", lambda: q4_figures(args.steps, bandwidth, report, device, big_shapes, dtype))
         empty_cache()
+    gemma = TINY_GEMMA3 if args.dry_run else GEMMA3_1B  # (the Triton loop's Gemma form: its norms, GELU, two rotaries)
+    steps("gemma3_1b", lambda: figures("gemma3_1b", random_llama(device, gemma, dtype, "gemma3_text"), args.steps,
+                                       bandwidth, report))
+    empty_cache()
 
     if not args.no_seeds:
         from bench import gpu_seeds

@@ -20,16 +20,28 @@ LBS_SHAPES = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, nu
                   rope_theta=500000.0)  # Llama-3.2-1B's shapes (the vocabulary the tokenizer's)
 
 
-def random_llama(device: torch.device, shapes: dict = EIGHT_B, dtype: torch.dtype = torch.bfloat16):
-    """A llama of `shapes` (default Llama-3-8B's) with random weights made on the device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# Gemma 3 1B's text model: sliding layers (five of six, a window of 512, their own rotary) beside global ones
+GEMMA3_1B = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                 sliding_window=512, max_position_embeddings=32768, rope_theta=1000000.0, rope_local_base_freq=10000.0)
+TINY_GEMMA3 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512)
 
-    config = LlamaConfig(**shapes)
+
+def random_llama(device: torch.device, shapes: dict = EIGHT_B, dtype: torch.dtype = torch.bfloat16,
+                 family: str = "llama"):
+    """A llama of `shapes` (default Llama-3-8B's; `family` "gemma3_text": a Gemma 3 text model) with random
+    weights made on the device."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    gemma = family == "gemma3_text"
+    config = (Gemma3TextConfig if gemma else LlamaConfig)(**shapes)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = (Gemma3ForCausalLM if gemma else LlamaForCausalLM)(config)
     finally:
         torch.set_default_dtype(before)
     return model.eval()
