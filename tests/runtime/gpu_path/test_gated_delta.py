@@ -8,11 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import runtime.model.recurrent as recurrent
 from runtime.kernels.gpu.gated_delta import gated_delta_steps
 from tests.replicas.hybrid import write_qwen35
-from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
-from tests.runtime.model.test_hybrid_recurrent import LONG, SHORT, choices_with_logprobs, prompt_ids, seeded
+from tests.runtime.engine_helpers import request, run
+from tests.runtime.model.test_hybrid_recurrent import serves_what_the_cpu_kernel_serves
 
 
 @pytest.fixture(scope="module")
@@ -22,28 +21,14 @@ def dense(tmp_path_factory):
 
 
 def test_the_triton_kernel_serves_what_the_cpu_kernel_serves(dense, monkeypatch):
-    directory, reference = dense
-    prompt = prompt_ids(directory, LONG)
-    cpu = engine_for(directory)
-    assert cpu.runner.recurrent.layers[0].forward.args[0].kernel is not None
-    cpu_choices = choices_with_logprobs(cpu, [seeded("x", prompt, n=2)])["x"]
-    monkeypatch.setattr(recurrent, "_kernel_for", lambda layer: gated_delta_steps)
-    triton = engine_for(directory)
-    assert triton.runner.recurrent.layers[0].forward.args[0].kernel is gated_delta_steps
     from runtime.bootstrap import engine_paths
 
-    assert (engine_paths(cpu)["recurrent"], engine_paths(triton)["recurrent"]) == ("cpu_kernel", "triton")
-    greedy = hf_greedy(reference, prompt, 8)
-    assert run(triton, [request("g", prompt, max_tokens=8)])["g"]["choices"][0] == greedy
-    # the same engine again: the prompt resumes from the states the kernel kept at its block boundaries
-    again = run(triton, [request("h", prompt, max_tokens=8)])["h"]
-    assert again["finished"].cached_tokens > 0 and again["choices"][0] == greedy
-    alone = choices_with_logprobs(triton, [seeded("x", prompt, n=2)])["x"]
-    crowd = [request(f"c{i}", prompt_ids(directory, SHORT) + [i + 5], max_tokens=6 + i) for i in range(2)]
-    assert choices_with_logprobs(engine_for(directory), [crowd[0], seeded("x", prompt, n=2), crowd[1]])["x"] == alone
-    for ours, theirs in zip(alone.values(), cpu_choices.values()):
-        assert [t for t, _ in ours] == [t for t, _ in theirs]
-        assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in theirs], abs=1e-4)
+    def resumed(engine, prompt, greedy):  # the prompt again: it resumes from the states kept at its blocks' ends
+        again = run(engine, [request("h", prompt, max_tokens=8)])["h"]
+        assert again["finished"].cached_tokens > 0 and again["choices"][0] == greedy
+
+    engine = serves_what_the_cpu_kernel_serves(dense, monkeypatch, gated_delta_steps, resumed)
+    assert engine_paths(engine)["recurrent"] == "triton"
 
 
 def test_states_are_kept_after_the_counts_asked_and_the_carried_inputs_follow_the_tokens():

@@ -71,29 +71,19 @@ def test_gemma3_s_static_buffer_steps_hold_its_sliding_layers_own_cache(tiny_gem
     """The step a CUDA graph replays, run eagerly, for Gemma 3 with its sliding layers' KV apart: slots and
     tables for both caches (blocks before the window released, read as that cache's scratch block), the
     normal path's tokens."""
-    from runtime.model.graphs import DecodeGraphs
     from tests.runtime.model.test_decoder_gemma3 import LONG_PROMPT
 
     asked = lambda: [request("long", LONG_PROMPT, max_tokens=10),  # noqa: E731
                      request("sampled", PROMPTS[0], max_tokens=4, temperature=0.8, seed=5, n=2)]
-    expected = run(engine_for(tiny_gemma3, quantize="none", num_blocks=64), asked())
-    engine = engine_for(tiny_gemma3, quantize="none", num_blocks=64)
-    assert engine.runner.window is not None  # (the split: the sliding layers' cache apart)
-    engine.runner.use_gpu_kernels()
-    assert engine.runner.use_graphs(capture=False, max_rows=4)
-    assert len(engine.runner.graphs.parts) == 2
-    sizes, released = [], []
-    step = DecodeGraphs._step
+    released = []
 
-    def counted(self, size):
-        sizes.append(size)
-        released.append(sum(b is None for b in engine.scheduler.running[0].window_table)
-                        if engine.scheduler.running else 0)
-        return step(self, size)
+    def seen(engine):  # the long prompt's blocks before its window, released
+        running = engine.scheduler.running
+        released.append(sum(b is None for b in running[0].window_table) if running else 0)
 
-    monkeypatch.setattr(DecodeGraphs, "_step", counted)
-    assert run(engine, asked()) == expected
-    assert len(sizes) == 9 and max(released) > 0  # (every decode step; the long prompt's early blocks released)
+    engine, sizes = static_steps(tiny_gemma3, asked, monkeypatch, seen, num_blocks=64)
+    assert engine.runner.window is not None and len(engine.runner.graphs.parts) == 2  # (both caches' slots)
+    assert len(sizes) == 9 and max(released) > 0  # (every decode step)
 
 
 def test_without_padding_prompts_prefill_in_torch_and_decode_steps_run_in_triton(tiny_llama, monkeypatch):
@@ -110,19 +100,33 @@ def request_fixture_value(request):
     return request.getfixturevalue
 
 
+def static_steps(path, asked, monkeypatch, seen=None, **options):
+    """An engine whose pure decode steps run the static-buffer step eagerly (a CUDA graph's CPU twin), its
+    results asserted equal to the normal path's; returns it and each such step's padded size (`seen(engine)`
+    called at each)."""
+    from runtime.model.graphs import DecodeGraphs
+
+    expected = run(engine_for(path, quantize="none", **options), asked())
+    engine = engine_for(path, quantize="none", **options)
+    engine.runner.use_gpu_kernels()
+    assert engine.runner.use_graphs(capture=False, max_rows=4)
+    sizes, step = [], DecodeGraphs._step
+
+    def counted(self, size):
+        sizes.append(size)
+        if seen is not None:
+            seen(engine)
+        return step(self, size)
+
+    monkeypatch.setattr(DecodeGraphs, "_step", counted)
+    assert run(engine, asked()) == expected
+    return engine, sizes
+
+
 def test_the_static_buffer_decode_step_gives_the_eager_path_s_tokens(tiny_llama, monkeypatch):
     """The step a CUDA graph replays, run eagerly on the CPU (its twin): pure decode steps from the static
     buffers at padded batch sizes, the same tokens as the normal path."""
-    from runtime.model.graphs import DecodeGraphs
-
-    expected = run(engine_for(tiny_llama, quantize="none", num_blocks=32), requests())
-    engine = engine_for(tiny_llama, quantize="none", num_blocks=32)
-    engine.runner.use_gpu_kernels()
-    assert engine.runner.use_graphs(capture=False, max_rows=4)
-    sizes = []
-    step = DecodeGraphs._step
-    monkeypatch.setattr(DecodeGraphs, "_step", lambda self, size: sizes.append(size) or step(self, size))
-    assert run(engine, requests()) == expected
+    engine, sizes = static_steps(tiny_llama, requests, monkeypatch, num_blocks=32)
     # The prompts' step is eager; then two steps of three sequences, each padded as row padding pads 3.
     assert sizes == [engine.runner.padding.pad(3)] * 2
 
@@ -130,18 +134,9 @@ def test_the_static_buffer_decode_step_gives_the_eager_path_s_tokens(tiny_llama,
 def test_the_static_buffers_follow_a_batch_that_shrinks_and_tables_that_widen(tiny_llama, monkeypatch):
     """Three sequences, then one past the others' end: the rows the host buffers held for the others are
     padded rows again, and the long one's table widens a block every 4 tokens."""
-    from runtime.model.graphs import DecodeGraphs
-
     asked = lambda: [request("long", PROMPTS[0], max_tokens=11),  # noqa: E731
                      request("sampled", PROMPTS[1], max_tokens=3, temperature=0.8, seed=3, n=2)]
-    expected = run(engine_for(tiny_llama, quantize="none", num_blocks=32), asked())
-    engine = engine_for(tiny_llama, quantize="none", num_blocks=32)
-    engine.runner.use_gpu_kernels()
-    assert engine.runner.use_graphs(capture=False, max_rows=4)
-    sizes = []
-    step = DecodeGraphs._step
-    monkeypatch.setattr(DecodeGraphs, "_step", lambda self, size: sizes.append(size) or step(self, size))
-    assert run(engine, asked()) == expected
+    engine, sizes = static_steps(tiny_llama, asked, monkeypatch, num_blocks=32)
     pad = engine.runner.padding.pad
     assert sizes == [pad(3)] * 2 + [pad(1)] * 8
     # after the last step the rows the others held are padded rows: token 0 at position 0, its KV bound for

@@ -235,20 +235,31 @@ def test_a_search_under_memory_pressure_recomputes_states_and_keeps_the_result(d
 def test_the_torch_token_loop_serves_what_the_cpu_kernel_serves(dense, monkeypatch):
     """Where ponder's kernel does not run (a bfloat16 model, a GPU), the same recurrent form runs in torch:
     transformers' greedy tokens, and seeds kept alone and in a crowd."""
+    serves_what_the_cpu_kernel_serves(dense, monkeypatch, None)
+
+
+def serves_what_the_cpu_kernel_serves(dense, monkeypatch, kernel, between=None):
+    """An engine whose recurrent layers run `kernel` (None: the torch token loop): transformers' greedy
+    tokens, the CPU kernel's seeded tokens (log-probabilities within 1e-4), the same bits alone and in a
+    crowd; `between(engine, prompt, greedy)` runs after the greedy request. Returns the engine."""
     import runtime.model.recurrent as recurrent
 
     directory, reference = dense
     prompt = prompt_ids(directory, LONG)
-    kernel = engine_for(directory)
-    assert kernel.runner.recurrent.layers[0].forward.args[0].kernel is not None
-    kernel_choices = choices_with_logprobs(kernel, [seeded("x", prompt, n=2)])["x"]
-    monkeypatch.setattr(recurrent, "_kernel_for", lambda layer: None)
-    loop = engine_for(directory)
-    assert loop.runner.recurrent.layers[0].forward.args[0].kernel is None
-    assert run(loop, [request("g", prompt, max_tokens=8)])["g"]["choices"][0] == hf_greedy(reference, prompt, 8)
-    alone = choices_with_logprobs(loop, [seeded("x", prompt, n=2)])["x"]
+    cpu = engine_for(directory)
+    assert cpu.runner.recurrent.layers[0].forward.args[0].kernel is not None
+    kernel_choices = choices_with_logprobs(cpu, [seeded("x", prompt, n=2)])["x"]
+    monkeypatch.setattr(recurrent, "_kernel_for", lambda layer: kernel)
+    engine = engine_for(directory)
+    assert engine.runner.recurrent.layers[0].forward.args[0].kernel is kernel
+    greedy = hf_greedy(reference, prompt, 8)
+    assert run(engine, [request("g", prompt, max_tokens=8)])["g"]["choices"][0] == greedy
+    if between is not None:
+        between(engine, prompt, greedy)
+    alone = choices_with_logprobs(engine, [seeded("x", prompt, n=2)])["x"]
     crowd = [request(f"c{i}", prompt_ids(directory, SHORT) + [i + 5], max_tokens=6 + i) for i in range(2)]
     assert choices_with_logprobs(engine_for(directory), [crowd[0], seeded("x", prompt, n=2), crowd[1]])["x"] == alone
     for ours, theirs in zip(alone.values(), kernel_choices.values()):
         assert [t for t, _ in ours] == [t for t, _ in theirs]
         assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in theirs], abs=1e-4)
+    return engine
