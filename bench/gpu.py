@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None,
                         help="the JSON's path (default: bench/results/gpu-<device>.json)")
-    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per figure")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per figure (64; a dry run 4)")
     parser.add_argument("--skip-tests", action="store_true", help="leave out `make test-gpu`")
     parser.add_argument("--no-8b", action="store_true", help="leave out the 8B-shaped model")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
@@ -76,7 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the seeds' figures' tokenizer (default: the embedded model's, where installed)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the same steps on the CPU with tiny models (checks the script, not the figures)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps is None:  # (in Triton's interpreter 64 steps of each figure take most of an hour)
+        args.steps = 4 if args.dry_run else 64
+    return args
 
 
 def bandwidth_limit(weight_bytes: int, kv_bytes_per_stream: int, streams: int, bandwidth: float) -> float:

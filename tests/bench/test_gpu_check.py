@@ -16,6 +16,7 @@ def test_arguments_and_the_json_s_path():
     assert (args.out, args.steps, args.skip_tests, args.no_8b) == (None, 64, False, False)
     args = gpu.parse_args(["--out", "x.json", "--steps", "8", "--skip-tests", "--no-8b"])
     assert (args.out, args.steps, args.skip_tests, args.no_8b) == (Path("x.json"), 8, True, True)
+    assert gpu.parse_args(["--dry-run"]).steps == 4 and gpu.parse_args(["--dry-run", "--steps", "9"]).steps == 9
     assert gpu.output_path("NVIDIA H100 80GB HBM3", None) == Path("bench/results/gpu-nvidia-h100-80gb-hbm3.json")
     assert gpu.output_path("NVIDIA H200", Path("a.json")) == Path("a.json")
 
