@@ -334,7 +334,10 @@ def run(args: argparse.Namespace) -> dict:
         steps("embedded_blocks", blocks)
     empty_cache()
     if not args.no_8b:
-        steps("linear_sweep", lambda: linear_sweep(report, device, big_shapes, dtype))
+        from runtime.kernels.gpu.linear import TILE, TILES
+
+        tiles = (TILE, TILES[-1]) if args.dry_run else None  # (a dry run: a tile and a split one, in the interpreter)
+        steps("linear_sweep", lambda: linear_sweep(report, device, big_shapes, dtype, tiles=tiles))
 
         def big_bf16() -> None:
             held["model"] = random_llama(device, big_shapes, dtype)
