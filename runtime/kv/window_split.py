@@ -77,15 +77,14 @@ def split_pools(model, config, shape: KVShape, dtype, device: torch.device, num_
                 recurrent: bool) -> tuple[KVShape, int, SlidingWindow | None, SlidingCache | None]:
     """(the shape and count of the compute pool's blocks, the sliding layers' pool and cache, or None and
     None where every layer stays in the one cache) for this model and engine config (EngineConfig)."""
-    split = plan_split(model, config, num_blocks, has_tiers, recurrent, device)
+    split = plan_split(model, config, num_blocks, has_tiers, recurrent)
     if split is None:
         return shape, num_blocks, None, None
     full_shape, window, sliding = split_caches(split, shape, dtype, device)
     return full_shape, split.num_full_blocks, window, sliding
 
 
-def plan_split(model, config, num_blocks: int, has_tiers: bool, recurrent: bool,
-               device: torch.device) -> WindowSplit | None:
+def plan_split(model, config, num_blocks: int, has_tiers: bool, recurrent: bool) -> WindowSplit | None:
     """The split for this model and engine config (runtime.engine.EngineConfig), or None: one tensor for
     every layer, where no layer slides or a path needs it so (said at start-up)."""
     windows = layer_windows(model)

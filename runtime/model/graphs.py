@@ -4,8 +4,8 @@ A pure decode step (every scheduled sequence computes one new token, its block t
 the buffers, no residency hooks, no recurrent layers, nothing asked of it but the logits of its
 last tokens) is written into persistent device buffers (token ids, positions, KV slots, block
 tables, context lengths) at the padded batch size row padding gives its sequence count
-(runtime.model.row_padding): two copies from host buffers a step (pinned on CUDA), the tables and the
-rest, and the lean decoder's Triton loop (runtime.model.gpu_layers) and the
+(runtime.model.row_padding), copied a step from host buffers (pinned on CUDA): one copy for all but the
+tables, one for each cache's tables. The lean decoder's Triton loop (runtime.model.gpu_layers) and the
 head run on them. On a CUDA device each padded size is captured once as a CUDA graph, the largest
 first, all sharing one memory pool (vLLM's FULL_DECODE_ONLY), and a step replays its size's graph;
 elsewhere (the CPU twin the tests run in Triton's interpreter) the same static-buffer step runs

@@ -36,13 +36,15 @@ def step_paths(model, decoder, attention_kernel, quantize_mode: str, recurrent=N
         layers = "lean"
     paths = {"family": families.family(model.config), "layers": layers,
              "linear": _LINEAR.get(quantize_mode, quantize_mode),
-             "attention": "torch" if attention_kernel is None else
-             "triton" if getattr(attention_kernel, "__module__", "").startswith("runtime.kernels.gpu") else "cpu_kernel"}
+             "attention": "torch" if attention_kernel is None else _kernel(attention_kernel)}
     if recurrent is not None:
-        kernel = recurrent.kernel
-        paths["recurrent"] = "torch" if kernel is None else \
-            "triton" if getattr(kernel, "__module__", "").startswith("runtime.kernels.gpu") else "cpu_kernel"
+        paths["recurrent"] = "torch" if recurrent.kernel is None else _kernel(recurrent.kernel)
     return paths
+
+
+def _kernel(kernel) -> str:
+    """`triton` for one of ponder's Triton kernels (runtime/kernels/gpu), else `cpu_kernel`."""
+    return "triton" if getattr(kernel, "__module__", "").startswith("runtime.kernels.gpu") else "cpu_kernel"
 
 
 def describe(paths: dict[str, str]) -> str:

@@ -15,6 +15,7 @@ is float32 throughout (the inputs are given in float32, as to the CPU kernel).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 
 import torch
@@ -126,24 +127,17 @@ def gated_delta_steps(mixed: torch.Tensor, taps: torch.Tensor, bias: torch.Tenso
     taken = sum(count_lengths)
     carried = torch.stack(list(conv_states)) if sequences else mixed.new_empty((0, width - 1, channels))
     initial = torch.stack(list(states)) if sequences else mixed.new_empty((0, hv, head_k_dim, head_v_dim))
-    slots = [-1] * mixed.shape[0]  # each row's place among the kept states, or -1
-    at = 0
-    for row, length, kept in zip(rows, lengths, _split(counts, count_lengths)):
-        assert all(0 < c <= length for c in kept)
-        for c in kept:
-            slots[row + c - 1] = at
-            at += 1
+    rows_t, lengths_t, slots_t = _step_rows(tuple(rows), tuple(lengths), tuple(counts), tuple(count_lengths),
+                                            mixed.shape[0], device)
     finals = torch.empty_like(initial)
     snapshots = mixed.new_empty((taken, hv, head_k_dim, head_v_dim))
     tails = mixed.new_empty((sequences, width - 1, channels))
     if sequences:
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int32).to(device)  # noqa: E731
-        rows_t, lengths_t = as_tensor(list(rows)), as_tensor(list(lengths))
         block_v = min(64, triton.next_power_of_2(head_v_dim))
         _gated_delta[(sequences, hv, triton.cdiv(head_v_dim, block_v))](
             mixed.contiguous(), taps.contiguous(), bias if bias.numel() else taps, a.contiguous(), b.contiguous(),
             dt_bias.contiguous(), a_log.contiguous(), carried.contiguous(), initial.contiguous(), rows_t, lengths_t,
-            as_tensor(slots), core, finals, snapshots, channels, float(head_k_dim) ** 0.5, HV=hv, REPEAT=hv // num_k_heads, DK=head_k_dim,
+            slots_t, core, finals, snapshots, channels, float(head_k_dim) ** 0.5, HV=hv, REPEAT=hv // num_k_heads, DK=head_k_dim,
             DV=head_v_dim, KEY_DIM=key_dim, TAPS=width, BV=block_v, HAS_BIAS=bias.numel() > 0)
         if width > 1:
             block = min(1024, triton.next_power_of_2(channels))
@@ -154,6 +148,22 @@ def gated_delta_steps(mixed: torch.Tensor, taps: torch.Tensor, bias: torch.Tenso
         out += [tails[s], finals[s], *snapshots[at:at + len(kept)]]
         at += len(kept)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _step_rows(rows: tuple, lengths: tuple, counts: tuple, count_lengths: tuple, num_rows: int, device) -> tuple:
+    """(each sequence's first row, its token count, each row's place among the kept states or -1) as int32
+    on `device`, one copy; the step's every recurrent layer asks the same, so it is made once a step."""
+    slots = [-1] * num_rows
+    at = 0
+    for row, length, kept in zip(rows, lengths, _split(counts, count_lengths)):
+        assert all(0 < c <= length for c in kept)
+        for c in kept:
+            slots[row + c - 1] = at
+            at += 1
+    joined = torch.tensor([*rows, *lengths, *slots], dtype=torch.int32).to(device)
+    n = len(rows)
+    return joined[:n], joined[n:2 * n], joined[2 * n:]
 
 
 def _split(counts: Seq[int], lengths: Seq[int]) -> list[list[int]]:
