@@ -8,6 +8,10 @@ transformers' GGUF name map sends `ffn_gate_exps` and `ffn_up_exps` both to the 
 (gate rows first) and `ffn_down_exps` to `down_proj`; `ExpertTensors` takes the tensors so mapped. gpt-oss's experts (biased,
 transposed, their gate and up interleaved in transformers' model) are `GptOssExpertTensors`';
 `expert_tensors(model)` says which a model's are.
+
+On a GPU (`expert_tensors(model, device)`) each expert's layers are `GpuBlockLinear`s on the device and
+a block's are stacked for the routed Triton kernels (runtime.model.gpu_experts), the router in the
+Triton float GEMV.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from runtime.model import gguf_gpt_oss
 from runtime.model.experts import (ClampedSwiGLU, KernelExperts, KernelRouter, RoutedMLP, Routing, int4_routing,
                                    renormalises)
 from runtime.model.float_layers import FloatLinear, narrowest
+from runtime.model.gpu_experts import GpuFloatLinear, gpu_experts
 from runtime.model.loader import CheckpointMismatch
 from runtime.model.quantize import QuantizedLinear
 
@@ -33,9 +38,10 @@ class ExpertTensors:
     """The stacked expert tensors of a model being loaded, held as kernel layers until a block's three
     have come (`take`), then put in place with its router (`finish`)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, device: torch.device | None = None) -> None:
         self.blocks = {name: module for name, module in model.named_modules() if RoutedMLP.takes(module)}
         self.layers: dict[str, dict[str, list[QuantizedLinear]]] = {}
+        self.device = device  # a GPU's (runtime.model.gpu_experts), or None: the CPU kernels'
 
     def owner(self, tensor_name: str, target: str) -> str | None:
         """The routed block whose experts `target` (the model's name for the file's tensor) belongs to."""
@@ -73,16 +79,30 @@ class ExpertTensors:
             if set(parts) != {"gate", "up", "down"}:
                 raise CheckpointMismatch(f"{block_name}: the file lacks its experts' "
                                          f"{', '.join(sorted({'gate', 'up', 'down'} - set(parts)))} tensor(s)")
-            gate_up = [type(g).concatenated([g, u]) for g, u in zip(parts["gate"], parts["up"])]
-            if any(layer is None for layer in gate_up):
-                raise CheckpointMismatch(f"{block_name}: its experts' gate and up layers cannot be computed side by side")
-            block.experts = KernelExperts(gate_up, parts["down"], block.experts.act_fn)
+            block.experts = self.experts(block_name, parts, block.experts.act_fn)
             router = block.gate
             routing = int4_routing(Routing(router.top_k, renormalises(router)), block.experts)
-            block.gate = KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach())), router.top_k,
-                                      renormalises(router), routing)
-            made += 3 * len(gate_up)
+            block.gate = KernelRouter(self.router_layer(router.weight.detach()), router.top_k, renormalises(router),
+                                      routing)
+            made += 3 * len(parts["down"])
+            del self.layers[block_name]  # (a GPU's stacks hold them now)
         return made
+
+    def experts(self, block_name: str, parts: dict[str, list], act_fn: nn.Module | None, glu=None) -> KernelExperts:
+        """A block's experts from each expert's gate, up and down layers: on a GPU stacked for the routed
+        kernels where they can be (runtime.model.gpu_experts), else each expert's gate and up side by side."""
+        if self.device is not None:
+            return gpu_experts(parts["gate"], parts["up"], parts["down"], act_fn, glu)
+        gate_up = [type(g).concatenated([g, u]) for g, u in zip(parts["gate"], parts["up"])]
+        if any(layer is None for layer in gate_up):
+            raise CheckpointMismatch(f"{block_name}: its experts' gate and up layers cannot be computed side by side")
+        return KernelExperts(gate_up, parts["down"], act_fn, glu)
+
+    def router_layer(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """The router's float weights in ponder's float kernel (a GPU's: the Triton float GEMV)."""
+        if self.device is not None:
+            return GpuFloatLinear(weight, bias)
+        return FloatLinear.from_weight(narrowest(weight), bias)
 
 
 @dataclass(frozen=True)
@@ -103,8 +123,8 @@ class GptOssExpertTensors(ExpertTensors):
     expert's gate and up one layer side by side (gate rows first, their biases so), read by
     `HalvesClampedSwiGLU`; the router with its bias in ponder's float kernel, top-k then softmax."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, model: nn.Module, device: torch.device | None = None) -> None:
+        super().__init__(model, device)
         self.biases: dict[str, dict[str, torch.Tensor]] = {}
 
     @staticmethod
@@ -133,18 +153,17 @@ class GptOssExpertTensors(ExpertTensors):
             for part, layers in parts.items():
                 for e, layer in enumerate(layers):
                     layer.bias = nn.Parameter(biases[part][e], requires_grad=False)
-            gate_up = [type(g).concatenated([g, u]) for g, u in zip(parts["gate"], parts["up"])]
-            if any(layer is None for layer in gate_up):
-                raise CheckpointMismatch(f"{block_name}: its experts' gate and up layers cannot be computed side by side")
             experts = block.experts
-            block.experts = KernelExperts(gate_up, parts["down"], None, HalvesClampedSwiGLU(experts.alpha, experts.limit))
+            block.experts = self.experts(block_name, parts, None, HalvesClampedSwiGLU(experts.alpha, experts.limit))
             router = block.router
-            block.router = KernelRouter(FloatLinear.from_weight(narrowest(router.weight.detach()), router.bias.detach()),
+            block.router = KernelRouter(self.router_layer(router.weight.detach(), router.bias.detach()),
                                         router.top_k, False, Routing(router.top_k, softmax_first=False))
-            made += 3 * len(gate_up)
+            made += 3 * len(parts["down"])
+            del self.layers[block_name]
         return made
 
 
-def expert_tensors(model: nn.Module) -> ExpertTensors:
-    """What takes the model's stacked expert tensors from its file."""
-    return GptOssExpertTensors(model) if model.config.model_type == gguf_gpt_oss.MODEL_TYPE else ExpertTensors(model)
+def expert_tensors(model: nn.Module, device: torch.device | None = None) -> ExpertTensors:
+    """What takes the model's stacked expert tensors from its file (`device`: a GPU's, the blocks kept there)."""
+    kind = GptOssExpertTensors if model.config.model_type == gguf_gpt_oss.MODEL_TYPE else ExpertTensors
+    return kind(model, device)

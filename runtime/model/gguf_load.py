@@ -22,8 +22,10 @@ offset: no mapping that would keep the file's pages resident) and goes straight 
 
 On a GPU (`device`, runtime.model.cached_model decides) a supported linear weight becomes a
 `GpuBlockLinear` on the device instead (runtime.model.gpu_blocks: the file's codes and scales for the
-Triton block GEMM, decoded a slab of rows at a time on the host), and the rest as above: the embedding
-and F16/BF16/F32 linear weights as the model's floats, nothing in the CPU kernels' layers.
+Triton block GEMM, decoded a slab of rows at a time on the host), routed experts' blocks are stacked
+there an expert a slice for the routed Triton kernels (runtime.model.gpu_experts; experts of another
+type refuse the path), and the rest as above: the embedding and F16/BF16/F32 linear weights as the
+model's floats, nothing in the CPU kernels' layers.
 
 Peak memory is the served model plus one tensor in flight. Strict as runtime.model.loader's loading:
 every parameter must come from the file (`CheckpointMismatch` otherwise); non-persistent buffers
@@ -131,12 +133,18 @@ def _float_weight(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.T
     return torch.from_numpy(np.ascontiguousarray(raw).reshape(shape))
 
 
-def _expert_layer(kind: str, raw: np.ndarray, shape: tuple[int, int]):
+def _expert_layer(kind: str, raw: np.ndarray, shape: tuple[int, int], device: torch.device | None = None):
     """One expert's layer of a stacked tensor: its blocks, or its floats in ponder's float kernel (a type
-    no kernel runs dequantized to float32, an expert at a time)."""
+    no kernel runs dequantized to float32, an expert at a time). On a GPU (`device`) its blocks there,
+    and a type they do not cover refused (CheckpointMismatch: the caller loads through transformers)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    if device is not None:
+        if kind not in SUPPORTED:
+            raise CheckpointMismatch(f"routed experts of type {kind} are not kept on a GPU (its blocks cover "
+                                     f"{', '.join(SUPPORTED)})")
+        return gpu_block_layer(kind, lambda start, stop: raw[start:stop], shape, device)
     if kind in SUPPORTED:
         return _int_layer(kind, lambda start, stop: raw[start:stop], shape)
     if kind in FLOAT_KINDS:
@@ -199,8 +207,9 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
                      trust_remote_code: bool = False, device: torch.device | None = None) -> tuple[nn.Module, Quantized]:
     """The model in `source`'s GGUF with every linear layer of a supported type as an int layer, or with
     `device` (a GPU's path: runtime.model.gpu_blocks), as a `GpuBlockLinear` on `device`, every other
-    tensor dequantized into the model's float weights there (the embedding too, and routed experts are
-    refused: CheckpointMismatch, so the caller loads through transformers)."""
+    tensor dequantized into the model's float weights there (the embedding too), routed experts kept in
+    their blocks there too (runtime.model.gpu_experts; a type the blocks do not cover raises
+    CheckpointMismatch, so the caller loads through transformers)."""
     from gguf.quants import dequantize
     _fix_mmap_threshold()
     model = _skeleton(config, dtype, attn_implementation, trust_remote_code)
@@ -226,9 +235,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
     floats = 0
     float_kernel_runs = device is None and _float_kernel_runs()
     biases: dict[str, torch.Tensor] = {}
-    experts = expert_tensors(model)  # routed experts' stacked tensors, one kernel layer an expert
-    if device is not None and experts.blocks:
-        raise CheckpointMismatch(f"{source.path}: routed experts are not kept in their blocks on a GPU")
+    experts = expert_tensors(model, device)  # routed experts' stacked tensors, one kernel layer an expert
     with open(source.path, "rb") as file:
         for tensor in tensors:
             target = names.get(tensor.name)
@@ -242,7 +249,7 @@ def load_gguf_blocks(source: ModelSource, config, dtype: torch.dtype, attn_imple
             if block is not None:
                 kind = tensor.tensor_type.name
                 kinds[kind] = kinds.get(kind, 0) + 1
-                experts.take(block, tensor.name, _read(file, tensor), lambda raw, shape: _expert_layer(kind, raw, shape))
+                experts.take(block, tensor.name, _read(file, tensor), lambda raw, shape: _expert_layer(kind, raw, shape, device))
                 if kind in SUPPORTED or kind in FLOAT_KINDS:  # (a stacked tensor counted as one layer)
                     counts = kept if kind in SUPPORTED else in_float_kernel
                     counts[kind] = counts.get(kind, 0) + 1

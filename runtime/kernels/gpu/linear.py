@@ -43,21 +43,17 @@ CHOSEN: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
 
 @triton.jit
-def _linear(x_ptr, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_stride, w_stride, d_stride, ds_stride,
-            out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
-            SUPER: tl.constexpr,
-            PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-            CHUNK: tl.constexpr):
-    row = tl.program_id(0)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(2)  # the inputs split * CHUNK .. (split + 1) * CHUNK
-    out_ok = rn < outs
+def _dot(x_row, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start, w_stride, d_stride, ds_stride,
+         INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr, SUPER: tl.constexpr,
+         PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """The float32 sums of outputs `rn` (of the weights at `w_ptr`, their scales at `d_ptr`...) over the
+    row at `x_row`, inputs `k_start` to `k_start + CHUNK` in chunks of `BLOCK_K`, in order."""
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for i in range(0, CHUNK, BLOCK_K):  # (the width a constant: one compiled kernel per layer shape)
-        k0 = split * CHUNK + i
+        k0 = k_start + i
         rk = k0 + tl.arange(0, BLOCK_K)
         in_ok = rk < INS
-        x = tl.load(x_ptr + row * x_stride + rk, mask=in_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_row + rk, mask=in_ok, other=0.0).to(tl.float32)
         if PACKED:  # two 4-bit codes a byte, input 2i in the low half, 2i + 1 in the high: one load a byte
             rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             byte = tl.load(w_ptr + rn[:, None] * w_stride + rb[None, :],
@@ -83,6 +79,21 @@ def _linear(x_ptr, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_s
                 w = w + m[:, :, None]
             w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         acc += tl.sum(w * x[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _linear(x_ptr, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_stride, w_stride, d_stride, ds_stride,
+            out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
+            SUPER: tl.constexpr,
+            PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+            CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)  # the inputs split * CHUNK .. (split + 1) * CHUNK
+    out_ok = rn < outs
+    acc = _dot(x_ptr + row * x_stride, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, split * CHUNK, w_stride,
+               d_stride, ds_stride, INS, GROUP, BLOCKS, HAS_M, SUPER, PACKED, BLOCK_N, BLOCK_K, CHUNK)
     if SPLITS == 1:
         tl.store(out_ptr + row * out_stride + rn, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:  # a split's float32 sums `[SPLITS, rows, outs]`, added up in order by `_sum_splits`

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from runtime.kernels.gpu import elementwise, gated_delta, linear, paged
+from runtime.kernels.gpu import elementwise, gated_delta, linear, paged, routed
 
 HOPPER = GPUTarget("cuda", 90, 32)
 P32, P16, P8, PI32, PI64, I32, F32 = "*fp32", "*bf16", "*i8", "*i32", "*i64", "i32", "fp32"
@@ -62,6 +62,13 @@ def cases():
             ms_ptr=P32, out_ptr=P32 if splits > 1 else P16, outs=I32, rows=I32, x_stride=I32, w_stride=I32, d_stride=I32,
             ds_stride=I32, out_stride=I32), dict(INS=4096, GROUP=32, BLOCKS=True, HAS_M=True, SUPER=per_super,
                                                  PACKED=True, BLOCK_N=8, BLOCK_K=512, SPLITS=splits, CHUNK=4096 // splits)
+    blocks = dict(w_ptr="*u8", d_ptr=P8, m_ptr=P8, ds_ptr=P32, ms_ptr=P32, w_expert=I32, d_expert=I32, ds_expert=I32,
+                  w_stride=I32, d_stride=I32, ds_stride=I32)  # (a Q4_K's experts: codes two a byte, compact scales)
+    form = dict(INS=2048, GROUP=32, BLOCKS=True, HAS_M=True, SUPER=8, PACKED=True, BLOCK_N=8, BLOCK_K=512, CHUNK=2048)
+    yield "routed gate_up", routed._gate_up, dict(x_ptr=P16, experts_ptr=PI32, h_ptr=P16, inner=I32, x_stride=I32,
+                                                  **blocks), dict(TOP_K=8, **form)
+    yield "routed down", routed._down, dict(h_ptr=P16, experts_ptr=PI32, weights_ptr=P16, out_ptr=P16, outs=I32,
+                                            **blocks), dict(TOP_K=8, **form)
     yield "sum_splits", linear._sum_splits, dict(part_ptr=P32, out_ptr=P16, outs=I32, rows=I32, out_stride=I32), dict(
         SPLITS=4, BLOCK=1024)
 

@@ -123,15 +123,3 @@ def test_every_block_type_on_the_device_is_gguf_s_dequantized_weights_in_its_byt
     assert layer.packed == (kind in PACKED) and layer.nbytes == expected_bytes(kind, 8, 256)
     assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
 
-
-def test_routed_experts_are_refused_so_the_model_loads_dequantized(tmp_path):
-    """A Qwen3-MoE file: its experts have no block layers on a GPU (runtime.model.experts' are the CPU
-    kernels'), so the GPU path refuses it and the start-up path loads it through transformers."""
-    from runtime.model.loader import CheckpointMismatch
-    from tests.gguf_moe import write_qwen3_moe_gguf
-    from tests.replicas.families import write_family
-
-    path = write_qwen3_moe_gguf(write_family("qwen3_moe", tmp_path / "replica"), tmp_path / "moe.gguf", "Q8_0")
-    source = resolve_model(str(path))
-    with pytest.raises(CheckpointMismatch, match="routed experts are not kept in their blocks on a GPU"):
-        load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)

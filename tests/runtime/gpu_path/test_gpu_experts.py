@@ -1,0 +1,158 @@
+"""Routed experts on a GPU with their GGUF blocks kept (runtime.model.gpu_experts, the routed Triton
+kernels of runtime/kernels/gpu/routed.py), here on the CPU in Triton's interpreter: the per-expert
+loop's sums, each token's bits its own whatever the batch, and a MoE file's tokens as transformers
+gives them from the file dequantized."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.model.experts import SiluGLU, mix_experts
+from runtime.model.gpu_blocks import GpuBlockLinear
+from runtime.model.gpu_experts import GpuExperts, GpuFloatLinear, gpu_experts
+from tests.gguf_model import blocks_of
+from tests.runtime.gpu_path.test_gpu_blocks_load import CPU, expected_bytes
+
+EXPERTS, TOP_K, HIDDEN, INNER = 4, 2, 256, 256
+
+
+def expert_layers(kind: str, seed: int) -> tuple[list, list, list]:
+    """Each of `EXPERTS` experts' gate, up and down layers of `kind`'s random blocks."""
+    from runtime.model.gpu_blocks import gpu_block_layer
+
+    def layer(n: int, rows: int, cols: int) -> GpuBlockLinear:
+        data = blocks_of(kind, rows, cols, seed=seed + n)
+        return gpu_block_layer(kind, lambda start, stop: data[start:stop], (rows, cols), CPU)
+
+    return ([layer(3 * e, INNER, HIDDEN) for e in range(EXPERTS)], [layer(3 * e + 1, INNER, HIDDEN) for e in range(EXPERTS)],
+            [layer(3 * e + 2, HIDDEN, INNER) for e in range(EXPERTS)])
+
+
+def routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, TOP_K, generator=generator), dim=-1)
+    return indices, weights
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_the_routed_kernels_sum_what_the_per_expert_loop_sums_and_a_token_s_bits_are_its_own(kind):
+    """Two launches (SiLU(gate) * up an expert a token; down, weighted and summed in ascending expert order)
+    against one block GEMM a layer an expert hit; a token's outputs the same bits alone as beside others."""
+    gate, up, down = expert_layers(kind, seed=11)
+    loop = GpuExperts([GpuBlockLinear.concatenated([g, u]) for g, u in zip(gate, up)], down, nn.SiLU())
+    assert loop.stacks is None  # (no stacks given: the per-expert loop)
+    experts = gpu_experts(gate, up, down, nn.SiLU())
+    assert experts.stacks is not None
+    stacked_gate_up, stacked_down = experts.stacks
+    assert stacked_gate_up.codes.shape[:2] == (EXPERTS, 2 * INNER) and stacked_down.codes.shape[:2] == (EXPERTS, HIDDEN)
+    # each expert's layer a view of its slice of the stack (the stack holds the one copy)
+    assert experts.down[1].weight.data_ptr() == stacked_down.codes[1].data_ptr()
+    assert experts.gate_up[2].weight.data_ptr() == stacked_gate_up.codes[2].data_ptr()
+    assert gate[2].weight.data_ptr() == stacked_gate_up.codes[2].data_ptr()  # (the gate: its first rows)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1))
+    indices, weights = routing(3)
+    routed = experts(x, indices, weights)
+    calls = [(g.rows, d.rows) for g, d in zip(experts.gate_up, experts.down)]
+    # (SiLU's exp is Triton's there, torch's here: the last bits of a few sums differ)
+    scale = routed.abs().max().item()
+    torch.testing.assert_close(routed, mix_experts(x, indices, weights, calls, SiluGLU(nn.SiLU())),
+                               rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(routed, loop(x, indices, weights), rtol=1e-5, atol=1e-6 * scale)
+    assert torch.equal(experts(x[1:2], indices[1:2], weights[1:2]), routed[1:2])
+    assert torch.equal(experts(x[:2], indices[:2], weights[:2]), routed[:2])
+    # the token's experts in the other order: the same sums in the same (ascending) order
+    assert torch.equal(experts(x[1:2], indices[1:2].flip(-1), weights[1:2].flip(-1)), routed[1:2])
+
+
+def test_layers_of_two_forms_are_not_stacked_and_run_the_per_expert_loop():
+    """A gate of Q4_K beside an up of Q6_K cannot share one kernel's form: each expert's gate and up side by
+    side (two calls), the same sums."""
+    gate, _, down = expert_layers("Q4_K", seed=5)
+    _, up, _ = expert_layers("Q6_K", seed=5)
+    experts = gpu_experts(gate, up, down, nn.SiLU())
+    assert experts.stacks is None
+    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(2))
+    indices, weights = routing(2, seed=3)
+    calls = [(g.rows, d.rows) for g, d in zip(experts.gate_up, experts.down)]
+    expected = mix_experts(x, indices, weights, [(lambda r, g=g, u=u: torch.cat([g.rows(r), u.rows(r)], -1), d.rows)
+                                                  for g, u, d in zip(gate, up, down)], SiluGLU(nn.SiLU()))
+    assert torch.equal(experts(x, indices, weights), expected)
+    assert len(calls) == EXPERTS
+
+
+def test_a_moe_gguf_for_a_gpu_keeps_its_experts_blocks_and_gives_its_dequantized_tokens(tmp_path):
+    """A Qwen3-MoE file of Q8_0 tensors loaded for a GPU: every block's experts stacked in the file's
+    bytes for the routed kernels, the router in the Triton float GEMV, and the tokens (and logits) of
+    the same file dequantized by transformers."""
+    from runtime.model.cached_model import gguf_config
+    from runtime.model.experts import KernelRouter
+    from runtime.model.gguf_load import load_gguf_blocks
+    from runtime.model.loader import load_causal_lm, resolve_model
+    from tests.gguf_moe import write_qwen3_moe_gguf
+    from tests.replicas.families import write_family
+    from tests.runtime.engine_helpers import hf_greedy
+
+    path = write_qwen3_moe_gguf(write_family("qwen3_moe", tmp_path / "replica"), tmp_path / "moe.gguf", "Q8_0")
+    source = resolve_model(str(path))
+    reference = load_causal_lm(source, CPU, torch.float32, "sdpa")
+    model, quantized = load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)
+    assert quantized.mode == "gpu_blocks"
+    for i, layer in enumerate(model.model.layers):
+        experts, router = layer.mlp.experts, layer.mlp.gate
+        assert isinstance(experts, GpuExperts) and experts.stacks is not None
+        assert isinstance(router, KernelRouter) and isinstance(router.linear, GpuFloatLinear)
+        stacked = reference.model.layers[i].mlp.experts
+        inner, hidden = stacked.down_proj.shape[2], stacked.down_proj.shape[1]
+        assert experts.nbytes == stacked.num_experts * (expected_bytes("Q8_0", 2 * inner, hidden)
+                                                          + expected_bytes("Q8_0", hidden, inner))
+        for e in range(stacked.num_experts):  # the file's weights exactly
+            assert torch.equal(experts.gate_up[e].dequantized(), stacked.gate_up_proj[e])
+            assert torch.equal(experts.down[e].dequantized(), stacked.down_proj[e])
+    prompt = [1, 5, 6, 7, 8]
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+    assert hf_greedy(model, prompt, 4) == hf_greedy(reference, prompt, 4)
+
+
+def test_experts_of_a_type_the_blocks_do_not_cover_are_refused_so_the_model_loads_dequantized(tmp_path):
+    """F32 experts have no block layers on a GPU: the GPU path refuses the file, naming the type, and the
+    start-up path loads it through transformers."""
+    from runtime.model.cached_model import gguf_config
+    from runtime.model.gguf_load import load_gguf_blocks
+    from runtime.model.loader import CheckpointMismatch, resolve_model
+    from tests.gguf_moe import write_qwen3_moe_gguf
+    from tests.replicas.families import write_family
+
+    path = write_qwen3_moe_gguf(write_family("qwen3_moe", tmp_path / "replica"), tmp_path / "moe.gguf", "F32")
+    source = resolve_model(str(path))
+    with pytest.raises(CheckpointMismatch, match="routed experts of type F32 are not kept on a GPU"):
+        load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)
+
+
+def test_a_moe_gguf_served_with_its_blocks_kept_gives_the_dequantized_tokens_alone_and_in_a_crowd(tmp_path, monkeypatch):
+    """Served end to end as a GPU serves it (the start-up flag set here on the CPU): the lean decoder runs
+    the routed kernels (routing in the Triton float GEMV) with Triton's decode attention, and the greedy
+    tokens are the file's dequantized ones; a request's tokens are the same alone as beside others."""
+    import functools
+
+    from runtime.model.cached_model import load_quantized_model
+    from tests.gguf_moe import write_qwen3_moe_gguf
+    from tests.replicas.families import write_family
+    from tests.runtime.engine_helpers import engine_for, request, run
+
+    path = write_qwen3_moe_gguf(write_family("qwen3_moe", tmp_path / "replica"), tmp_path / "moe.gguf", "Q8_0")
+    requests = [request("a", [1, 5, 6, 7, 8], max_tokens=4), request("b", [1, 40, 41], max_tokens=4)]
+    # (transformers' stacked experts keep no batch invariance: the reference runs without it)
+    expected = run(engine_for(path, quantize="none", num_blocks=32, batch_invariant=False), requests)
+    monkeypatch.setattr("runtime.bootstrap.load_quantized_model", functools.partial(load_quantized_model, gpu_blocks=True))
+    engine = engine_for(path, num_blocks=32)  # quantize left at auto; batch invariance on (the probe accepts it)
+    engine.runner.use_gpu_kernels()
+    assert engine.quantized.mode == "gpu_blocks"
+    moe = engine.runner.decoder.layers[0].moe
+    assert isinstance(moe.modules[0][0], GpuBlockLinear) and moe.mix.__self__.stacks is not None
+    assert run(engine, requests) == expected
+    assert run(engine, requests[1:]) == {"b": expected["b"]}
