@@ -156,3 +156,31 @@ def test_a_moe_gguf_served_with_its_blocks_kept_gives_the_dequantized_tokens_alo
     assert isinstance(moe.modules[0][0], GpuBlockLinear) and moe.mix.__self__.stacks is not None
     assert run(engine, requests) == expected
     assert run(engine, requests[1:]) == {"b": expected["b"]}
+
+
+def test_gpt_oss_s_mxfp4_experts_on_a_gpu_keep_their_blocks_and_biases_and_give_the_dequantized_tokens(tmp_path):
+    """gpt-oss's biased, clamped experts (MXFP4_MOE's MXFP4 experts beside Q8_0 layers) keep the file's
+    blocks on a GPU and run one block GEMM a layer an expert hit (the routed kernels compute SiLU(gate) *
+    up only), each expert's gate and up side by side with their biases: the tokens of the same file as
+    transformers dequantizes it."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.model.cached_model import gguf_config
+    from runtime.model.gguf_load import load_gguf_blocks
+    from runtime.model.loader import resolve_model
+    from tests.gguf_gpt_oss import dequantized_replica, write_gpt_oss_gguf
+    from tests.replicas.families import write_family
+    from tests.runtime.engine_helpers import hf_greedy
+
+    replica = write_family("gpt_oss", tmp_path / "replica")
+    path = write_gpt_oss_gguf(replica, tmp_path / "gpt-oss-MXFP4_MOE.gguf")
+    reference = AutoModelForCausalLM.from_pretrained(dequantized_replica(replica, path, tmp_path / "dequantized"),
+                                                     dtype=torch.float32, experts_implementation="eager").eval()
+    source = resolve_model(str(path))
+    model, quantized = load_gguf_blocks(source, gguf_config(source), torch.float32, "eager", device=CPU)
+    assert quantized.mode == "gpu_blocks" and "MXFP4" in quantized.block_types
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, GpuExperts) and experts.stacks is None
+    assert experts.gate_up[0].bias is not None and isinstance(experts.down[0], GpuBlockLinear)
+    prompt = [1, 5, 6, 7, 8]
+    assert hf_greedy(model, prompt, 4) == hf_greedy(reference, prompt, 4)
