@@ -223,6 +223,7 @@ class RoutedMLP:
         else:
             weight, bias = router.weight, getattr(router, "bias", None)
             self.router = lambda x: F.linear(x, weight, bias)
+        self.experts = experts
         if isinstance(experts, KernelExperts):
             self.modules = list(zip(experts.gate_up, experts.down))
             self.mix = experts.forward

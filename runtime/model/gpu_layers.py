@@ -4,7 +4,11 @@ transformers' arithmetic with fewer launches: a layer is the RMS norm with the r
 the fused qkv matmul, the attention inputs (Qwen3's head norms, the rotary over queries and keys, the
 KV write: one kernel), paged decode attention, the o matmul, the second norm with its add, the fused
 gate/up matmul, SiLU * mul and the down matmul: nine launches, each row computed from its own inputs
-only (the matmuls are torch's; row padding keeps their rows their own, as on every path). Gemma 3
+only (the matmuls are torch's; row padding keeps their rows their own, as on every path). A layer
+routed over experts whose blocks are stacked on the device (Qwen3-MoE's GGUF, runtime.model.gpu_experts)
+takes the router's matmul, its routing (runtime/kernels/gpu/routed.py `route_rows`: softmax, top k,
+renormalised, in ascending expert order) and the experts' two launches in place of the last three:
+ten launches. Gemma 3
 takes the same nine: its (1 + w) norms, the norm of each sublayer's output inside the launch that adds
 it to the stream, GELU's tanh form, a rotary per layer type, and its sliding layers' KV in their own
 cache where the runner keeps it apart (runtime.kv.window_split). The norms, rotary and activation
@@ -28,6 +32,7 @@ from transformers.activations import GELUTanh
 
 from runtime.kernels.gpu.elementwise import act_mul, rms_norm
 from runtime.kernels.gpu.paged import attention_inputs, decode_attention
+from runtime.kernels.gpu.routed import route_rows, routed_mlp
 from runtime.model.attention import AttentionMetadata
 from runtime.model.experts import SILU  # (both call F.silu: what the SiLU * mul kernel computes)
 from runtime.model.norms import OffsetRMSNorm, RMSNorm
@@ -43,7 +48,7 @@ class GpuLayers:
         self.layers = decoder.layers
         self.heads, self.kv_heads, self.head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
         self.offset = type(decoder.norm) is OffsetRMSNorm  # Gemma's norms (every norm of the model one kind)
-        self.gelu = type(decoder.layers[0].act) is GELUTanh
+        self.gelu = any(type(layer.act) is GELUTanh for layer in decoder.layers)
         # each layer's head norms' weights as the attention-inputs kernel reads them (q's, then k's)
         self.head_norms = [None if layer.q_norm is None else torch.stack((self._weight(layer.q_norm),
                                                                           self._weight(layer.k_norm)))
@@ -62,12 +67,18 @@ class GpuLayers:
         offset = type(decoder.norm) is OffsetRMSNorm
         if type(decoder.norm) not in (RMSNorm, OffsetRMSNorm):
             return None
-        acts = {type(layer.act) for layer in decoder.layers}
-        if not (acts <= set(SILU) or acts == {GELUTanh} and all(_c_gelu(layer.act) for layer in decoder.layers)):
+        dense = [layer for layer in decoder.layers if layer.moe is None]
+        acts = {type(layer.act) for layer in dense}
+        if not (acts <= set(SILU) or acts == {GELUTanh} and all(_c_gelu(layer.act) for layer in dense)):
             return None
         for layer in decoder.layers:
-            if layer.qkv.fused_call is None or layer.gate_up.fused_call is None or len(layer.gate_up.sizes) != 2 \
-                    or layer.gate_up.sizes[0] != layer.gate_up.sizes[1]:
+            if layer.qkv.fused_call is None:
+                return None
+            if layer.moe is not None:
+                if routed_stacks(layer.moe) is None:
+                    return None
+            elif layer.gate_up.fused_call is None or len(layer.gate_up.sizes) != 2 or \
+                    layer.gate_up.sizes[0] != layer.gate_up.sizes[1]:
                 return None
             norms = [n for n in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
                                  layer.mlp_out_norm) if n is not None]
@@ -115,7 +126,12 @@ class GpuLayers:
             decode_attention(queries, d.rows, cache.kv, d.tables, d.ctx, index, scale, out, window=layer.window or 0)
             attended = layer.o_proj(out.view(num_tokens, heads * dim))
             x, stream = self._norm(attended, layer.post_norm, stream, layer.attn_out_norm)
-            update = layer.down(act_mul(layer.gate_up.fused_call(x), layer.gate_up.sizes[0], gelu=self.gelu))
+            if layer.moe is not None:  # (the router's matmul, its routing, then the experts: four launches)
+                moe = layer.moe
+                experts, weights = route_rows(moe.router_linear.rows(x), moe.top_k, moe.norm_topk_prob)
+                update = routed_mlp(x, experts, weights, *moe.experts.stacks, ascending=True)
+            else:
+                update = layer.down(act_mul(layer.gate_up.fused_call(x), layer.gate_up.sizes[0], gelu=self.gelu))
             update_norm = layer.mlp_out_norm
         x, stream = self._norm(update, self.decoder.norm, stream, update_norm)
         return x if normed else stream
@@ -124,6 +140,14 @@ class GpuLayers:
         """(`norm` of `pre(x) + residual`, that sum): one launch (`pre`: Gemma's norm of a sublayer's output)."""
         return rms_norm(x, self._weight(norm), norm.eps, residual=residual, offset=self.offset,
                         pre=None if pre is None else (pre.scale, pre.eps))
+
+
+def routed_stacks(moe) -> tuple | None:
+    """The stacked blocks a routed MLP block's experts run in the routed Triton kernels (runtime.model.gpu_experts),
+    where its router is a kernel layer routing as Qwen3-MoE's (softmax over every expert, then the top k);
+    else None."""
+    stacks = getattr(moe.experts, "stacks", None)
+    return stacks if moe.routing.softmax_first and not moe.routing.own and moe.router_linear is not None else None
 
 
 def _c_gelu(act) -> bool:

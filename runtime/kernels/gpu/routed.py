@@ -100,19 +100,61 @@ def _down(h_ptr, experts_ptr, weights_ptr, out_ptr, w_ptr, d_ptr, m_ptr, ds_ptr,
     tl.store(out_ptr + token * outs + rn, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _route(logits_ptr, experts_ptr, weights_ptr, num_experts, logits_stride, TOP_K: tl.constexpr,
+           RENORMALISE: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    ids = tl.arange(0, BLOCK)
+    inside = ids < num_experts
+    logits = tl.load(logits_ptr + token * logits_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)  # the softmax over every expert, in float32
+    left = tl.where(inside, p, -1.0)
+    chosen = ids < 0
+    total = 0.0
+    for k in tl.static_range(TOP_K):  # the largest k, the lowest id first among equals (torch.topk's)
+        best = tl.max(left, axis=0)
+        first = tl.min(tl.where(left == best, ids, BLOCK), axis=0)
+        chosen = chosen | (ids == first)
+        left = tl.where(ids == first, -1.0, left)
+        total += best
+    weights = p / total if RENORMALISE else p
+    place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # the chosen in ascending expert order
+    tl.store(experts_ptr + token * TOP_K + place, ids, mask=chosen)
+    tl.store(weights_ptr + token * TOP_K + place, weights.to(weights_ptr.dtype.element_ty), mask=chosen)
+
+
+def route_rows(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts int32, weights in the logits' dtype) `[tokens, top_k]`, each row's in ascending expert
+    order: a softmax over every expert in float32, its top k (renormalised to sum to 1 where
+    `renormalise`), as runtime.model.experts.route computes them (Qwen3-MoE's router), in one launch
+    a row of its own."""
+    tokens, num_experts = logits.shape
+    experts = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((tokens, top_k), dtype=logits.dtype, device=logits.device)
+    if tokens:
+        _route[(tokens,)](logits, experts, weights, num_experts, logits.stride(0), TOP_K=top_k,
+                          RENORMALISE=renormalise, BLOCK=triton.next_power_of_2(num_experts))
+    return experts, weights
+
+
 def routed_mlp(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: StackedBlocks,
-               down: StackedBlocks) -> torch.Tensor:
+               down: StackedBlocks, ascending: bool = False) -> torch.Tensor:
     """Sum over each row of `x` `[tokens, hidden]` of its experts' weight * down(SiLU(gate) * up) (`indices`,
-    `weights` `[tokens, top_k]`: a router's), `gate_up`'s outputs the gate's inner columns then the up's."""
+    `weights` `[tokens, top_k]`: a router's; `ascending`: each row's experts in ascending order already,
+    int32, as `route_rows` gives them), `gate_up`'s outputs the gate's inner columns then the up's."""
     tokens, top_k = indices.shape
     (inner2, hidden), (outs, inner) = gate_up.shape, down.shape
     assert inner2 == 2 * inner and outs == hidden == x.shape[1] and x.stride(1) == 1
     out = torch.empty((tokens, outs), dtype=x.dtype, device=x.device)
     if not tokens:
         return out
-    experts, order = indices.sort(dim=-1)  # (a row's experts in ascending order, as mix_experts adds them)
-    experts = experts.to(torch.int32).contiguous()
-    entry_weights = weights.gather(-1, order).contiguous()
+    if ascending:
+        experts, entry_weights = indices, weights
+    else:
+        experts, order = indices.sort(dim=-1)  # (a row's experts in ascending order, as mix_experts adds them)
+        experts = experts.to(torch.int32).contiguous()
+        entry_weights = weights.gather(-1, order).contiguous()
     h = torch.empty((tokens * top_k, inner), dtype=x.dtype, device=x.device)
     pointers, constants = gate_up.launch_args()
     grid = (tokens * top_k, triton.cdiv(inner, constants["BLOCK_N"]))

@@ -69,6 +69,8 @@ def cases():
                                                   **blocks), dict(TOP_K=8, **form)
     yield "routed down", routed._down, dict(h_ptr=P16, experts_ptr=PI32, weights_ptr=P16, out_ptr=P16, outs=I32,
                                             **blocks), dict(TOP_K=8, **form)
+    yield "routed route", routed._route, dict(logits_ptr=P16, experts_ptr=PI32, weights_ptr=P16, num_experts=I32,
+                                              logits_stride=I32), dict(TOP_K=8, RENORMALISE=True, BLOCK=128)
     yield "sum_splits", linear._sum_splits, dict(part_ptr=P32, out_ptr=P16, outs=I32, rows=I32, out_stride=I32), dict(
         SPLITS=4, BLOCK=1024)
 

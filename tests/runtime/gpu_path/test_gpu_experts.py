@@ -133,29 +133,103 @@ def test_experts_of_a_type_the_blocks_do_not_cover_are_refused_so_the_model_load
         load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)
 
 
-def test_a_moe_gguf_served_with_its_blocks_kept_gives_the_dequantized_tokens_alone_and_in_a_crowd(tmp_path, monkeypatch):
-    """Served end to end as a GPU serves it (the start-up flag set here on the CPU): the lean decoder runs
-    the routed kernels (routing in the Triton float GEMV) with Triton's decode attention, and the greedy
-    tokens are the file's dequantized ones; a request's tokens are the same alone as beside others."""
+@pytest.fixture(scope="module")
+def moe_q8_0(tmp_path_factory):
+    from tests.gguf_moe import write_qwen3_moe_gguf
+    from tests.replicas.families import write_family
+
+    directory = tmp_path_factory.mktemp("qwen3-moe-q8_0")
+    return write_qwen3_moe_gguf(write_family("qwen3_moe", directory / "replica"), directory / "moe.gguf", "Q8_0")
+
+
+SERVED = [[1, 5, 6, 7, 8], [1, 40, 41]]
+
+
+def served(path, monkeypatch, graphs: bool = False):
+    """(the tokens of a Qwen3-MoE file dequantized, served by transformers' float model; an engine as a
+    GPU serves the file, its blocks kept (the start-up flag set here on the CPU), its decode steps in the
+    Triton loop, or with `graphs` from the static buffers a CUDA graph replays, run eagerly)."""
     import functools
 
     from runtime.model.cached_model import load_quantized_model
-    from tests.gguf_moe import write_qwen3_moe_gguf
-    from tests.replicas.families import write_family
     from tests.runtime.engine_helpers import engine_for, request, run
 
-    path = write_qwen3_moe_gguf(write_family("qwen3_moe", tmp_path / "replica"), tmp_path / "moe.gguf", "Q8_0")
-    requests = [request("a", [1, 5, 6, 7, 8], max_tokens=4), request("b", [1, 40, 41], max_tokens=4)]
+    requests = [request(str(i), prompt, max_tokens=4) for i, prompt in enumerate(SERVED)]
     # (transformers' stacked experts keep no batch invariance: the reference runs without it)
     expected = run(engine_for(path, quantize="none", num_blocks=32, batch_invariant=False), requests)
     monkeypatch.setattr("runtime.bootstrap.load_quantized_model", functools.partial(load_quantized_model, gpu_blocks=True))
     engine = engine_for(path, num_blocks=32)  # quantize left at auto; batch invariance on (the probe accepts it)
     engine.runner.use_gpu_kernels()
-    assert engine.quantized.mode == "gpu_blocks"
+    assert engine.quantized.mode == "gpu_blocks" and engine.runner.decoder.gpu is not None
+    assert not graphs or engine.runner.use_graphs(capture=False, max_rows=4)
+    return expected, engine, requests
+
+
+def test_a_moe_gguf_served_with_its_blocks_kept_decodes_in_the_triton_loop_to_the_dequantized_tokens(moe_q8_0,
+                                                                                                      monkeypatch):
+    """The lean decoder's Triton loop takes the routed layers (router, routing, the experts' two launches),
+    and the greedy tokens are the file's dequantized ones, a request's the same alone as beside others."""
+    from runtime.model import gpu_layers
+    from tests.runtime.engine_helpers import run
+
+    expected, engine, requests = served(moe_q8_0, monkeypatch)
     moe = engine.runner.decoder.layers[0].moe
-    assert isinstance(moe.modules[0][0], GpuBlockLinear) and moe.mix.__self__.stacks is not None
+    assert isinstance(moe.modules[0][0], GpuBlockLinear) and moe.experts.stacks is not None
+    steps, call = [], gpu_layers.GpuLayers.__call__
+    monkeypatch.setattr(gpu_layers.GpuLayers, "__call__", lambda self, hidden, *a, **k: steps.append(1) or
+                        call(self, hidden, *a, **k))
     assert run(engine, requests) == expected
-    assert run(engine, requests[1:]) == {"b": expected["b"]}
+    assert len(steps) == 4  # (every step: exact prefill attends prompt tokens one query at a time too)
+    assert run(engine, requests[1:]) == {"1": expected["1"]}
+
+
+def test_a_moe_gguf_s_static_buffer_steps_give_the_same_tokens(moe_q8_0, monkeypatch):
+    """The step a CUDA graph replays (its CPU twin) over the routed layers: the same tokens."""
+    from runtime.model.graphs import DecodeGraphs
+    from tests.runtime.engine_helpers import run
+
+    expected, engine, requests = served(moe_q8_0, monkeypatch, graphs=True)
+    sizes, step = [], DecodeGraphs._step
+    monkeypatch.setattr(DecodeGraphs, "_step", lambda self, size: sizes.append(size) or step(self, size))
+    assert run(engine, requests) == expected
+    assert sizes == [engine.runner.padding.pad(2)] * 3
+
+
+def test_a_routed_decode_layer_is_ten_launches(moe_q8_0, monkeypatch):
+    """A routed layer of the Triton loop, counted on the CPU: the router's matmul, its routing and the
+    experts' two launches where a dense layer's gate/up, SiLU * mul and down are."""
+    from runtime.kernels.gpu import linear
+    from runtime.model import gpu_layers
+    from tests.runtime.engine_helpers import request
+    from tests.runtime.gpu_path.test_gpu_layers import decode_launches
+
+    _, engine, _ = served(moe_q8_0, monkeypatch)
+    steps = decode_launches(engine, monkeypatch, [request("a", SERVED[0], max_tokens=3)],
+                            kernels=("rms_norm", "attention_inputs", "decode_attention", "route_rows", "routed_mlp"),
+                            functions=((linear, "block_linear"), (linear, "linear")))
+    layer = ["rms_norm", "block_linear", "attention_inputs", "decode_attention", "block_linear", "rms_norm", "linear",
+             "route_rows", "routed_mlp"]
+    assert steps[-1] == ["aten.zeros.default"] + layer * len(engine.runner.decoder.layers) + ["rms_norm"]
+    assert gpu_layers.route_rows.__name__ == "kernel"  # (counted: the loop's own names were patched)
+
+
+def test_the_routing_kernel_routes_as_the_router_in_ascending_expert_order():
+    """Softmax over every expert in float32, the top k, renormalised or not: torch's choice of experts
+    (no two logits equal here) in ascending order, and their weights within float32's last bits."""
+    from runtime.kernels.gpu.routed import route_rows
+    from runtime.model.experts import route
+
+    generator = torch.Generator().manual_seed(0)
+    for experts, top_k, renormalise in ((4, 2, True), (128, 8, True), (60, 4, False)):
+        logits = torch.randn(5, experts, generator=generator)
+        chosen, weights = route_rows(logits, top_k, renormalise)
+        torch_weights, torch_chosen = route(logits, top_k, renormalise)
+        ascending, order = torch_chosen.sort(dim=-1)
+        assert chosen.dtype == torch.int32 and torch.equal(chosen.long(), ascending)
+        torch.testing.assert_close(weights, torch_weights.gather(-1, order), rtol=1e-6, atol=1e-7)
+        assert torch.equal(route_rows(logits[2:3], top_k, renormalise)[1], weights[2:3])  # (a row's own bits)
+    ties = torch.zeros(1, 8)  # equal logits: the lowest ids (torch.topk leaves the choice open)
+    assert route_rows(ties, 3, True)[0].tolist() == [[0, 1, 2]]
 
 
 def test_gpt_oss_s_mxfp4_experts_on_a_gpu_keep_their_blocks_and_biases_and_give_the_dequantized_tokens(tmp_path):

@@ -95,6 +95,55 @@ def test_without_padding_prompts_prefill_in_torch_and_decode_steps_run_in_triton
     assert steps == [3] * 2  # the prefill step is SDPA's; then three rows a step, each step in Triton
 
 
+def decode_launches(engine, monkeypatch, asked, kernels=("rms_norm", "attention_inputs", "decode_attention", "act_mul"),
+                    functions=()) -> list[list[str]]:
+    """What each step of the Triton loop ran while `engine` served `asked`, in order: each of `kernels`
+    (gpu_layers' names) and of `functions` ((module, name): a kernel's wrapper that its callers import
+    at each call) by its name, and every torch operator outside them that is not a view or an
+    allocation (a matmul, a fill)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    launches, inside = [], []
+
+    def counted_call(run_, name):
+        def kernel(*args, **kwargs):
+            launches.append(name)
+            inside.append(name)
+            try:
+                return run_(*args, **kwargs)
+            finally:
+                inside.pop()
+        return kernel
+
+    for name in kernels:
+        monkeypatch.setattr(gpu_layers, name, counted_call(getattr(gpu_layers, name), name))
+    for module, name in functions:
+        monkeypatch.setattr(module, name, counted_call(getattr(module, name), name))
+    free = {"aten.empty.memory_format", "aten.view.default", "aten.slice.Tensor", "aten.t.default",
+            "aten._unsafe_view.default", "aten.detach.default", "aten.alias.default",
+            "aten.reshape.default"}  # (the step's cos and sin to [T, D]: views of the decoder's)
+
+    class Operators(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside and str(func) not in free:
+                launches.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    steps, call = [], gpu_layers.GpuLayers.__call__
+
+    def counted(self, *args, **kwargs):
+        launches.clear()
+        with Operators():
+            out = call(self, *args, **kwargs)
+        steps.append(list(launches))
+        return out
+
+    monkeypatch.setattr(gpu_layers.GpuLayers, "__call__", counted)
+    engine.runner.attention_kernel = gpu_layers.decode_attention  # (the counted kernel: `covers` asks for it)
+    run(engine, asked)
+    return steps
+
+
 @pytest.fixture
 def request_fixture_value(request):
     return request.getfixturevalue
@@ -186,42 +235,9 @@ def test_the_device_check_splits_a_replayed_step_and_leaves_the_graphs_as_they_w
 def test_a_decode_layer_is_nine_launches(request_fixture_value, model, monkeypatch):
     """What a decode step of the Triton loop runs, counted on the CPU: each of ponder's kernels a launch,
     and every torch operator outside them that is not a view or an allocation (a matmul, a fill)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     engine = engine_for(request_fixture_value(model), quantize="none", num_blocks=32)
     engine.runner.use_gpu_kernels()
-    launches, inside = [], []
-    for name in ("rms_norm", "attention_inputs", "decode_attention", "act_mul"):
-        def kernel(*args, _run=getattr(gpu_layers, name), _name=name, **kwargs):
-            launches.append(_name)
-            inside.append(_name)
-            try:
-                return _run(*args, **kwargs)
-            finally:
-                inside.pop()
-        monkeypatch.setattr(gpu_layers, name, kernel)
-    free = {"aten.empty.memory_format", "aten.view.default", "aten.slice.Tensor", "aten.t.default",
-            "aten._unsafe_view.default", "aten.detach.default", "aten.alias.default",
-            "aten.reshape.default"}  # (the step's cos and sin to [T, D]: views of the decoder's)
-
-    class Operators(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside and str(func) not in free:
-                launches.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    steps, call = [], gpu_layers.GpuLayers.__call__
-
-    def counted(self, *args, **kwargs):
-        launches.clear()
-        with Operators():
-            out = call(self, *args, **kwargs)
-        steps.append(list(launches))
-        return out
-
-    monkeypatch.setattr(gpu_layers.GpuLayers, "__call__", counted)
-    engine.runner.attention_kernel = gpu_layers.decode_attention  # (the counted kernel: `covers` asks for it)
-    run(engine, [request("greedy", PROMPTS[0], max_tokens=3)])
+    steps = decode_launches(engine, monkeypatch, [request("greedy", PROMPTS[0], max_tokens=3)])
     layer = ["rms_norm", "aten.linear.default", "attention_inputs", "decode_attention", "aten.linear.default",
              "rms_norm", "aten.linear.default", "act_mul", "aten.linear.default"]
     assert len(steps) == 3  # (the prompt's step too: exact prefill attends each prompt token alone)
