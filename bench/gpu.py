@@ -27,6 +27,9 @@ measured:
    profile of its eager step (the kernels that took the most device time);
 6. the 8B-shaped model from random 4-bit blocks (Q4_K's form: codes, d and m per 32 inputs) through the
    Triton block GEMM (runtime.model.gpu_blocks), against the limit at the file's 4.5 bits a weight;
+6b. Qwen3-30B-A3B's shapes from random 4-bit blocks (bench.gpu_q4), its routed layers in the Triton loop
+   (router, routing, the experts' two launches) and graphs, against the bytes a step reads (the
+   experts its tokens are routed to, not all 128 a layer);
 7. the seed papers' figures (bench.gpu_seeds): LBS against token-wise offload under one KV budget,
    HeadInfer at ten times the device pool's KV, FlashTTS's search with speculation off and on;
 8. `make test-gpu`'s tests (marked `cuda`), with this interpreter.
@@ -52,8 +55,9 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_models import (EIGHT_B, GEMMA3_1B, TINY, TINY_GEMMA3, embedded_blocks_model, embedded_model, empty_cache, random_llama,
-                               random_q4_blocks, sync)
+from bench.gpu_models import (EIGHT_B, GEMMA3_1B, TINY, TINY_GEMMA3, embedded_blocks_model, embedded_model, empty_cache,
+                              random_llama, sync)
+from bench.gpu_q4 import QWEN3_30B_A3B, TINY_MOE, moe_figures, q4_figures
 from bench.gpu_split import split
 from bench.gpu_sweep import linear_sweep
 
@@ -171,36 +175,22 @@ def decode(runner, streams: int, steps: int, seed: int = 0) -> dict:
             "tokens": [s.output_token_ids for s in seqs]}
 
 
-def q4_figures(steps: int, bandwidth: float, report: dict, device: torch.device, shapes: dict = EIGHT_B,
-               dtype: torch.dtype = torch.bfloat16) -> None:
-    """The 8B-shaped model from 4-bit blocks: its limit at the file's 4.5 bits a weight (the issue's
-    mark), and at the bytes the kernel reads (two codes a byte, int8 sub-scales, float32 super-block
-    scales: 4.75 bits a weight) beside it."""
-    from bench.decode import step_weight_bytes
-    from runtime.model.gpu_blocks import GpuBlockLinear
-
-    model = random_llama(device, shapes, dtype)
-    file_bytes = random_q4_blocks(model)
-    layout = step_weight_bytes(model)  # (before the lean decoder fuses the layers)
-    rest = layout - sum(m.nbytes for m in model.modules() if isinstance(m, GpuBlockLinear))
-    figures("llama_8b_q4_blocks", model, steps, bandwidth, report, weights=file_bytes + rest)
-    entry = report["models"]["llama_8b_q4_blocks"]
-    entry["layout_weight_bytes"] = layout
-    entry["limit_note"] = "weight_bytes: the file's Q4_K (4.5 bits a weight); layout_weight_bytes: what the kernel reads"
-
-
-def figures(name: str, model, steps: int, bandwidth: float, report: dict, weights: int | None = None) -> None:
+def figures(name: str, model, steps: int, bandwidth: float, report: dict, weights=None) -> None:
+    """Decode tokens/s at each of STREAMS through graphs against the limit of `weights` (bytes a step
+    reads, or a function of the streams giving them; default: every weight), where a replayed step's
+    time goes, and graph replay against eager bit for bit."""
     from bench.decode import step_weight_bytes
     from storage.kv_cache import kv_shape_of
 
     weights = weights or step_weight_bytes(model)
+    at = weights if callable(weights) else lambda streams: weights  # (a step's weight bytes by its streams)
     shape = kv_shape_of(model.config, 16)
-    entry = report.setdefault("models", {}).setdefault(name, {"weight_bytes": weights})
+    entry = report.setdefault("models", {}).setdefault(name, {"weight_bytes": at(1)})
     runner = make_runner(model, invariant=True, graphs=True)
     eager = make_runner(model, invariant=True, graphs=False)
     for streams in STREAMS:
         replayed = decode(runner, streams, steps)
-        limit = bandwidth_limit(weights, kv_bytes(shape, PROMPT_TOKENS + steps // 2, model.dtype), streams, bandwidth)
+        limit = bandwidth_limit(at(streams), kv_bytes(shape, PROMPT_TOKENS + steps // 2, model.dtype), streams, bandwidth)
         entry[f"streams_{streams}"] = {"tokens_per_s": round(replayed["tokens_per_s"], 1),
                                        "limit_tokens_per_s": round(limit, 1),
                                        "fraction_of_limit": round(replayed["tokens_per_s"] / limit, 4)}
@@ -350,6 +340,9 @@ def run(args: argparse.Namespace) -> dict:
         held.clear()
         empty_cache()
         steps("llama_8b_q4_blocks", lambda: q4_figures(args.steps, bandwidth, report, device, big_shapes, dtype))
+        empty_cache()
+        moe = TINY_MOE if args.dry_run else QWEN3_30B_A3B  # (routed layers: router, routing, the experts' two launches)
+        steps("qwen3_moe_q4_blocks", lambda: moe_figures(args.steps, bandwidth, report, device, moe, dtype))
         empty_cache()
     gemma = TINY_GEMMA3 if args.dry_run else GEMMA3_1B  # (the Triton loop's Gemma form: its norms, GELU, two rotaries)
     steps("gemma3_1b", lambda: figures("gemma3_1b", random_llama(device, gemma, dtype, "gemma3_text"), args.steps,

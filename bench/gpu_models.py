@@ -92,11 +92,20 @@ def embedded_blocks_model(device: torch.device, dtype: torch.dtype, report: dict
     return model
 
 
-def random_q4_blocks(model) -> int:
-    """Every linear layer of `model` (the head too) replaced by random 4-bit blocks on its device, Q4_K's
-    form (codes 0..15 two a byte; d and m per 32 inputs as an int8 sub-scale times a float32 scale a 256
-    inputs: runtime.model.gpu_blocks); returns the bytes the file's Q4_K would hold of them (4.5 bits a
-    weight)."""
+def random_q4(out: int, ins: int, device: torch.device, lead: tuple[int, ...] = ()) -> tuple:
+    """Random 4-bit blocks `[*lead, out, ...]` of `[out, ins]` weights in Q4_K's form (runtime.model.gpu_blocks):
+    (codes 0..15 two a byte, d and m per 32 inputs as int8 sub-scales, and their float32 scales a 256
+    inputs; a tiny dry-run model's narrower layers one a row)."""
+    codes = torch.randint(0, 256, (*lead, out, ins // 2), dtype=torch.uint8, device=device)
+    sub = torch.randint(1, 64, (*lead, out, ins // 32), dtype=torch.int8, device=device)  # 6-bit, as Q4_K's
+    d_super = torch.rand(*lead, out, max(1, ins // 256), device=device) * (0.04 / 15 / 63)
+    return codes, sub, -(sub // 2), d_super, d_super * 15
+
+
+def random_q4_blocks(model, device: torch.device | None = None) -> int:
+    """Every linear layer of `model` (the head too) replaced by random 4-bit blocks (`random_q4`) on its
+    device, or on `device` (a skeleton's layers on the meta device); returns the bytes the file's Q4_K
+    would hold of them (4.5 bits a weight)."""
     from torch import nn
 
     from runtime.model.gpu_blocks import GpuBlockLinear
@@ -106,13 +115,8 @@ def random_q4_blocks(model) -> int:
         for attribute, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 out, ins = child.weight.shape
-                device = child.weight.device
-                codes = torch.randint(0, 256, (out, ins // 2), dtype=torch.uint8, device=device)  # two a byte
-                sub = torch.randint(1, 64, (out, ins // 32), dtype=torch.int8, device=device)  # 6-bit, as Q4_K's
-                # (a scale a 256 inputs; a tiny dry-run model's narrower layers: one a row)
-                d_super = torch.rand(out, max(1, ins // 256), device=device) * (0.04 / 15 / 63)
-                setattr(parent, attribute, GpuBlockLinear(codes, sub, -(sub // 2), packed=True, d_super=d_super,
-                                                          m_super=d_super * 15))
+                codes, sub, m, d_super, m_super = random_q4(out, ins, device or child.weight.device)
+                setattr(parent, attribute, GpuBlockLinear(codes, sub, m, packed=True, d_super=d_super, m_super=m_super))
                 file_bytes += out * ins * 9 // 16
     empty_cache()
     return file_bytes

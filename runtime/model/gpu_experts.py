@@ -53,9 +53,11 @@ def stack(experts: list[list[GpuBlockLinear]]) -> tuple[StackedBlocks, list[GpuB
                 setattr(layer, name, tensor[e, start:start + rows])  # (the layer's own copy freed)
                 start += rows
         of = {name: None if tensor is None else tensor[e] for name, tensor in whole.items()}
-        fused.append(parts[0] if len(parts) == 1 else GpuBlockLinear(of["weight"], of["d"], of["m"], parts[0].packed,
-                                                                     d_super=of["d_super"], m_super=of["m_super"]))
-    blocks = StackedBlocks(whole["weight"], whole["d"], whole["m"], layers[0].packed, whole["d_super"], whole["m_super"])
+        fused.append(parts[0] if len(parts) == 1 else GpuBlockLinear(
+            of["weight"], of["d"], of["m"], parts[0].packed, d_super=of["d_super"], m_super=of["m_super"],
+            high=of["high"], offset=parts[0].offset))
+    blocks = StackedBlocks(whole["weight"], whole["d"], whole["m"], layers[0].packed, whole["d_super"], whole["m_super"],
+                           whole["high"], layers[0].offset)
     return blocks, fused
 
 

@@ -91,6 +91,32 @@ def test_random_4_bit_blocks_replace_every_linear_layer(tiny_llama):
     assert torch.equal(layer.m_super, 15 * layer.d_super)
 
 
+def test_the_random_moe_is_every_weight_made_and_its_routed_layers_the_triton_loop_s():
+    """The device check's Qwen3-MoE (bench.gpu_q4) in its tiny dry-run shapes: nothing left on the meta
+    device, every linear layer 4-bit blocks, each layer's experts stacked with each expert's layers views
+    of the stack, the router a kernel layer; the lean decoder's Triton loop takes every layer."""
+    from bench.gpu_q4 import TINY_MOE, random_moe_q4
+    from runtime.model.decoder import LeanDecoder
+    from runtime.model.gpu_blocks import GpuBlockLinear
+    from runtime.model.gpu_experts import GpuExperts, GpuFloatLinear
+
+    model, expert_bytes = random_moe_q4(torch.device("cpu"), TINY_MOE, torch.float32)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    experts, hidden, inner = TINY_MOE["num_experts"], TINY_MOE["hidden_size"], TINY_MOE["moe_intermediate_size"]
+    for layer in model.model.layers:
+        block = layer.mlp.experts
+        assert isinstance(block, GpuExperts) and isinstance(layer.mlp.gate.linear, GpuFloatLinear)
+        gate_up, down = block.stacks
+        assert gate_up.codes.shape == (experts, 2 * inner, hidden // 2) and down.codes.shape == (experts, hidden, inner // 2)
+        assert block.down[3].weight.data_ptr() == down.codes[3].data_ptr()
+        assert isinstance(block.gate_up[0], GpuBlockLinear) and block.gate_up[0].packed
+    # codes half a byte, int8 d and m a 32 inputs, float32 d and m a row (under 256 inputs)
+    per_expert = sum(o * i // 2 + 2 * o * i // 32 + 2 * 4 * o for o, i in ((2 * inner, hidden), (hidden, inner)))
+    assert expert_bytes == TINY_MOE["num_hidden_layers"] * experts * per_expert
+    assert LeanDecoder.build(model).use_gpu_layers()
+
+
 def test_head_wise_figures_stream_a_tenth_of_the_kv_to_the_resident_tokens():
     """The device check's HeadInfer step (bench.gpu_seeds) on the CPU with a tiny model: the pool holds
     about a tenth of the request's blocks, and the streamed tokens are the resident run's and

@@ -43,11 +43,14 @@ CHOSEN: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
 
 @triton.jit
-def _dot(x_row, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start, w_stride, d_stride, ds_stride,
-         INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr, SUPER: tl.constexpr,
-         PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+def _dot(x_row, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start, w_stride, h_stride, d_stride,
+         ds_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
+         SUPER: tl.constexpr, PACKED: tl.constexpr, HIGH: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+         BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
     """The float32 sums of outputs `rn` (of the weights at `w_ptr`, their scales at `d_ptr`...) over the
-    row at `x_row`, inputs `k_start` to `k_start + CHUNK` in chunks of `BLOCK_K`, in order."""
+    row at `x_row`, inputs `k_start` to `k_start + CHUNK` in chunks of `BLOCK_K`, in order. A packed
+    code is its low nibble (two a byte at `w_ptr`), with `HIGH` its two high bits (four a byte at
+    `h_ptr`), less `OFFSET` (a signed code stored unsigned), in integers before its scale multiplies it."""
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for i in range(0, CHUNK, BLOCK_K):  # (the width a constant: one compiled kernel per layer shape)
         k0 = k_start + i
@@ -58,7 +61,15 @@ def _dot(x_row, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start, w_stri
             rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             byte = tl.load(w_ptr + rn[:, None] * w_stride + rb[None, :],
                            mask=out_ok[:, None] & (rb[None, :] < INS // 2), other=0)
-            w = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
+            w = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K)).to(tl.int32)
+            if HIGH:  # input 4i's two high bits in bits 0-1 of byte i, 4i + 1's in 2-3, ...
+                rh = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                top = tl.load(h_ptr + rn[:, None] * h_stride + rh[None, :],
+                              mask=out_ok[:, None] & (rh[None, :] < INS // 4), other=0)
+                # (join's pairs inside pairs: a, c, b, d in order)
+                top = tl.join(tl.join(top & 3, (top >> 4) & 3), tl.join((top >> 2) & 3, top >> 6))
+                w = w | (tl.reshape(top, (BLOCK_N, BLOCK_K)).to(tl.int32) << 4)
+            w = (w - OFFSET).to(tl.float32)
         else:
             w = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :], mask=out_ok[:, None] & in_ok[None, :],
                         other=0).to(tl.float32)
@@ -83,17 +94,17 @@ def _dot(x_row, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start, w_stri
 
 
 @triton.jit
-def _linear(x_ptr, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_stride, w_stride, d_stride, ds_stride,
-            out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
-            SUPER: tl.constexpr,
-            PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-            CHUNK: tl.constexpr):
+def _linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_stride, w_stride, h_stride,
+            d_stride, ds_stride, out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr,
+            HAS_M: tl.constexpr, SUPER: tl.constexpr, PACKED: tl.constexpr, HIGH: tl.constexpr, OFFSET: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)  # the inputs split * CHUNK .. (split + 1) * CHUNK
     out_ok = rn < outs
-    acc = _dot(x_ptr + row * x_stride, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, split * CHUNK, w_stride,
-               d_stride, ds_stride, INS, GROUP, BLOCKS, HAS_M, SUPER, PACKED, BLOCK_N, BLOCK_K, CHUNK)
+    acc = _dot(x_ptr + row * x_stride, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, split * CHUNK, w_stride,
+               h_stride, d_stride, ds_stride, INS, GROUP, BLOCKS, HAS_M, SUPER, PACKED, HIGH, OFFSET, BLOCK_N, BLOCK_K,
+               CHUNK)
     if SPLITS == 1:
         tl.store(out_ptr + row * out_stride + rn, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:  # a split's float32 sums `[SPLITS, rows, outs]`, added up in order by `_sum_splits`
@@ -112,10 +123,11 @@ def _sum_splits(part_ptr, out_ptr, outs, rows, out_stride, SPLITS: tl.constexpr,
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
-            packed: bool = False, tile: tuple[int, ...] | None = None, supers: tuple | None = None) -> torch.Tensor:
+            packed: bool = False, tile: tuple[int, ...] | None = None, supers: tuple | None = None,
+            high: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
     """`tile` (outputs, inputs a chunk, warps[, splits]): the sweep's; else the shape's, whatever the rows.
     `supers` (d's, m's or None): float32 super-block scales `[out, supers]` that `d` and `m`, integer
-    sub-scales then, multiply."""
+    sub-scales then, multiply. `high`, `offset`: packed codes' two high bits and what they are less."""
     rows, ins = x.shape
     outs = w.shape[0]
     assert w.shape[1] * (2 if packed else 1) == ins and x.stride(1) == 1 and w.stride(1) == 1
@@ -133,11 +145,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.T
     ds, ms = supers or (None, None)
     per_super = 0 if ds is None else d.shape[1] // ds.shape[1]
     assert ds is None or (d.shape[1] == per_super * ds.shape[1] and (m is None) == (ms is None))
-    _linear[grid](x, w, w if d is None else d, w if m is None else m, w if ds is None else ds, w if ms is None else ms,
-                  parts, outs, rows, x.stride(0), w.stride(0), 0 if d is None else d.stride(0),
+    assert high is None or (packed and high.shape[1] * 4 == ins and high.stride(1) == 1)
+    _linear[grid](x, w, w if high is None else high, w if d is None else d, w if m is None else m,
+                  w if ds is None else ds, w if ms is None else ms, parts, outs, rows, x.stride(0), w.stride(0),
+                  0 if high is None else high.stride(0), 0 if d is None else d.stride(0),
                   0 if ds is None else ds.stride(0), out.stride(0), INS=ins, GROUP=group, BLOCKS=d is not None,
-                  HAS_M=m is not None, SUPER=per_super, PACKED=packed, BLOCK_N=block_n, BLOCK_K=block_k,
-                  SPLITS=splits, CHUNK=chunk, num_warps=warps)
+                  HAS_M=m is not None, SUPER=per_super, PACKED=packed, HIGH=high is not None, OFFSET=offset,
+                  BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, CHUNK=chunk, num_warps=warps)
     if splits > 1:
         block = min(1024, triton.next_power_of_2(outs))
         _sum_splits[(rows, triton.cdiv(outs, block))](parts, out, outs, rows, out.stride(0), SPLITS=splits, BLOCK=block)
@@ -151,13 +165,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def block_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  packed: bool = False, tile: tuple[int, ...] | None = None,
-                 supers: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+                 supers: tuple[torch.Tensor, torch.Tensor | None] | None = None, high: torch.Tensor | None = None,
+                 offset: int = 0) -> torch.Tensor:
     """x `[rows, in]` times the weights `d * codes + m` (`codes` `[out, in]` int8 or uint8, `d` and `m`
     `[out, groups]` float32, runtime.model.gguf_blocks.Blocks), transposed; dequantized in registers.
     `packed`: `codes` `[out, in / 2]` holds two 4-bit codes a byte (`pack_nibbles`). `supers`: a
     K-quant's scales as the file holds them (`Blocks.compact`): `d` and `m` its int8 sub-scales, and
     (d's, m's) float32 super-block scales `[out, in / 256]` that multiply them, in the kernel, to gguf's
-    float32 products (exactly: an 11-bit float16 value times a 6-bit integer)."""
+    float32 products (exactly: an 11-bit float16 value times a 6-bit integer). `high` `[out, in / 4]`:
+    with `packed`, each code's two high bits four a byte (`pack_pairs`: 6-bit codes), and `offset` what
+    the stored codes are less (a signed code stored unsigned)."""
     width = codes.shape[1] * (2 if packed else 1)
     assert width % d.shape[1] == 0 and (m is None or m.shape == d.shape)
     if supers is None:
@@ -165,9 +182,14 @@ def block_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch
     else:
         assert d.dtype == torch.int8 and (m is None or m.dtype == torch.int8)
         supers = tuple(None if t is None else t.float().contiguous() for t in supers)
-    return _launch(x, codes, d.contiguous(), None if m is None else m.contiguous(), packed, tile, supers)
+    return _launch(x, codes, d.contiguous(), None if m is None else m.contiguous(), packed, tile, supers, high, offset)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes `[out, in]` (uint8, 0..15) as `[out, in / 2]` bytes: input 2i low, 2i + 1 high."""
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def pack_pairs(bits: torch.Tensor) -> torch.Tensor:
+    """2-bit values `[out, in]` (uint8, 0..3) as `[out, in / 4]` bytes: input 4i in bits 0-1, 4i + 1 in 2-3, ..."""
+    return bits[:, 0::4] | (bits[:, 1::4] << 2) | (bits[:, 2::4] << 4) | (bits[:, 3::4] << 6)

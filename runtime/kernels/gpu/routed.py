@@ -28,7 +28,8 @@ from runtime.kernels.gpu.linear import CHOSEN, TILE, _dot
 class StackedBlocks:
     """Every expert's blocks of one layer kind, expert e's at `[e]`: `codes` `[experts, out, in or in / 2]`,
     `d` (and `m`) `[experts, out, groups]` float32, or int8 sub-scales with float32 super-block scales
-    `d_super` (and `m_super`) `[experts, out, in / 256]` (runtime.model.gpu_blocks' forms)."""
+    `d_super` (and `m_super`) `[experts, out, in / 256]`; packed 6-bit codes' two high bits `high`
+    `[experts, out, in / 4]`, the codes less `offset` (runtime.model.gpu_blocks' forms)."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -36,6 +37,8 @@ class StackedBlocks:
     packed: bool
     d_super: torch.Tensor | None = None
     m_super: torch.Tensor | None = None
+    high: torch.Tensor | None = None
+    offset: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -50,41 +53,46 @@ class StackedBlocks:
         block_n, block_k, warps, *_ = CHOSEN.get((outs, ins, self.packed), TILE)
         group = ins // d.shape[2]
         block_k = max(block_k, group)
-        ms = self.m_super
-        pointers = [self.codes, d, d if self.m is None else self.m, d if ds is None else ds, d if ms is None else ms,
-                    self.codes.stride(0), d.stride(0), 0 if ds is None else ds.stride(0),
-                    self.codes.stride(1), d.stride(1), 0 if ds is None else ds.stride(1)]
+        ms, high = self.m_super, self.high
+        pointers = [self.codes, self.codes if high is None else high, d, d if self.m is None else self.m,
+                    d if ds is None else ds, d if ms is None else ms,
+                    self.codes.stride(0), 0 if high is None else high.stride(0), d.stride(0),
+                    0 if ds is None else ds.stride(0), self.codes.stride(1), 0 if high is None else high.stride(1),
+                    d.stride(1), 0 if ds is None else ds.stride(1)]
         constants = dict(INS=ins, GROUP=group, BLOCKS=True, HAS_M=self.m is not None,
-                         SUPER=0 if ds is None else d.shape[2] // ds.shape[2], PACKED=self.packed, BLOCK_N=block_n,
-                         BLOCK_K=block_k, CHUNK=triton.cdiv(ins, block_k) * block_k, num_warps=warps)
+                         SUPER=0 if ds is None else d.shape[2] // ds.shape[2], PACKED=self.packed,
+                         HIGH=high is not None, OFFSET=self.offset, BLOCK_N=block_n, BLOCK_K=block_k,
+                         CHUNK=triton.cdiv(ins, block_k) * block_k, num_warps=warps)
         return pointers, constants
 
 
 @triton.jit
-def _gate_up(x_ptr, experts_ptr, h_ptr, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, w_expert, d_expert, ds_expert,
-             w_stride, d_stride, ds_stride, inner, x_stride, TOP_K: tl.constexpr, INS: tl.constexpr,
-             GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr, SUPER: tl.constexpr,
-             PACKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+def _gate_up(x_ptr, experts_ptr, h_ptr, w_ptr, t_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, w_expert, t_expert, d_expert,
+             ds_expert, w_stride, t_stride, d_stride, ds_stride, inner, x_stride, TOP_K: tl.constexpr,
+             INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr, SUPER: tl.constexpr,
+             PACKED: tl.constexpr, HIGH: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
     entry = tl.program_id(0)  # token entry // TOP_K's (entry % TOP_K)-th expert
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rn < inner
     e = tl.load(experts_ptr + entry).to(tl.int64)
     x_row = x_ptr + (entry // TOP_K) * x_stride
-    w, d, ds = w_ptr + e * w_expert, d_ptr + e * d_expert, ds_ptr + e * ds_expert
+    w, t, d, ds = w_ptr + e * w_expert, t_ptr + e * t_expert, d_ptr + e * d_expert, ds_ptr + e * ds_expert
     m, ms = m_ptr + e * d_expert, ms_ptr + e * ds_expert
-    gate = _dot(x_row, w, d, m, ds, ms, rn, ok, 0, w_stride, d_stride, ds_stride, INS, GROUP, BLOCKS, HAS_M, SUPER,
-                PACKED, BLOCK_N, BLOCK_K, CHUNK)
-    up = _dot(x_row, w, d, m, ds, ms, rn + inner, ok, 0, w_stride, d_stride, ds_stride, INS, GROUP, BLOCKS, HAS_M,
-              SUPER, PACKED, BLOCK_N, BLOCK_K, CHUNK)
+    gate = _dot(x_row, w, t, d, m, ds, ms, rn, ok, 0, w_stride, t_stride, d_stride, ds_stride, INS, GROUP, BLOCKS,
+                HAS_M, SUPER, PACKED, HIGH, OFFSET, BLOCK_N, BLOCK_K, CHUNK)
+    up = _dot(x_row, w, t, d, m, ds, ms, rn + inner, ok, 0, w_stride, t_stride, d_stride, ds_stride, INS, GROUP,
+              BLOCKS, HAS_M, SUPER, PACKED, HIGH, OFFSET, BLOCK_N, BLOCK_K, CHUNK)
     h = gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up
     tl.store(h_ptr + entry * inner + rn, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _down(h_ptr, experts_ptr, weights_ptr, out_ptr, w_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, w_expert, d_expert, ds_expert,
-          w_stride, d_stride, ds_stride, outs, TOP_K: tl.constexpr, INS: tl.constexpr, GROUP: tl.constexpr,
-          BLOCKS: tl.constexpr, HAS_M: tl.constexpr, SUPER: tl.constexpr, PACKED: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+def _down(h_ptr, experts_ptr, weights_ptr, out_ptr, w_ptr, t_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, w_expert, t_expert,
+          d_expert, ds_expert, w_stride, t_stride, d_stride, ds_stride, outs, TOP_K: tl.constexpr, INS: tl.constexpr,
+          GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr, SUPER: tl.constexpr, PACKED: tl.constexpr,
+          HIGH: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          CHUNK: tl.constexpr):
     token = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rn < outs
@@ -93,9 +101,10 @@ def _down(h_ptr, experts_ptr, weights_ptr, out_ptr, w_ptr, d_ptr, m_ptr, ds_ptr,
         entry = token * TOP_K + k
         e = tl.load(experts_ptr + entry).to(tl.int64)
         weight = tl.load(weights_ptr + entry).to(tl.float32)
-        part = _dot(h_ptr + entry * INS, w_ptr + e * w_expert, d_ptr + e * d_expert, m_ptr + e * d_expert,
-                    ds_ptr + e * ds_expert, ms_ptr + e * ds_expert, rn, ok, 0, w_stride, d_stride, ds_stride, INS,
-                    GROUP, BLOCKS, HAS_M, SUPER, PACKED, BLOCK_N, BLOCK_K, CHUNK)
+        part = _dot(h_ptr + entry * INS, w_ptr + e * w_expert, t_ptr + e * t_expert, d_ptr + e * d_expert,
+                    m_ptr + e * d_expert, ds_ptr + e * ds_expert, ms_ptr + e * ds_expert, rn, ok, 0, w_stride,
+                    t_stride, d_stride, ds_stride, INS, GROUP, BLOCKS, HAS_M, SUPER, PACKED, HIGH, OFFSET, BLOCK_N,
+                    BLOCK_K, CHUNK)
         total += part * weight
     tl.store(out_ptr + token * outs + rn, total.to(out_ptr.dtype.element_ty), mask=ok)
 

@@ -56,15 +56,18 @@ def cases():
             HAS_RES=True, HAS_PRE=gemma, OFFSET=gemma, BLOCK=4096)
         yield f"act_mul gelu={gemma}", elementwise._act_mul, dict(x_ptr=P16, out_ptr=P16, n=I32, x_stride=I32), dict(
             GELU=gemma, BLOCK=1024)
-    for splits, per_super in ((1, 0), (4, 8)):
-        yield f"linear splits={splits} super={per_super}", linear._linear, dict(
-            x_ptr=P16, w_ptr="*u8", d_ptr=P8 if per_super else P32, m_ptr=P8 if per_super else P32, ds_ptr=P32,
-            ms_ptr=P32, out_ptr=P32 if splits > 1 else P16, outs=I32, rows=I32, x_stride=I32, w_stride=I32, d_stride=I32,
-            ds_stride=I32, out_stride=I32), dict(INS=4096, GROUP=32, BLOCKS=True, HAS_M=True, SUPER=per_super,
-                                                 PACKED=True, BLOCK_N=8, BLOCK_K=512, SPLITS=splits, CHUNK=4096 // splits)
-    blocks = dict(w_ptr="*u8", d_ptr=P8, m_ptr=P8, ds_ptr=P32, ms_ptr=P32, w_expert=I32, d_expert=I32, ds_expert=I32,
-                  w_stride=I32, d_stride=I32, ds_stride=I32)  # (a Q4_K's experts: codes two a byte, compact scales)
-    form = dict(INS=2048, GROUP=32, BLOCKS=True, HAS_M=True, SUPER=8, PACKED=True, BLOCK_N=8, BLOCK_K=512, CHUNK=2048)
+    for splits, per_super, high in ((1, 0, False), (4, 8, False), (1, 16, True)):  # (the last: Q6_K's 6-bit codes)
+        yield f"linear splits={splits} super={per_super} high={high}", linear._linear, dict(
+            x_ptr=P16, w_ptr="*u8", h_ptr="*u8", d_ptr=P8 if per_super else P32, m_ptr=P8 if per_super else P32,
+            ds_ptr=P32, ms_ptr=P32, out_ptr=P32 if splits > 1 else P16, outs=I32, rows=I32, x_stride=I32, w_stride=I32,
+            h_stride=I32, d_stride=I32, ds_stride=I32, out_stride=I32), dict(
+            INS=4096, GROUP=16 if high else 32, BLOCKS=True, HAS_M=not high, SUPER=per_super, PACKED=True, HIGH=high,
+            OFFSET=32 if high else 0, BLOCK_N=8, BLOCK_K=512, SPLITS=splits, CHUNK=4096 // splits)
+    blocks = dict(w_ptr="*u8", t_ptr="*u8", d_ptr=P8, m_ptr=P8, ds_ptr=P32, ms_ptr=P32, w_expert=I32, t_expert=I32,
+                  d_expert=I32, ds_expert=I32, w_stride=I32, t_stride=I32, d_stride=I32,
+                  ds_stride=I32)  # (a Q5_K's experts: 6-bit codes, compact scales)
+    form = dict(INS=2048, GROUP=32, BLOCKS=True, HAS_M=True, SUPER=8, PACKED=True, HIGH=True, OFFSET=0, BLOCK_N=8,
+                BLOCK_K=512, CHUNK=2048)
     yield "routed gate_up", routed._gate_up, dict(x_ptr=P16, experts_ptr=PI32, h_ptr=P16, inner=I32, x_stride=I32,
                                                   **blocks), dict(TOP_K=8, **form)
     yield "routed down", routed._down, dict(h_ptr=P16, experts_ptr=PI32, weights_ptr=P16, out_ptr=P16, outs=I32,

@@ -24,7 +24,8 @@ from tests.runtime.engine_helpers import engine_for, hf_greedy, request, run
 MIXED = {"attn_q": "Q4_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_down": "Q8_0"}
 # As llama-quantize's Q4_K_M mixes them, on 256-wide rows (K-quants' super-blocks).
 K_MIXED = {"attn_v": "Q6_K", "ffn_down": "Q6_K"}
-PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q2_K")  # codes in 0..15
+PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K")  # codes in 0..15 (Q3_K's -4..3 plus 4)
+SIX_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")  # codes in 0..63 (Q6_K's -32..31 plus 32): a nibble and two bits
 PER_16 = ("Q2_K", "Q3_K", "Q6_K")  # a scale per 16 inputs, else per 32
 NO_M = ("Q8_0", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 SUPER_BLOCKS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # scales a group times a super-block's
@@ -35,9 +36,11 @@ CPU = torch.device("cpu")
 
 
 def expected_bytes(kind: str, out_features: int, in_features: int) -> int:
-    """Codes (half a byte or a byte each) and float32 d (and m) per group; the K-quants' and IQ4_XS's
-    as the file holds them, an int8 sub-scale a group and a float32 super-block scale a 256 inputs."""
-    codes = out_features * in_features // (2 if kind in PACKED else 1)
+    """Codes (half a byte, three quarters or a byte each) and float32 d (and m) per group; the K-quants'
+    and IQ4_XS's as the file holds them, an int8 sub-scale a group and a float32 super-block scale a 256
+    inputs."""
+    weights = out_features * in_features
+    codes = weights // 2 if kind in PACKED else weights * 3 // 4 if kind in SIX_BITS else weights
     groups = out_features * in_features // (16 if kind in PER_16 else 32)
     scales = 1 if kind in NO_M else 2
     if kind in SUPER_BLOCKS:
@@ -62,7 +65,7 @@ def test_a_gguf_for_a_gpu_keeps_the_file_s_blocks_and_gives_its_dequantized_toke
     for i, layer in enumerate(model.model.layers):
         for name, layer_kind in kinds_of.items():
             module = layer.get_submodule(name)
-            assert isinstance(module, GpuBlockLinear) and module.packed == (layer_kind in PACKED), (i, name)
+            assert isinstance(module, GpuBlockLinear) and module.packed == (layer_kind in PACKED + SIX_BITS), (i, name)
             assert module.nbytes == expected_bytes(layer_kind, module.out_features, module.in_features), (i, name)
             held += module.nbytes
             # the file's weights exactly: what transformers' dequantized load holds, bit for bit
@@ -120,6 +123,7 @@ def test_every_block_type_on_the_device_is_gguf_s_dequantized_weights_in_its_byt
 
     data = blocks_of(kind, 8, 256, seed=3)
     layer = gpu_blocks.gpu_block_layer(kind, lambda start, stop: data[start:stop], (8, 256), CPU, slab_rows=3)
-    assert layer.packed == (kind in PACKED) and layer.nbytes == expected_bytes(kind, 8, 256)
+    assert layer.packed == (kind in PACKED + SIX_BITS) and layer.nbytes == expected_bytes(kind, 8, 256)
+    assert (layer.high is not None) == (kind in SIX_BITS)
     assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
 

@@ -77,6 +77,28 @@ def test_a_k_quant_s_scales_as_the_file_holds_them_give_the_products_bits(kind):
     assert torch.equal(held, products)
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K", "Q5_0", "Q3_K"])
+def test_codes_held_in_six_or_four_bits_give_the_byte_a_code_bits(kind):
+    """Q6_K's and Q5's codes as a low nibble two a byte and two high bits four a byte (Q6_K's stored plus 32),
+    Q3_K's as a nibble (plus 4): unpacked in integers in the kernel, the same output bits as the codes a
+    byte each, and the layer's `dequantized()` gguf's weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from runtime.model.gpu_blocks import GpuBlockLinear
+    from tests.gguf_model import blocks_of
+
+    data = blocks_of(kind, 24, 512, seed=6)
+    blocks = decode(kind, data)
+    layer = GpuBlockLinear.from_blocks(blocks)
+    assert layer.packed and (layer.high is not None) == (kind != "Q3_K")
+    assert layer.offset == {"Q6_K": 32, "Q3_K": 4}.get(kind, 0)
+    assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(7))
+    held = assert_rows_are_their_own(layer.rows, x)
+    assert torch.equal(held, block_linear(x, blocks.codes, blocks.d, blocks.m))
+
+
 def test_a_block_layer_fuses_and_computes_with_its_dequantized_weights():
     from runtime.model.projections import fuse_linears
     from runtime.model.gpu_blocks import GpuBlockLinear
