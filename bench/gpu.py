@@ -1,7 +1,7 @@
 """The device check for a CUDA GPU: one script, one JSON naming the GPU beside its figures.
 
     python -m bench.gpu [--out PATH] [--steps N] [--skip-tests] [--no-8b] [--no-seeds] [--tokenizer DIR]
-                        [--budget-s S] [--dry-run]                              (make gpu-check)
+                        [--budget-s S] [--dry-run] [--only STEP,...]            (make gpu-check)
 
 Runs, in order, and records each step's result or its error (a step that breaks is named in `errors`
 and the exit status is 1; nothing is skipped silently; a step not started inside `--budget-s` is
@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the seeds' figures' tokenizer (default: the embedded model's, where installed)")
     parser.add_argument("--dry-run", action="store_true",
                         help="the same steps on the CPU with tiny models (checks the script, not the figures)")
+    parser.add_argument("--only", type=lambda names: set(names.split(",")), default=None,
+                        help="run only these steps, comma-separated (the others named in left_out)")
     args = parser.parse_args(argv)
     if args.steps is None:  # (in Triton's interpreter 64 steps of each figure take most of an hour)
         args.steps = 4 if args.dry_run else 64
@@ -195,7 +197,7 @@ def figures(name: str, model, steps: int, bandwidth: float, report: dict, weight
                                        "limit_tokens_per_s": round(limit, 1),
                                        "fraction_of_limit": round(replayed["tokens_per_s"] / limit, 4)}
         if streams == 1:  # where a replayed step's time goes: the host's fill, the replay, the rest
-            entry["streams_1"]["split"] = split(runner, min(steps, 32))
+            entry["streams_1"]["split"] = split(runner, min(steps, 32), PROMPT_TOKENS)
         if streams == STREAMS[-1]:
             same = decode(eager, streams, min(steps, 16))
             compared = replayed["logits"][:len(same["logits"])]
@@ -247,12 +249,14 @@ class Steps:
     """The check's steps in order: each run through `step`, the JSON written after each, and none
     started once `budget_s` has passed (named in the report's `not_reached`)."""
 
-    def __init__(self, report: dict, path: Path, budget_s: float) -> None:
-        self.report, self.path, self.budget_s = report, path, budget_s
+    def __init__(self, report: dict, path: Path, budget_s: float, only: set[str] | None = None) -> None:
+        self.report, self.path, self.budget_s, self.only = report, path, budget_s, only
         self.started = time.perf_counter()
 
     def __call__(self, name: str, fn) -> None:
-        if time.perf_counter() - self.started > self.budget_s:
+        if self.only is not None and name not in self.only:  # (a step's inputs, e.g. load_embedded's model, too)
+            self.report.setdefault("left_out", []).append(name)
+        elif time.perf_counter() - self.started > self.budget_s:
             self.report.setdefault("not_reached", []).append(name)
         else:
             print(f"-- {name}", file=sys.stderr, flush=True)
@@ -266,8 +270,10 @@ def write_report(report: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    global PROMPT_TOKENS
     if args.dry_run:  # (read by Triton when it is imported and a kernel decorated: before either)
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        PROMPT_TOKENS = 8  # (16 prompts of 64 are 1,024 rows a GEMM program a row in the interpreter)
     import triton
 
     if args.dry_run:
@@ -281,7 +287,7 @@ def run(args: argparse.Namespace) -> dict:
     report: dict = {"device": name, "torch": torch.__version__,
                     "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "errors": [], "seconds": {}}
-    steps = Steps(report, output_path(name, args.out), args.budget_s)
+    steps = Steps(report, output_path(name, args.out), args.budget_s, args.only)
     held: dict = {}
 
     def load() -> None:

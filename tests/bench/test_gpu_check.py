@@ -40,6 +40,16 @@ def test_a_failing_step_is_recorded_not_skipped():
     assert set(report["seconds"]) == {"fine", "broken"}
 
 
+def test_only_the_steps_asked_for_run_and_the_others_are_named(tmp_path):
+    report = {"errors": [], "seconds": {}}
+    steps = gpu.Steps(report, tmp_path / "gpu.json", float("inf"), gpu.parse_args(["--only", "b,c"]).only)
+    ran = []
+    for name in "abc":
+        steps(name, lambda name=name: ran.append(name))
+    assert ran == ["b", "c"] and report["left_out"] == ["a"] and set(report["seconds"]) == {"b", "c"}
+    assert (tmp_path / "gpu.json").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
 def test_without_a_gpu_it_refuses_loudly():
     with pytest.raises(SystemExit, match="sees no CUDA device"):
