@@ -64,8 +64,7 @@ from bench.gpu_sweep import linear_sweep
 PROMPT_TOKENS = 64
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS = 2048, 64  # the engine's defaults (runtime.engine.EngineConfig), probed as at start-up
 STREAMS = (1, 16)
-# a dry run's sweep: a tile and a split one sized to the tiny model's 64 to 256 inputs (TILES' are sized to
-# an 8B's: on 64 inputs a split of 4 x 1,024 is 30 s a call in Triton's interpreter, most of it masked)
+# a dry run's tile and split tile, for tiny layers' 64 to 256 inputs (TILES' suit an 8B's, masked 8-60x here)
 DRY_RUN_TILES = ((8, 64, 4), (8, 32, 4, 2))
 
 
@@ -274,6 +273,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.dry_run:  # (read by Triton when it is imported and a kernel decorated: before either)
         os.environ.setdefault("TRITON_INTERPRET", "1")
         PROMPT_TOKENS = 8  # (16 prompts of 64 are 1,024 rows a GEMM program a row in the interpreter)
+        from runtime.kernels.gpu import linear  # (TILE's 512 inputs a chunk: 8 times the tiny layers' 64)
+        linear.TILE = DRY_RUN_TILES[0]
     import triton
 
     if args.dry_run:
@@ -333,8 +334,8 @@ def run(args: argparse.Namespace) -> dict:
         steps("embedded_blocks", blocks)
     empty_cache()
     if not args.no_8b:
-        tiles = DRY_RUN_TILES if args.dry_run else None
-        steps("linear_sweep", lambda: linear_sweep(report, device, big_shapes, dtype, tiles=tiles))
+        steps("linear_sweep", lambda: linear_sweep(report, device, big_shapes, dtype,
+                                                   tiles=DRY_RUN_TILES if args.dry_run else None))
 
         def big_bf16() -> None:
             held["model"] = random_llama(device, big_shapes, dtype)

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.gpu.linear import CHOSEN, TILE, _dot
+from runtime.kernels.gpu import linear
+from runtime.kernels.gpu.linear import _dot
 
 
 @dataclass
@@ -50,7 +51,7 @@ class StackedBlocks:
         of an expert's layer shape (runtime.kernels.gpu.linear's CHOSEN or TILE; its splits not taken)."""
         outs, ins = self.shape
         d, ds = self.d, self.d_super
-        block_n, block_k, warps, *_ = CHOSEN.get((outs, ins, self.packed), TILE)
+        block_n, block_k, warps, *_ = linear.CHOSEN.get((outs, ins, self.packed), linear.TILE)
         group = ins // d.shape[2]
         block_k = max(block_k, group)
         ms, high = self.m_super, self.high
