@@ -72,8 +72,8 @@ class GpuBlockLinear(QuantizedLinear):
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, device: torch.device | str = "cpu") -> "GpuBlockLinear":
-        """A layer of one tensor's blocks on `device`, the codes packed where they fit in 4 bits, a
-        K-quant's scales as the file holds them."""
+        """A layer of one tensor's blocks on `device`, the codes in 4 or 6 bits where they fit (`code_form`),
+        a K-quant's scales as the file holds them."""
         from runtime.kernels.gpu.linear import pack_nibbles, pack_pairs
 
         packed, six, offset = code_form(blocks)
