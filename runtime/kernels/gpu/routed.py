@@ -122,7 +122,7 @@ def _route(logits_ptr, experts_ptr, weights_ptr, num_experts, logits_stride, TOP
     left = tl.where(inside, p, -1.0)
     chosen = ids < 0
     total = 0.0
-    for k in tl.static_range(TOP_K):  # the largest k, the lowest id first among equals (torch.topk's)
+    for k in tl.static_range(TOP_K):  # the largest k, the lowest id first among equals (torch.topk leaves it open)
         best = tl.max(left, axis=0)
         first = tl.min(tl.where(left == best, ids, BLOCK), axis=0)
         chosen = chosen | (ids == first)
