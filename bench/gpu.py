@@ -64,8 +64,8 @@ from bench.gpu_sweep import linear_sweep
 PROMPT_TOKENS = 64
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS = 2048, 64  # the engine's defaults (runtime.engine.EngineConfig), probed as at start-up
 STREAMS = (1, 16)
-# a dry run's tile and split tile, for tiny layers' 64 to 256 inputs (TILES' suit an 8B's, masked 8-60x here)
-DRY_RUN_TILES = ((8, 64, 4), (8, 32, 4, 2))
+# a dry run's tile, split tile and tensor-core tile, for tiny layers' 64 to 256 inputs (TILES' suit an 8B's)
+DRY_RUN_TILES = ((8, 64, 4), (8, 32, 4, 2), (16, 32, 4, 1, 16))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,7 +38,8 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
     """Each matmul of a model of `shapes` on its own, as bandwidth (bytes read / time): torch's linear,
     and the Triton GEMM over the same float weights and over packed 4-bit blocks at every tile of
     `tiles`, each checked to give a row the same bits alone as in a batch of 16. Of the tiles that keep
-    the bits, the fastest at one row becomes the shape's block tile for the rest of the run
+    the bits, the fastest over the row counts timed (the sum of its times at each: one stream and a
+    search's sixteen beams weigh alike) becomes the shape's block tile for the rest of the run
     (runtime.kernels.gpu.linear.CHOSEN, keyed on the shape alone, so the sum's order still never
     depends on the rows); a later layer of the same shape keeps that tile (`chosen_by` names the
     layer that chose it), so no two timings of one shape can disagree."""
@@ -59,7 +60,7 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
         supers = (torch.rand(outs, count, device=device) * 0.00005, torch.rand(outs, count, device=device) * 0.0004)
         block_bytes = codes.numel() + 2 * d.numel() + 2 * supers[0].numel() * 4
         batch = torch.randn(max(rows_set), ins, device=device, dtype=dtype)
-        kept, one_row_ms = {}, {}
+        kept, total_ms = {}, {}
         for tile in tiles:
             key = "x".join(map(str, tile))
             q4 = lambda rows: triton_linear.block_linear(rows, codes, d, m, packed=True, tile=tile,  # noqa: E731
@@ -71,8 +72,7 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
                 x = batch[:rows].contiguous()
                 ms = _timed_ms(lambda: q4(x), device)
                 entry.setdefault(f"q4_rows_{rows}", {})[key] = {"ms": round(ms, 4), "gbs": round(block_bytes / ms / 1e6, 1)}
-                if rows == rows_set[0]:
-                    one_row_ms[key] = ms
+                total_ms[key] = total_ms.get(key, 0.0) + ms
                 ms = _timed_ms(lambda: fl(x), device)
                 entry.setdefault(f"triton_float_rows_{rows}", {})[key] = {"ms": round(ms, 4),
                                                                           "gbs": round(weight.nbytes / ms / 1e6, 1)}
@@ -86,11 +86,11 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
             entry["chosen_tile"] = "x".join(map(str, triton_linear.CHOSEN[(outs, ins, True)]))
             entry["chosen_by"] = chosen_here[(outs, ins)]
         elif candidates:
-            best = min(candidates, key=lambda tile: one_row_ms["x".join(map(str, tile))])
+            best = min(candidates, key=lambda tile: total_ms["x".join(map(str, tile))])
             triton_linear.CHOSEN[(outs, ins, True)] = best
             chosen_here[(outs, ins)] = name
             entry["chosen_tile"] = "x".join(map(str, best))
         else:
             report["errors"].append(f"linear_sweep {name}: no tile keeps a row's bits in a batch")
-        del weight, codes, d, m, supers
+        weight = codes = d = m = supers = None  # (the shape's tensors freed before the next one's)
     empty_cache()

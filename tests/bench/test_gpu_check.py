@@ -153,7 +153,7 @@ def test_the_sweep_chooses_a_tile_that_keeps_a_row_s_bits(monkeypatch):
     report = {"errors": []}
     shapes = {**TINY, "vocab_size": 32, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 2,
               "num_key_value_heads": 1}
-    linear_sweep(report, torch.device("cpu"), shapes, torch.float32, rows_set=(1, 6), tiles=((16, 64, 4), (32, 32, 4)))
+    linear_sweep(report, torch.device("cpu"), shapes, torch.float32, rows_set=(1, 6), tiles=((16, 64, 4), (32, 32, 4), (16, 32, 4, 1, 16)))
     sweep = report["linear_sweep"]
     assert set(sweep) == {"qkv", "o", "gate_up", "down", "head"} and report["errors"] == []
     for name, entry in sweep.items():

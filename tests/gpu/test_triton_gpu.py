@@ -54,7 +54,8 @@ def test_the_elementwise_kernels_stay_within_a_rounding_of_torch():
                                atol=0.03, rtol=0.016)
 
 
-@pytest.mark.parametrize("tile", [None, (8, 128, 4, 4)])  # (the default tile; the inputs split four ways)
+# (the default tile; the inputs split four ways; tensor-core tiles of 16 rows, one split four ways)
+@pytest.mark.parametrize("tile", [None, (8, 128, 4, 4), (64, 128, 4, 1, 16), (32, 128, 4, 4, 16)])
 def test_the_block_gemm_keeps_each_row_s_bits(tile):
     from runtime.kernels.gpu.linear import block_linear, pack_nibbles
 

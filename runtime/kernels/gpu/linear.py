@@ -1,23 +1,30 @@
 """A linear layer as a Triton GEMM with a fixed reduction order, over float weights or over a GGUF's own
 blocks as runtime.model.gguf_blocks keeps them (w = d * q + m per group of input features).
 
-Each program computes `BLOCK_N` outputs of one row (a GEMV: decode steps have few rows), summing over
-the input features in chunks of `BLOCK_K` in order (a packed chunk's bytes loaded once each, its
-groups' scales once a group), with sizes that never depend on the number of rows: a row's outputs
-are the same bits whatever the other rows (batch invariance by construction, as the CPU kernels are).
-A tile may split the inputs among `SPLITS` programs (split-K: their float32 sums added up in order by a
-second kernel), which the shape alone decides too.
+Each program of `_linear` computes `BLOCK_N` outputs of one row (a GEMV: decode steps have few rows),
+summing over the input features in chunks of `BLOCK_K` in order (a packed chunk's bytes loaded once
+each, its groups' scales once a group), with sizes that never depend on the number of rows: a row's
+outputs are the same bits whatever the other rows (batch invariance by construction, as the CPU
+kernels are). A tile may split the inputs among `SPLITS` programs (split-K: their float32 sums added up
+in order by a second kernel), which the shape alone decides too.
 The weights are dequantized in registers from the file's codes and scales (no re-quantization; what
 `gguf.dequantize` computes, tested), and the products summed in float32 on the CUDA cores. A K-quant's
 scales may come as the file holds them, an int8 sub-scale a group times a float32 super-block scale
 (`supers`), multiplied in registers to the same float32 products (0.75 bits a weight, not 2).
 
 Measured on an H200 (bench/results/gpu-nvidia-h200.json, `linear_sweep`, scales then float32 products):
-one row reads the 4-bit blocks at 0.4-1.9 TB/s for an 8B's layers by shape and 2.4 TB/s for its head; sixteen rows re-read them
-per row (about 150 GB/s of blocks), so many rows want a tensor-core tile (`tl.dot` over a fixed
-(rows, outputs, inputs) tile) that is not written yet. A first multi-row tile, dequantizing once for
-four to sixteen rows and summing a 3-D product (bench/results/gpu-nvidia-h200-multirow.json), kept
-every row's bits but ran 2-5x slower at one row and gained under 2x at sixteen: removed.
+one row reads the 4-bit blocks at 0.4-1.9 TB/s for an 8B's layers by shape and 2.4 TB/s for its head; sixteen
+rows re-read them per row (about 150 GB/s of blocks). A first multi-row tile, dequantizing once for four to
+sixteen rows and summing a 3-D product (bench/results/gpu-nvidia-h200-multirow.json), kept every row's bits
+but ran 2-5x slower at one row and gained under 2x at sixteen: removed.
+
+`_tile_linear` is the tensor-core tile those sixteen rows want: a program holds a fixed tile of
+`BLOCK_M` rows (a row count padded to whole tiles, the padding zeros) and reads each weight once for
+them all; a group's codes, small integers, multiply the rows in one `tl.dot` (bfloat16 or float16
+operands on a GPU, every product exact), and the group's sums are scaled in float32, d * sum(x q) +
+m * sum(x), a group at a time in order. The tile's shape and instructions never depend on the rows, and
+no product crosses rows, so a row keeps its bits in any batch too; a shape takes one kind of tile for
+every row count (its sums are not `_linear`'s bits). Not yet timed on a GPU.
 
 A GGUF's linear layers on a GPU with `quantize = "auto"` call it (runtime.model.gpu_blocks, loaded by
 runtime.model.gguf_load); float weights still go through torch's matmuls (row padding keeps their rows
@@ -34,12 +41,40 @@ TILE = (8, 512, 4)  # (outputs, inputs a chunk, warps) a program: from the shape
 # Tiles the device check times (bench/gpu.py, `linear_sweep`); on an H200 (bench/results/gpu-nvidia-h200.json)
 # TILE was within 20 % of the fastest at one row for every matmul of an 8B-shaped llama. A fourth number
 # splits the inputs among that many programs a row and outputs (float32 sums, added up in order by a
-# second launch): more programs in flight for a narrow layer, not yet timed on a GPU.
+# second launch): more programs in flight for a narrow layer, not yet timed on a GPU. A fifth, over 1, is
+# the rows a program of `_tile_linear` (every row count padded to whole tiles of them): not yet timed either.
 TILES = ((32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (8, 256, 2), (4, 1024, 4),
-         (8, 512, 4, 2), (8, 512, 4, 4), (16, 256, 4, 8), (4, 1024, 4, 4))
+         (8, 512, 4, 2), (8, 512, 4, 4), (16, 256, 4, 8), (4, 1024, 4, 4),
+         (64, 128, 4, 1, 16), (32, 128, 4, 1, 16), (32, 256, 4, 4, 16), (64, 256, 8, 2, 16))
 # A layer shape's tile where one was chosen for it, (outputs, inputs, packed) -> tile: keyed on the shape
 # alone, so every row count of that shape still sums in one order (the device check fills it from its sweep)
 CHOSEN: dict[tuple[int, int, bool], tuple[int, ...]] = {}
+
+
+@triton.jit
+def _codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS: tl.constexpr, PACKED: tl.constexpr,
+           HIGH: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Outputs `rn`'s codes (or float weights) of inputs `k0` to `k0 + BLOCK_K`, `[BLOCK_N, BLOCK_K]` float32.
+    A packed code is its low nibble (two a byte at `w_ptr`), with `HIGH` its two high bits (four a byte at
+    `h_ptr`), less `OFFSET` (a signed code stored unsigned), in integers before it becomes a float."""
+    if PACKED:  # two 4-bit codes a byte, input 2i in the low half, 2i + 1 in the high: one load a byte
+        rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_ptr + rn[:, None] * w_stride + rb[None, :],
+                       mask=out_ok[:, None] & (rb[None, :] < INS // 2), other=0)
+        w = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K)).to(tl.int32)
+        if HIGH:  # input 4i's two high bits in bits 0-1 of byte i, 4i + 1's in 2-3, ...
+            rh = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+            top = tl.load(h_ptr + rn[:, None] * h_stride + rh[None, :],
+                          mask=out_ok[:, None] & (rh[None, :] < INS // 4), other=0)
+            # (join's pairs inside pairs: a, c, b, d in order)
+            top = tl.join(tl.join(top & 3, (top >> 4) & 3), tl.join((top >> 2) & 3, top >> 6))
+            w = w | (tl.reshape(top, (BLOCK_N, BLOCK_K)).to(tl.int32) << 4)
+        w = (w - OFFSET).to(tl.float32)
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :], mask=out_ok[:, None] & (rk[None, :] < INS),
+                    other=0).to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -48,31 +83,14 @@ def _dot(x_row, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start,
          SUPER: tl.constexpr, PACKED: tl.constexpr, HIGH: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
          BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
     """The float32 sums of outputs `rn` (of the weights at `w_ptr`, their scales at `d_ptr`...) over the
-    row at `x_row`, inputs `k_start` to `k_start + CHUNK` in chunks of `BLOCK_K`, in order. A packed
-    code is its low nibble (two a byte at `w_ptr`), with `HIGH` its two high bits (four a byte at
-    `h_ptr`), less `OFFSET` (a signed code stored unsigned), in integers before its scale multiplies it."""
+    row at `x_row`, inputs `k_start` to `k_start + CHUNK` in chunks of `BLOCK_K`, in order (`_codes`'
+    codes, times their group's scale, plus its offset, each product summed)."""
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for i in range(0, CHUNK, BLOCK_K):  # (the width a constant: one compiled kernel per layer shape)
         k0 = k_start + i
         rk = k0 + tl.arange(0, BLOCK_K)
-        in_ok = rk < INS
-        x = tl.load(x_row + rk, mask=in_ok, other=0.0).to(tl.float32)
-        if PACKED:  # two 4-bit codes a byte, input 2i in the low half, 2i + 1 in the high: one load a byte
-            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            byte = tl.load(w_ptr + rn[:, None] * w_stride + rb[None, :],
-                           mask=out_ok[:, None] & (rb[None, :] < INS // 2), other=0)
-            w = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K)).to(tl.int32)
-            if HIGH:  # input 4i's two high bits in bits 0-1 of byte i, 4i + 1's in 2-3, ...
-                rh = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                top = tl.load(h_ptr + rn[:, None] * h_stride + rh[None, :],
-                              mask=out_ok[:, None] & (rh[None, :] < INS // 4), other=0)
-                # (join's pairs inside pairs: a, c, b, d in order)
-                top = tl.join(tl.join(top & 3, (top >> 4) & 3), tl.join((top >> 2) & 3, top >> 6))
-                w = w | (tl.reshape(top, (BLOCK_N, BLOCK_K)).to(tl.int32) << 4)
-            w = (w - OFFSET).to(tl.float32)
-        else:
-            w = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :], mask=out_ok[:, None] & in_ok[None, :],
-                        other=0).to(tl.float32)
+        x = tl.load(x_row + rk, mask=rk < INS, other=0.0).to(tl.float32)
+        w = _codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS, PACKED, HIGH, OFFSET, BLOCK_N, BLOCK_K)
         if BLOCKS:  # codes -> weights: d * q (+ m), one (d, m) per GROUP input features, loaded once a group
             rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
             group = rn[:, None] * d_stride + rg[None, :]
@@ -112,6 +130,56 @@ def _linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, ro
 
 
 @triton.jit
+def _tile_linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_stride, w_stride, h_stride,
+                 d_stride, ds_stride, out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr,
+                 HAS_M: tl.constexpr, SUPER: tl.constexpr, PACKED: tl.constexpr, HIGH: tl.constexpr,
+                 OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLITS: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """`BLOCK_M` rows (a fixed tile, rows past the last read as zeros) times `BLOCK_N` outputs a program,
+    each weight read once for them all: a group's codes times its rows on the tensor cores (`tl.dot` in
+    `DOT`, every product exact: a code is a small integer, a row's value a `DOT` already), then scaled,
+    d * sum(x q) + m * sum(x), in float32 a group at a time, groups in order."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    row_ok, out_ok = rm < rows, rn < outs
+    STEP: tl.constexpr = GROUP if BLOCKS else BLOCK_K  # (a group's inputs a product: its scale after)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in range(0, CHUNK, BLOCK_K):
+        for j in tl.static_range(0, BLOCK_K, STEP):
+            k0 = split * CHUNK + i + j
+            rk = k0 + tl.arange(0, STEP)
+            x = tl.load(x_ptr + rm[:, None] * x_stride + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < INS),
+                        other=0.0).to(DOT)
+            w = tl.trans(_codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS, PACKED, HIGH, OFFSET, BLOCK_N,
+                                STEP).to(DOT))
+            if IEEE:  # (float32 operands: exact float32 products, not the tensor cores' tf32)
+                part = tl.dot(x, w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w)
+            if BLOCKS:
+                group = rn * d_stride + k0 // GROUP
+                group_ok = out_ok & (k0 < INS)
+                d = tl.load(d_ptr + group, mask=group_ok, other=0).to(tl.float32)
+                if SUPER:
+                    supers = rn * ds_stride + k0 // GROUP // SUPER
+                    d = tl.load(ds_ptr + supers, mask=group_ok, other=0.0) * d
+                acc += part * d[None, :]
+                if HAS_M:
+                    m = tl.load(m_ptr + group, mask=group_ok, other=0).to(tl.float32)
+                    if SUPER:
+                        m = tl.load(ms_ptr + supers, mask=group_ok, other=0.0) * m
+                    acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m[None, :]
+            else:
+                acc += part
+    keep = row_ok[:, None] & out_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr + rm[:, None] * out_stride + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        tl.store(out_ptr + (split * rows + rm[:, None]) * outs + rn[None, :], acc, mask=keep)
+
+
+@triton.jit
 def _sum_splits(part_ptr, out_ptr, outs, rows, out_stride, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -125,7 +193,8 @@ def _sum_splits(part_ptr, out_ptr, outs, rows, out_stride, SPLITS: tl.constexpr,
 def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
             packed: bool = False, tile: tuple[int, ...] | None = None, supers: tuple | None = None,
             high: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
-    """`tile` (outputs, inputs a chunk, warps[, splits]): the sweep's; else the shape's, whatever the rows.
+    """`tile` (outputs, inputs a chunk, warps[, splits[, rows]]): the sweep's; else the shape's, whatever
+    the rows; `rows` over 1 makes it `_tile_linear`'s (that many rows a program, on the tensor cores).
     `supers` (d's, m's or None): float32 super-block scales `[out, supers]` that `d` and `m`, integer
     sub-scales then, multiply. `high`, `offset`: packed codes' two high bits and what they are less."""
     rows, ins = x.shape
@@ -133,29 +202,49 @@ def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.T
     assert w.shape[1] * (2 if packed else 1) == ins and x.stride(1) == 1 and w.stride(1) == 1
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     group = ins // d.shape[1] if d is not None else 1
-    block_n, block_k, warps, *more = tile or CHOSEN.get((outs, ins, packed), TILE)
-    splits = more[0] if more else 1
+    block_n, block_k, warps, splits, block_m = (*(tile or CHOSEN.get((outs, ins, packed), TILE)), 1, 1)[:5]
     block_k = max(block_k, group)
     assert block_k % group == 0, f"a chunk of {block_k} inputs holds no whole number of groups of {group}"
+    assert block_m == 1 or min(block_m, block_n, group if d is not None else block_k) >= 16, \
+        "a tensor-core tile multiplies at least 16 rows, outputs and inputs at a time"
     if not rows:
         return out
     chunk = triton.cdiv(ins, splits * block_k) * block_k  # (a split's inputs: whole chunks)
     parts = out if splits == 1 else torch.empty((splits, rows, outs), dtype=torch.float32, device=x.device)
-    grid = (rows, triton.cdiv(outs, block_n), splits)  # (rows fastest: a tile's programs for every row run together)
+    # (rows fastest: a tile's programs for every row run together)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(outs, block_n), splits)
     ds, ms = supers or (None, None)
     per_super = 0 if ds is None else d.shape[1] // ds.shape[1]
     assert ds is None or (d.shape[1] == per_super * ds.shape[1] and (m is None) == (ms is None))
     assert high is None or (packed and high.shape[1] * 4 == ins and high.stride(1) == 1)
-    _linear[grid](x, w, w if high is None else high, w if d is None else d, w if m is None else m,
-                  w if ds is None else ds, w if ms is None else ms, parts, outs, rows, x.stride(0), w.stride(0),
-                  0 if high is None else high.stride(0), 0 if d is None else d.stride(0),
-                  0 if ds is None else ds.stride(0), out.stride(0), INS=ins, GROUP=group, BLOCKS=d is not None,
-                  HAS_M=m is not None, SUPER=per_super, PACKED=packed, HIGH=high is not None, OFFSET=offset,
-                  BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, CHUNK=chunk, num_warps=warps)
+    args = (x, w, w if high is None else high, w if d is None else d, w if m is None else m, w if ds is None else ds,
+            w if ms is None else ms, parts, outs, rows, x.stride(0), w.stride(0), 0 if high is None else high.stride(0),
+            0 if d is None else d.stride(0), 0 if ds is None else ds.stride(0), out.stride(0))
+    constants = dict(INS=ins, GROUP=group, BLOCKS=d is not None, HAS_M=m is not None, SUPER=per_super, PACKED=packed,
+                     HIGH=high is not None, OFFSET=offset, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
+                     CHUNK=chunk, num_warps=warps)
+    if block_m == 1:
+        _linear[grid](*args, **constants)
+    else:
+        dot = dot_type(x, w)
+        _tile_linear[grid](*args, BLOCK_M=block_m, DOT=_TRITON_TYPES[dot], IEEE=dot == torch.float32, **constants)
     if splits > 1:
         block = min(1024, triton.next_power_of_2(outs))
         _sum_splits[(rows, triton.cdiv(outs, block))](parts, out, outs, rows, out.stride(0), SPLITS=splits, BLOCK=block)
     return out
+
+
+_TRITON_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def dot_type(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The operands' type of a tensor-core tile's products of rows `x` and weights or codes `w`: on a GPU,
+    x's 16-bit float where each product is exact in it (codes are small integers, or the weights are of
+    that type); float32 otherwise (multiplied as float32, not tf32), and in Triton's interpreter, which
+    multiplies no 16-bit floats."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and (w.dtype == x.dtype or not w.is_floating_point()):
+        return x.dtype
+    return torch.float32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ own blocks stacked an expert a slice, in two Triton launches whatever the batch 
    from zero (what runtime.model.experts.mix_experts adds, in that order), stored once.
 
 Every product is runtime/kernels/gpu/linear.py's `_dot` (the same codes, scales and float32 chunk
-sums as a `block_linear` of the expert's layer with the same tile), and no program reads another
+sums as a `block_linear` of the expert's layer with the same tile of one row a program), and no program reads another
 token's row: a token's outputs are the same bits alone as in any batch. Nothing waits for the host
 (no per-expert counts read back, as the per-expert loop must).
 """
@@ -48,7 +48,7 @@ class StackedBlocks:
 
     def launch_args(self) -> tuple[list, dict]:
         """The kernel's pointers and strides for these blocks, and its constants (`_dot`'s) with the tile
-        of an expert's layer shape (runtime.kernels.gpu.linear's CHOSEN or TILE; its splits not taken)."""
+        of an expert's layer shape (runtime.kernels.gpu.linear's CHOSEN or TILE; its splits and rows not taken)."""
         outs, ins = self.shape
         d, ds = self.d, self.d_super
         block_n, block_k, warps, *_ = linear.CHOSEN.get((outs, ins, self.packed), linear.TILE)

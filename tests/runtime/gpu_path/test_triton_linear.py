@@ -132,3 +132,66 @@ def test_every_tile_the_sweep_times_computes_the_same_weights(tile):
     out = assert_rows_are_their_own(lambda rows: block_linear(rows, pack_nibbles(codes), d, m, packed=True,
                                                               tile=tile), x)
     torch.testing.assert_close(out, x @ weights.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def bf16_products(monkeypatch):
+    """Triton's interpreter holds a bfloat16 as its 16 bits and multiplies those as integers in `tl.dot`:
+    taught here to multiply their values (widened to float32, exactly), and the tile told to take
+    bfloat16 operands on the CPU as it does on a GPU, so the bfloat16 path's loads, casts and masks run."""
+    from triton.runtime import interpreter
+
+    import runtime.kernels.gpu.linear as linear_module
+
+    plain = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        import triton.language as tl
+
+        def widened(t):
+            if t.dtype.scalar != tl.bfloat16:
+                return t
+            data = interpreter._convert_float(t.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interpreter.TensorHandle(data, tl.float32)
+
+        return plain(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    monkeypatch.setattr(linear_module, "dot_type", lambda x, w: x.dtype if x.dtype == torch.bfloat16 else torch.float32)
+
+
+TENSOR_TILES = [tile for tile in TILES if len(tile) == 5 and tile[4] > 1]
+
+
+@pytest.mark.parametrize("operands", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_a_tensor_core_tile_computes_the_file_s_weights_and_keeps_each_row_s_bits(kind, operands, request):
+    """Sixteen rows a program, a group's codes times them in one `tl.dot` and then scaled: gguf's
+    weights' products within float32's rounding, each row's bits alone as in a batch (rows 1, 3, 17 and
+    20: one tile of rows and two), the layer's codes in the forms a GPU keeps them (packed, 6-bit, int8)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from runtime.model.gpu_blocks import GpuBlockLinear
+    from tests.gguf_model import blocks_of
+
+    if operands == "bfloat16":
+        request.getfixturevalue("bf16_products")
+    data = blocks_of(kind, 40, 512, seed=8)
+    layer = GpuBlockLinear.from_blocks(decode(kind, data))
+    dense = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).copy())
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(9)).to(getattr(torch, operands))
+    expected = x.double() @ dense.double().T
+    for tile in (TENSOR_TILES[0], (16, 64, 4, 3, 16)):  # (three splits of 192 inputs: the last one short)
+        out = assert_rows_are_their_own(lambda rows: block_linear(
+            rows, layer.weight, layer.d, layer.m, layer.packed, tile=tile, high=layer.high, offset=layer.offset,
+            supers=None if layer.d_super is None else (layer.d_super, layer.m_super)), x)
+        tolerance = 1e-4 if operands == "float32" else 1e-2  # (a bfloat16 output's rounding)
+        torch.testing.assert_close(out.double(), expected, atol=tolerance * float(expected.abs().max()), rtol=tolerance)
+
+
+def test_a_tensor_core_tile_over_float_weights_matches_torch():
+    gen = torch.Generator().manual_seed(10)
+    x, w = torch.randn(18, 96, generator=gen), torch.randn(40, 96, generator=gen)
+    out = assert_rows_are_their_own(lambda rows: _launch(rows, w, None, None, tile=(16, 32, 4, 2, 16)), x)
+    torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
