@@ -86,6 +86,8 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                             max(1, options.verifier_kv_memory_bytes
                                 // kv_shape_of(verifier.model.config, options.block_size).bytes_per_block(dtype)))
                      for name, verifier in verifiers.items()}
+    if device.type == "cuda" and options.gpu_tiles == "tune" and quantized.mode == "gpu_blocks":
+        tune_tiles(model)
     engine = Engine(model, tokenizer, config, model_key, quantized=quantized, kv_split=splitter, tiers=tiers,
                     reward_models=reward_models)
     if options.cuda_graphs and device.type == "cuda" and engine.runner.use_graphs():
@@ -93,6 +95,17 @@ def build_engine(options: RuntimeOptions) -> tuple[Engine, ModelSource]:
                  engine.runner.graphs.max_rows, len(engine.runner.graphs.sizes), engine.runner.graphs.sizes)
     log.info("paths: %s", paths.describe(engine_paths(engine)))
     return engine, source
+
+
+def tune_tiles(model) -> None:
+    """Time the block GEMM's tiles for each layer shape the decoder launches (runtime.model.gpu_tiles),
+    before the first step and any CUDA graph."""
+    from runtime.model.gpu_tiles import tune
+
+    started = time.perf_counter()
+    chosen = tune(model, build_decoder(model), next(model.parameters()).dtype)
+    log.info("block GEMM tiles: %d layer shapes in %.1f s (model.gpu_tiles = tune)", len(chosen),
+             time.perf_counter() - started)
 
 
 def engine_paths(engine: Engine) -> dict[str, str]:

@@ -68,6 +68,10 @@ class ModelSettings(_Section):
     # On a CUDA GPU, pure decode steps replay a CUDA graph captured at start-up for each padded batch size
     # (runtime.model.graphs; needs batch invariance's row padding); false runs every step eagerly.
     cuda_graphs: bool = True
+    # On a CUDA GPU, a GGUF's block layers' GEMM tile for each layer shape: tune times the kernel's tiles
+    # there at start-up (at one row and sixteen, each checked to keep a row's bits) and keeps the fastest
+    # (runtime.model.gpu_tiles; cached, so a restart reads it); default keeps the kernel's default tile.
+    gpu_tiles: Literal["tune", "default"] = "tune"
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty where they differ from transformers' defaults) apply where a request leaves them
     # unset, as vLLM's `--generation-config auto`; none: ponder's own defaults (vLLM's `vllm`).
@@ -220,6 +224,7 @@ class Settings(BaseSettings):
             dtype=self.model.dtype, max_model_len=self.model.max_model_len,
             trust_remote_code=self.model.trust_remote_code, quantize=self.model.quantize, cpu_isa=self.model.cpu_isa,
             cuda_graphs=self.model.cuda_graphs,
+            gpu_tiles=self.model.gpu_tiles,
             generation_config=self.model.generation_config,
             block_size=self.cache.block_size,
             kv_memory_bytes=int((self.cache.compute_memory_gib or 2.0) * (1 << 30)), num_blocks=self.cache.num_blocks,

@@ -19,6 +19,7 @@ class Projections:
     def __init__(self, layers: list[nn.Module], sizes: list[int] | None = None) -> None:
         """`sizes`: the outputs of one layer fused already (Phi-3's qkv_proj and gate_up_proj)."""
         self.sizes = sizes or [layer.out_features for layer in layers]
+        self.layers = list(layers)
         self.fused = layers[0] if sizes else fuse_linears(layers)
         self.calls = [rows_call(layer) for layer in layers]
         self.fused_call = None if self.fused is None else rows_call(self.fused)

@@ -20,6 +20,7 @@ class RuntimeOptions(msgspec.Struct, frozen=True, kw_only=True):
     quantize: str = "auto"  # auto | none | int8 | int4: the generator's linear layers (runtime.model.quantize)
     cpu_isa: str = "auto"  # auto | avx2: the int4 kernel's instruction set (runtime.kernels.cpu_kernels.use_isa)
     cuda_graphs: bool = True  # pure decode steps replay CUDA graphs on a CUDA GPU (runtime.model.graphs)
+    gpu_tiles: str = "tune"  # tune | default: a GGUF's block GEMM tiles on a GPU (runtime.model.gpu_tiles)
     generation_config: str = "auto"  # auto | none: the model's sampling defaults (runtime.model.generation_config)
     block_size: int = 16
     kv_memory_bytes: int = 2 << 30

@@ -133,3 +133,28 @@ def test_the_gated_delta_kernel_gives_the_torch_loop_s_tokens(tmp_path_factory, 
     torch_engine = engine_for(directory, device="cuda", dtype="float32")
     assert torch_engine.runner.recurrent.layers[0].forward.args[0].kernel is None
     assert run(torch_engine, requests()) == expected
+
+
+def test_start_up_times_the_block_tiles_and_each_chosen_one_keeps_a_row_s_bits(tmp_path, monkeypatch):
+    """runtime.model.gpu_tiles on a GPU with its real clock: a tile for every launched block layer shape,
+    set for the kernel, each keeping a row's bits alone and among 40 rows."""
+    from runtime.kernels.gpu import linear
+    from runtime.model import gpu_tiles
+    from runtime.model.cached_model import gguf_config
+    from runtime.model.decoders import build_decoder
+    from runtime.model.gguf_load import load_gguf_blocks
+    from runtime.model.loader import resolve_model
+    from tests.gguf_model import write_tiny_gguf
+
+    monkeypatch.setattr(linear, "CHOSEN", {})
+    source = resolve_model(str(write_tiny_gguf(tmp_path, "Q4_K", hidden=256, ffn=512)))
+    model, _ = load_gguf_blocks(source, gguf_config(source), torch.bfloat16, "sdpa", device=DEVICE)
+    decoder = build_decoder(model)
+    chosen = gpu_tiles.tune(model, decoder, torch.bfloat16, root=tmp_path / "cache")
+    layers = gpu_tiles.launched_layers(model, decoder)
+    assert set(chosen) == {gpu_tiles.key_of(layer) for layer in layers} and linear.CHOSEN == chosen
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    for layer in layers:
+        if layer.in_features == 256:
+            batch = layer.rows(x)
+            assert all(torch.equal(layer.rows(x[:count]), batch[:count]) for count in (1, 5, 17))

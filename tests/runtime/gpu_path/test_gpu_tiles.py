@@ -1,0 +1,91 @@
+"""The block GEMM's tiles chosen at start-up for the layer shapes a model launches (runtime.model.gpu_tiles),
+here on the CPU in Triton's interpreter with a stand-in clock: the launched layers found, a tile that
+changes a row's bits never chosen, the choice set for the kernel, kept in the start-up cache and read back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from runtime.kernels.gpu import linear
+from runtime.model import gpu_tiles
+from runtime.model.cached_model import gguf_config
+from runtime.model.decoders import build_decoder
+from runtime.model.gguf_load import load_gguf_blocks
+from runtime.model.gpu_blocks import GpuBlockLinear
+from runtime.model.loader import load_causal_lm, resolve_model
+from tests.gguf_model import write_tiny_gguf
+from tests.runtime.gpu_path.test_gpu_blocks_load import MIXED
+
+CPU = torch.device("cpu")
+TILES = ((8, 64, 4), (16, 32, 4, 1, 16))  # (one row a program; a tensor-core tile)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_1", kinds=MIXED)
+    source = resolve_model(str(path))
+    model, _ = load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)
+    return source, model, build_decoder(model)
+
+
+def faster_second(times=(2.0, 2.0, 1.0, 1.0)):
+    """A clock under which the second of two tiles is the faster at both row counts (calls in tile order)."""
+    ticks = itertools.cycle(times)
+    return lambda fn: (fn(), next(ticks))[1]
+
+
+def test_the_launched_layers_are_the_fused_ones_o_down_and_the_head(tiny):
+    _, model, decoder = tiny
+    launched = gpu_tiles.launched_layers(model, decoder)
+    layers = model.model.layers
+    expected = [model.lm_head]
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        # q, k and v of three forms side by side (each launched); gate and up fused into one new layer
+        expected += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, decoder.layers[i].gate_up.fused, mlp.down_proj]
+    assert sorted(map(id, launched)) == sorted(map(id, expected))
+    assert all(isinstance(layer, GpuBlockLinear) for layer in launched)
+    assert not {id(layer.mlp.gate_proj) for layer in layers} & set(map(id, launched))
+
+
+def test_the_tiles_chosen_are_set_cached_and_read_back_and_keep_the_logits(tiny, tmp_path, monkeypatch):
+    source, model, decoder = tiny
+    monkeypatch.setattr(linear, "CHOSEN", {})
+    chosen = gpu_tiles.tune(model, decoder, torch.float32, timer=faster_second(), tiles=TILES, root=tmp_path / "cache")
+    keys = {gpu_tiles.key_of(layer) for layer in gpu_tiles.launched_layers(model, decoder)}
+    assert set(chosen) == keys and set(chosen.values()) == {TILES[1]} and linear.CHOSEN == chosen
+    [entry] = (tmp_path / "cache" / "gpu_tiles").iterdir()
+    assert (entry / "tiles.json").exists()
+
+    def no_clock(fn):
+        raise AssertionError("a cached choice is read, not timed again")
+
+    monkeypatch.setattr(linear, "CHOSEN", {})
+    assert gpu_tiles.tune(model, decoder, torch.float32, timer=no_clock, tiles=TILES, root=tmp_path / "cache") == chosen
+    assert linear.CHOSEN == chosen
+    # the layers now compute with the tensor-core tile: still the file's weights
+    reference = load_causal_lm(source, CPU, torch.float32, "sdpa")
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_tile_that_changes_a_row_s_bits_in_a_batch_is_never_chosen(tiny, monkeypatch):
+    _, model, decoder = tiny
+    layer = model.lm_head
+    plain = gpu_tiles._call
+
+    def call(layer, tile):
+        if tile == TILES[1]:  # (a stand-in kernel whose rows depend on how many there are)
+            return lambda x: plain(layer, tile)(x) + len(x)
+        return plain(layer, tile)
+
+    monkeypatch.setattr(gpu_tiles, "_call", call)
+    ranked = gpu_tiles.rank_tiles(layer, torch.float32, TILES, timer=faster_second())
+    assert [ranked[tile]["kept"] for tile in TILES] == [True, False]
+    assert ranked[TILES[1]]["ms"] == {1: 1.0, 16: 1.0}  # the faster, yet not chosen
+    assert gpu_tiles.choose(ranked) == TILES[0]
+    assert gpu_tiles.choose({TILES[1]: ranked[TILES[1]]}) is None
