@@ -39,13 +39,15 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
     and the Triton GEMM over the same float weights and over packed 4-bit blocks at every tile of
     `tiles`, each checked to give a row the same bits alone as in a batch of 16. Of the tiles that keep
     the bits, the fastest over the row counts timed (the sum of its times at each: one stream and a
-    search's sixteen beams weigh alike) becomes the shape's block tile for the rest of the run
+    search's sixteen beams weigh alike, as at start-up: runtime.model.gpu_tiles.choose) becomes the
+    shape's block tile for the rest of the run
     (runtime.kernels.gpu.linear.CHOSEN, keyed on the shape alone, so the sum's order still never
     depends on the rows); a later layer of the same shape keeps that tile (`chosen_by` names the
     layer that chose it), so no two timings of one shape can disagree."""
     import torch.nn.functional as F
 
     from runtime.kernels.gpu import linear as triton_linear
+    from runtime.model.gpu_tiles import choose
 
     tiles = tiles or triton_linear.TILES
     table = report.setdefault("linear_sweep", {})
@@ -60,19 +62,19 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
         supers = (torch.rand(outs, count, device=device) * 0.00005, torch.rand(outs, count, device=device) * 0.0004)
         block_bytes = codes.numel() + 2 * d.numel() + 2 * supers[0].numel() * 4
         batch = torch.randn(max(rows_set), ins, device=device, dtype=dtype)
-        kept, total_ms = {}, {}
+        ranked: dict[tuple, dict] = {}  # tile -> its block GEMM's kept bits and ms by rows (runtime.model.gpu_tiles')
         for tile in tiles:
             key = "x".join(map(str, tile))
             q4 = lambda rows: triton_linear.block_linear(rows, codes, d, m, packed=True, tile=tile,  # noqa: E731
                                                          supers=supers)
             fl = lambda rows: triton_linear._launch(rows, weight, None, None, tile=tile)  # noqa: E731
-            kept[key] = all(torch.equal(fn(batch[5:6]), fn(batch)[5:6]) and torch.equal(fn(batch[:3]), fn(batch)[:3])
-                            for fn in (q4, fl))
+            ranked[tile] = {"ms": {}, "kept": all(torch.equal(fn(batch[5:6]), fn(batch)[5:6]) and
+                                                  torch.equal(fn(batch[:3]), fn(batch)[:3]) for fn in (q4, fl))}
             for rows in rows_set:
                 x = batch[:rows].contiguous()
                 ms = _timed_ms(lambda: q4(x), device)
                 entry.setdefault(f"q4_rows_{rows}", {})[key] = {"ms": round(ms, 4), "gbs": round(block_bytes / ms / 1e6, 1)}
-                total_ms[key] = total_ms.get(key, 0.0) + ms
+                ranked[tile]["ms"][rows] = ms
                 ms = _timed_ms(lambda: fl(x), device)
                 entry.setdefault(f"triton_float_rows_{rows}", {})[key] = {"ms": round(ms, 4),
                                                                           "gbs": round(weight.nbytes / ms / 1e6, 1)}
@@ -80,13 +82,12 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
             x = batch[:rows].contiguous()
             ms = _timed_ms(lambda: F.linear(x, weight), device)
             entry[f"torch_rows_{rows}"] = {"ms": round(ms, 4), "gbs": round(weight.nbytes / ms / 1e6, 1)}
-        entry["rows_keep_their_bits"] = kept
-        candidates = [tile for tile in tiles if kept["x".join(map(str, tile))]]
+        entry["rows_keep_their_bits"] = {"x".join(map(str, tile)): e["kept"] for tile, e in ranked.items()}
+        best = choose(ranked)
         if (outs, ins) in chosen_here:  # a shape has one tile: the first layer of that shape chose it
             entry["chosen_tile"] = "x".join(map(str, triton_linear.CHOSEN[(outs, ins, True)]))
             entry["chosen_by"] = chosen_here[(outs, ins)]
-        elif candidates:
-            best = min(candidates, key=lambda tile: total_ms["x".join(map(str, tile))])
+        elif best is not None:
             triton_linear.CHOSEN[(outs, ins, True)] = best
             chosen_here[(outs, ins)] = name
             entry["chosen_tile"] = "x".join(map(str, best))
