@@ -38,9 +38,9 @@ def linear_sweep(report: dict, device: torch.device, shapes: dict, dtype: torch.
     """Each matmul of a model of `shapes` on its own, as bandwidth (bytes read / time): torch's linear,
     and the Triton GEMM over the same float weights and over packed 4-bit blocks at every tile of
     `tiles`, each checked to give a row the same bits alone as in a batch of 16. Of the tiles that keep
-    the bits, the fastest over the row counts timed (the sum of its times at each: one stream and a
-    search's sixteen beams weigh alike, as at start-up: runtime.model.gpu_tiles.choose) becomes the
-    shape's block tile for the rest of the run
+    the bits, the one nearest the fastest at every row count timed (one stream and a search's sixteen
+    beams weigh alike, as at start-up: runtime.model.gpu_tiles.choose) becomes the shape's block tile
+    for the rest of the run
     (runtime.kernels.gpu.linear.CHOSEN, keyed on the shape alone, so the sum's order still never
     depends on the rows); a later layer of the same shape keeps that tile (`chosen_by` names the
     layer that chose it), so no two timings of one shape can disagree."""

@@ -4,7 +4,7 @@ runtime/kernels/gpu/linear.py offers tiles (`TILES`: one row a program, split-K,
 sixteen rows) whose speeds differ by GPU and shape by up to tenfold (bench/results, `linear_sweep`). A
 shape's tile is chosen once, before the first step and any CUDA graph: each tile is run at one row and
 at sixteen (a stream alone, a search's beams), checked to give a row the same bits alone as in the batch,
-and the fastest over both (the sum of its two times) that keeps the bits becomes the shape's for every
+and of those that keep the bits the one nearest the fastest at both (`choose`) becomes the shape's for every
 row count (`linear.CHOSEN`, keyed on the shape alone: batch invariance holds, the choice never changes
 while serving). The choices are kept in the start-up cache (runtime.startup_cache, `gpu_tiles/`),
 keyed on the GPU, Triton's version, the kernel's source and the shapes, so a restart reads them.
@@ -94,9 +94,16 @@ def rank_tiles(layer: GpuBlockLinear, dtype: torch.dtype, tiles: Iterable[tuple[
 
 
 def choose(ranked: dict[tuple[int, ...], dict]) -> tuple[int, ...] | None:
-    """The tile that keeps a row's bits with the least summed time over the row counts; None if none does."""
+    """Of the tiles that keep a row's bits, the one whose slowest row count is nearest its best (the least
+    worst ratio of its time to the fastest kept tile's at that row count: neither a stream alone nor a
+    search's beams pays much for the other), ties to the least summed time; None if none keeps them."""
     kept = [tile for tile, entry in ranked.items() if entry["kept"]]
-    return min(kept, key=lambda tile: sum(ranked[tile]["ms"].values())) if kept else None
+    if not kept:
+        return None
+    counts = ranked[kept[0]]["ms"]
+    best = {rows: min(ranked[tile]["ms"][rows] for tile in kept) for rows in counts}
+    return min(kept, key=lambda tile: (max(ranked[tile]["ms"][rows] / best[rows] for rows in counts),
+                                       sum(ranked[tile]["ms"].values())))
 
 
 def tune(model: nn.Module, decoder, dtype: torch.dtype, timer: Callable = gpu_time_ms,

@@ -89,3 +89,17 @@ def test_a_tile_that_changes_a_row_s_bits_in_a_batch_is_never_chosen(tiny, monke
     assert ranked[TILES[1]]["ms"] == {1: 1.0, 16: 1.0}  # the faster, yet not chosen
     assert gpu_tiles.choose(ranked) == TILES[0]
     assert gpu_tiles.choose({TILES[1]: ranked[TILES[1]]}) is None
+
+
+def test_the_tile_chosen_is_the_one_nearest_the_fastest_at_every_row_count():
+    """A one-row tile 10 % faster alone but 8x slower at sixteen rows loses to the tile best at sixteen;
+    one 3x slower alone loses to a tile within 1.5x at both."""
+    ranked = lambda times: {tile: {"kept": True, "ms": {1: a, 16: b}} for tile, (a, b) in times.items()}  # noqa: E731
+    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 8.0), (64, 128, 4, 1, 16): (1.1, 1.0)})) == (64, 128, 4, 1, 16)
+    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 1.5), (64, 128, 4, 1, 16): (3.0, 1.0)})) == (8, 512, 4)
+    # each of two tiles best at one row count, 2x off at the other: a third within 1.5x of both wins
+    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 3.0), (4, 1024, 4): (2.0, 1.5), (16, 256, 4): (1.5, 2.0)})) \
+        == (16, 256, 4)
+    # equal worst ratios: the least summed time
+    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 3.0), (4, 1024, 4): (3.0, 1.0), (32, 128, 4): (2.0, 2.0),
+                                    (16, 256, 4): (2.0, 1.5)})) == (16, 256, 4)
