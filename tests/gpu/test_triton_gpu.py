@@ -150,9 +150,11 @@ def test_start_up_times_the_block_tiles_and_each_chosen_one_keeps_a_row_s_bits(t
     source = resolve_model(str(write_tiny_gguf(tmp_path, "Q4_K", hidden=256, ffn=512)))
     model, _ = load_gguf_blocks(source, gguf_config(source), torch.bfloat16, "sdpa", device=DEVICE)
     decoder = build_decoder(model)
-    chosen = gpu_tiles.tune(model, decoder, torch.bfloat16, root=tmp_path / "cache")
+    tiles = (linear.TILE, (8, 512, 4, 2), (64, 128, 4, 1, 16), (32, 256, 4, 4, 16))  # (each compiles a shape: few)
+    chosen = gpu_tiles.tune(model, decoder, torch.bfloat16, tiles=tiles, root=tmp_path / "cache")
     layers = gpu_tiles.launched_layers(model, decoder)
     assert set(chosen) == {gpu_tiles.key_of(layer) for layer in layers} and linear.CHOSEN == chosen
+    assert set(chosen.values()) <= set(tiles)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     for layer in layers:
         if layer.in_features == 256:
