@@ -26,6 +26,7 @@ from torch import nn
 
 from runtime.kernels.gpu import linear
 from runtime.model.gpu_blocks import GpuBlockLinear, SideBySide
+from runtime.model.projections import Projections
 from runtime.startup_cache import Entry, runtime_sources, sources_hash
 
 log = logging.getLogger(__name__)
@@ -35,17 +36,29 @@ Key = tuple[int, int, bool]  # (outputs, inputs, packed): linear.CHOSEN's key
 
 
 def launched_layers(model: nn.Module, decoder) -> list[GpuBlockLinear]:
-    """The block layers the decoder's steps launch on their own: each layer's fused qkv and gate/up (their
-    parts, now views of them, are not launched), o, down and the head; not a MoE's experts."""
+    """The block layers the decoder's steps launch on their own: each layer's fused projections (qkv,
+    gate/up, a delta layer's runs; their parts, now views of them, are not launched), o, down, the
+    head; not a MoE's routed experts."""
     launched, parts = [], set()
     for layer in getattr(decoder, "layers", ()):
-        for projections in (getattr(layer, "qkv", None), getattr(layer, "gate_up", None)):
-            if projections is not None and projections.fused is not None:
+        for projections in _projections(layer):
+            if projections.fused is not None:
                 launched += _leaves(projections.fused)
                 parts.update(id(part) for part in projections.layers if part is not projections.fused)
     launched += [module for name, module in model.named_modules()
                  if isinstance(module, GpuBlockLinear) and id(module) not in parts and ".experts" not in name]
     return list({id(layer): layer for layer in launched}.values())
+
+
+def _projections(layer) -> list[Projections]:
+    """A decoder layer's groups of projections fused into one launch (qkv, gate/up, a Qwen3.5 delta
+    layer's runs of input projections)."""
+    found = []
+    for value in vars(layer).values():
+        if isinstance(value, Projections):
+            found.append(value)
+        found += [run for run in getattr(value, "runs", ()) if isinstance(run, Projections)]
+    return found
 
 
 def _leaves(layer) -> list[GpuBlockLinear]:

@@ -103,3 +103,29 @@ def test_the_tile_chosen_is_the_one_nearest_the_fastest_at_every_row_count():
     # equal worst ratios: the least summed time
     assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 3.0), (4, 1024, 4): (3.0, 1.0), (32, 128, 4): (2.0, 2.0),
                                     (16, 256, 4): (2.0, 1.5)})) == (16, 256, 4)
+
+
+def test_a_qwen3_5_file_s_launched_layers_are_its_fused_runs_too(tmp_path):
+    """A hybrid decoder's delta layers fuse runs of their input projections: each run's fused layer is
+    timed, not its parts (a Qwen3.5 replica's Q8_0 file loaded for a GPU, on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.model.gpu_blocks import SideBySide
+    from tests.gguf_qwen35 import write_qwen35_gguf
+    from tests.replicas.hybrid import write_qwen35
+
+    reference = AutoModelForCausalLM.from_pretrained(write_qwen35(tmp_path / "replica"), dtype=torch.float32)
+    path = write_qwen35_gguf(reference.config.to_dict(), reference.state_dict(), tmp_path / "q35.gguf", kind="Q8_0")
+    source = resolve_model(str(path))
+    model, _ = load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa", device=CPU)
+    decoder = build_decoder(model)
+    launched = set(map(id, gpu_tiles.launched_layers(model, decoder)))
+    runs = [p for layer in decoder.layers for p in gpu_tiles._projections(layer)]
+    delta = [layer for layer in decoder.layers if hasattr(layer, "in_proj")]
+    assert delta and all(run in runs for layer in delta for run in layer.in_proj.runs)
+    assert any(len(run.layers) > 1 for layer in delta for run in layer.in_proj.runs)  # (a run fused into one layer)
+    for projections in runs:
+        if projections.fused is None or isinstance(projections.fused, SideBySide):
+            continue
+        assert id(projections.fused) in launched
+        assert not {id(part) for part in projections.layers if part is not projections.fused} & launched
