@@ -5,6 +5,7 @@ or with its blocks kept on the device), and the helpers its steps share."""
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 
@@ -89,6 +90,14 @@ def embedded_blocks_model(device: torch.device, dtype: torch.dtype, report: dict
         return None
     model, quantized = load_quantized_model(source, device, dtype, attention.register(), "auto", False, gpu_blocks=True)
     report["embedded_blocks"] = quantized.describe()
+    if device.type == "cuda":  # the block GEMM's tiles timed as a server's start-up times them (model.gpu_tiles)
+        from runtime.model.decoders import build_decoder
+        from runtime.model.gpu_tiles import tune
+
+        started = time.perf_counter()
+        chosen = tune(model, build_decoder(model), dtype)
+        report["embedded_blocks_tiles"] = {"seconds": round(time.perf_counter() - started, 1), "chosen": {
+            f"{outs}x{ins}": "x".join(map(str, tile)) for (outs, ins, _), tile in chosen.items()}}
     return model
 
 
