@@ -127,3 +127,21 @@ def test_every_block_type_on_the_device_is_gguf_s_dequantized_weights_in_its_byt
     assert (layer.high is not None) == (kind in SIX_BITS)
     assert torch.equal(layer.dequantized(), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind])))
 
+
+
+def test_served_with_the_tensor_core_tile_for_every_layer_from_the_graphs_static_buffers(tmp_path, monkeypatch):
+    """Every block layer on the tensor-core tile (16 rows a program), the decode steps from the static
+    buffers a CUDA graph replays (run eagerly here): the probe accepts batch invariance, and the greedy
+    tokens are the file's dequantized ones, a request's the same alone as beside another."""
+    from runtime.kernels.gpu import linear
+
+    path = write_tiny_gguf(tmp_path, "Q4_1", kinds=MIXED)
+    requests = [request("a", [1, 5, 6, 7, 8], max_tokens=6), request("b", [1, 40], max_tokens=6)]
+    expected = run(engine_for(path, quantize="none", num_blocks=32), requests)
+    monkeypatch.setattr(linear, "TILE", (16, 32, 4, 1, 16))
+    monkeypatch.setattr("runtime.bootstrap.load_quantized_model", functools.partial(load_quantized_model, gpu_blocks=True))
+    engine = engine_for(path, num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    assert engine.runner.use_graphs(capture=False, max_rows=4) and engine.runner.padding.max_rows
+    assert run(engine, requests) == expected
+    assert run(engine, requests[:1])["a"]["choices"] == expected["a"]["choices"]  # (its prompt cached now)
