@@ -88,11 +88,14 @@ class GpuBlockLinear(QuantizedLinear):
                        offset=offset)
         return cls(on(codes), on(blocks.d), on(blocks.m), packed, high=on(high), offset=offset)
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
+    def rows(self, x: torch.Tensor, act: int = 0) -> torch.Tensor:
+        """`act` (1 SiLU, 2 GELU's tanh form): `x` is a fused gate/up output and the layer's inputs act(gate) * up
+        (runtime.kernels.gpu.linear.block_linear: computed as the kernel loads them)."""
         from runtime.kernels.gpu.linear import block_linear
 
         supers = None if self.d_super is None else (self.d_super, self.m_super)
-        y = block_linear(x, self.weight, self.d, self.m, self.packed, supers=supers, high=self.high, offset=self.offset)
+        y = block_linear(x, self.weight, self.d, self.m, self.packed, supers=supers, high=self.high, offset=self.offset,
+                         act=act)
         return y if self.bias is None else y + self.bias
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,7 +16,9 @@ compute in float32 and round once where torch rounds twice, so a bfloat16 model'
 the torch loop's, not its bits; in float32 they agree to the last few bits (tested: the same tokens).
 
 The matmuls are the layers' own: torch's for float weights, the Triton block GEMM for a GGUF's blocks
-(runtime.model.gpu_blocks; the q, k and v of a mixed file, e.g. Q4_K beside Q6_K, one call each). The
+(runtime.model.gpu_blocks; the q, k and v of a mixed file, e.g. Q4_K beside Q6_K, one call each). A
+down projection of blocks reads the gate/up output and computes SiLU(gate) * up (GELU's) as it loads
+its inputs, the same bits as the elementwise launch: eight launches a layer. The
 CPU's int4 layers (`decoder.int4`) are not of this loop.
 
 A step runs here when the decode kernel attends every row of it (`covers`): no prompt prefilled by
@@ -35,6 +37,7 @@ from runtime.kernels.gpu.paged import attention_inputs, decode_attention
 from runtime.kernels.gpu.routed import route_rows, routed_mlp
 from runtime.model.attention import AttentionMetadata
 from runtime.model.experts import SILU  # (both call F.silu: what the SiLU * mul kernel computes)
+from runtime.model.gpu_blocks import GpuBlockLinear
 from runtime.model.norms import OffsetRMSNorm, RMSNorm
 
 
@@ -53,6 +56,8 @@ class GpuLayers:
         self.head_norms = [None if layer.q_norm is None else torch.stack((self._weight(layer.q_norm),
                                                                           self._weight(layer.k_norm)))
                            for layer in self.layers]
+        # each dense layer's down projection where it is a GGUF's blocks (else None): it takes the gate/up output
+        self.block_downs = [_block_layer(layer.down) if layer.moe is None else None for layer in self.layers]
 
     def _weight(self, norm) -> torch.Tensor:
         return norm.scale if self.offset else norm.weight
@@ -112,7 +117,7 @@ class GpuLayers:
         # (one buffer each a step: every layer's kernels write the same rows of them)
         queries = torch.empty((num_tokens, heads, dim), dtype=hidden.dtype, device=hidden.device)
         out = torch.zeros((num_tokens, heads, dim), dtype=hidden.dtype, device=hidden.device)
-        for layer, norms in zip(self.layers, self.head_norms):
+        for layer, norms, down in zip(self.layers, self.head_norms, self.block_downs):
             x, stream = self._norm(stream if update is None else update, layer.input_norm,
                                    None if update is None else stream, update_norm)
             cos, sin = rotations[layer.rope] if layer.rotary else (None, None)
@@ -130,6 +135,8 @@ class GpuLayers:
                 moe = layer.moe
                 experts, weights = route_rows(moe.router_linear.rows(x), moe.top_k, moe.norm_topk_prob)
                 update = routed_mlp(x, experts, weights, *moe.experts.stacks, ascending=True)
+            elif down is not None:  # (a block layer computes act(gate) * up as it loads its inputs: one launch fewer)
+                update = down.rows(layer.gate_up.fused_call(x), act=2 if self.gelu else 1)
             else:
                 update = layer.down(act_mul(layer.gate_up.fused_call(x), layer.gate_up.sizes[0], gelu=self.gelu))
             update_norm = layer.mlp_out_norm
@@ -140,6 +147,12 @@ class GpuLayers:
         """(`norm` of `pre(x) + residual`, that sum): one launch (`pre`: Gemma's norm of a sublayer's output)."""
         return rms_norm(x, self._weight(norm), norm.eps, residual=residual, offset=self.offset,
                         pre=None if pre is None else (pre.scale, pre.eps))
+
+
+def _block_layer(call) -> GpuBlockLinear | None:
+    """The block layer whose rows `call` computes (runtime.model.projections.rows_call's bound `rows`), or None."""
+    layer = getattr(call, "__self__", None)
+    return layer if isinstance(layer, GpuBlockLinear) else None
 
 
 def routed_stacks(moe) -> tuple | None:

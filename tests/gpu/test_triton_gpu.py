@@ -160,3 +160,17 @@ def test_start_up_times_the_block_tiles_and_each_chosen_one_keeps_a_row_s_bits(t
         if layer.in_features == 256:
             batch = layer.rows(x)
             assert all(torch.equal(layer.rows(x[:count]), batch[:count]) for count in (1, 5, 17))
+
+
+@pytest.mark.parametrize("tile", [None, (64, 128, 4, 1, 16)])
+def test_a_down_projection_s_act_as_it_loads_is_the_elementwise_launch_s_bits(tile):
+    from runtime.kernels.gpu.elementwise import act_mul
+    from runtime.kernels.gpu.linear import block_linear
+
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, (96, 256), generator=gen, dtype=torch.uint8).to(DEVICE)
+    d, m = torch.rand(96, 16, generator=gen).to(DEVICE) * 0.01, torch.randn(96, 16, generator=gen).to(DEVICE) * 0.01
+    gate_up = (torch.randn(20, 1024, generator=gen) * 2).to(DEVICE, torch.bfloat16)
+    for act, gelu in ((1, False), (2, True)):
+        apart = block_linear(act_mul(gate_up, 512, gelu=gelu), codes, d, m, packed=True, tile=tile)
+        assert torch.equal(block_linear(gate_up, codes, d, m, packed=True, tile=tile, act=act), apart), gelu

@@ -78,18 +78,36 @@ def _codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS: tl.constexpr, 
 
 
 @triton.jit
+def _inputs(x_row, rk, mask, INS: tl.constexpr, ACT: tl.constexpr):
+    """The row's inputs `rk` in its dtype: with `ACT` (1 SiLU, 2 GELU's tanh form) the row is a fused gate/up
+    output, gate then up, `INS` each, and the inputs are act(gate) * up, rounded where
+    runtime/kernels/gpu/elementwise.py's `_act_mul` rounds (the same bits as its launch)."""
+    x = tl.load(x_row + rk, mask=mask, other=0.0)
+    if ACT:
+        up = tl.load(x_row + INS + rk, mask=mask, other=0.0)
+        wide = x.to(tl.float32)
+        if ACT == 2:
+            inner = 0.7978845608028654 * (wide + 0.044715 * wide * wide * wide)
+            act = (0.5 * wide * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))).to(x.dtype)
+        else:
+            act = (wide / (1.0 + tl.exp(-wide))).to(x.dtype)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _dot(x_row, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start, w_stride, h_stride, d_stride,
          ds_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr, HAS_M: tl.constexpr,
          SUPER: tl.constexpr, PACKED: tl.constexpr, HIGH: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
-         BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+         BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr = 0):
     """The float32 sums of outputs `rn` (of the weights at `w_ptr`, their scales at `d_ptr`...) over the
-    row at `x_row`, inputs `k_start` to `k_start + CHUNK` in chunks of `BLOCK_K`, in order (`_codes`'
-    codes, times their group's scale, plus its offset, each product summed)."""
+    row at `x_row` (`_inputs`' with `ACT`), inputs `k_start` to `k_start + CHUNK` in chunks of `BLOCK_K`, in
+    order (`_codes`' codes, times their group's scale, plus its offset, each product summed)."""
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for i in range(0, CHUNK, BLOCK_K):  # (the width a constant: one compiled kernel per layer shape)
         k0 = k_start + i
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + rk, mask=rk < INS, other=0.0).to(tl.float32)
+        x = _inputs(x_row, rk, rk < INS, INS, ACT).to(tl.float32)
         w = _codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS, PACKED, HIGH, OFFSET, BLOCK_N, BLOCK_K)
         if BLOCKS:  # codes -> weights: d * q (+ m), one (d, m) per GROUP input features, loaded once a group
             rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
@@ -115,14 +133,15 @@ def _dot(x_row, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k_start,
 def _linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, outs, rows, x_stride, w_stride, h_stride,
             d_stride, ds_stride, out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr,
             HAS_M: tl.constexpr, SUPER: tl.constexpr, PACKED: tl.constexpr, HIGH: tl.constexpr, OFFSET: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+            ACT: tl.constexpr):
     row = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)  # the inputs split * CHUNK .. (split + 1) * CHUNK
     out_ok = rn < outs
     acc = _dot(x_ptr + row * x_stride, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, split * CHUNK, w_stride,
                h_stride, d_stride, ds_stride, INS, GROUP, BLOCKS, HAS_M, SUPER, PACKED, HIGH, OFFSET, BLOCK_N, BLOCK_K,
-               CHUNK)
+               CHUNK, ACT)
     if SPLITS == 1:
         tl.store(out_ptr + row * out_stride + rn, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:  # a split's float32 sums `[SPLITS, rows, outs]`, added up in order by `_sum_splits`
@@ -134,7 +153,8 @@ def _tile_linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, out
                  d_stride, ds_stride, out_stride, INS: tl.constexpr, GROUP: tl.constexpr, BLOCKS: tl.constexpr,
                  HAS_M: tl.constexpr, SUPER: tl.constexpr, PACKED: tl.constexpr, HIGH: tl.constexpr,
                  OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLITS: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+                 SPLITS: tl.constexpr, CHUNK: tl.constexpr, ACT: tl.constexpr, DOT: tl.constexpr,
+                 IEEE: tl.constexpr):
     """`BLOCK_M` rows (a fixed tile, rows past the last read as zeros) times `BLOCK_N` outputs a program,
     each weight read once for them all: a group's codes times its rows on the tensor cores (`tl.dot` in
     `DOT`, every product exact: a code is a small integer, a row's value a `DOT` already), then scaled,
@@ -149,8 +169,8 @@ def _tile_linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, out
         for j in tl.static_range(0, BLOCK_K, STEP):
             k0 = split * CHUNK + i + j
             rk = k0 + tl.arange(0, STEP)
-            x = tl.load(x_ptr + rm[:, None] * x_stride + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < INS),
-                        other=0.0).to(DOT)
+            x = _inputs(x_ptr + rm[:, None] * x_stride, rk[None, :], row_ok[:, None] & (rk[None, :] < INS), INS,
+                        ACT).to(DOT)
             w = tl.trans(_codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS, PACKED, HIGH, OFFSET, BLOCK_N,
                                 STEP).to(DOT))
             if IEEE:  # (float32 operands: exact float32 products, not the tensor cores' tf32)
@@ -192,12 +212,13 @@ def _sum_splits(part_ptr, out_ptr, outs, rows, out_stride, SPLITS: tl.constexpr,
 
 def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
             packed: bool = False, tile: tuple[int, ...] | None = None, supers: tuple | None = None,
-            high: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+            high: torch.Tensor | None = None, offset: int = 0, act: int = 0) -> torch.Tensor:
     """`tile` (outputs, inputs a chunk, warps[, splits[, rows]]): the sweep's; else the shape's, whatever
     the rows; `rows` over 1 makes it `_tile_linear`'s (that many rows a program, on the tensor cores).
     `supers` (d's, m's or None): float32 super-block scales `[out, supers]` that `d` and `m`, integer
-    sub-scales then, multiply. `high`, `offset`: packed codes' two high bits and what they are less."""
-    rows, ins = x.shape
+    sub-scales then, multiply. `high`, `offset`: packed codes' two high bits and what they are less.
+    `act` (1 SiLU, 2 GELU's tanh form): `x` `[rows, 2 * in]` is a gate/up output, the inputs act(gate) * up."""
+    rows, ins = x.shape[0], x.shape[1] // (2 if act else 1)
     outs = w.shape[0]
     assert w.shape[1] * (2 if packed else 1) == ins and x.stride(1) == 1 and w.stride(1) == 1
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
@@ -222,7 +243,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.T
             0 if d is None else d.stride(0), 0 if ds is None else ds.stride(0), out.stride(0))
     constants = dict(INS=ins, GROUP=group, BLOCKS=d is not None, HAS_M=m is not None, SUPER=per_super, PACKED=packed,
                      HIGH=high is not None, OFFSET=offset, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
-                     CHUNK=chunk, num_warps=warps)
+                     CHUNK=chunk, ACT=act, num_warps=warps)
     if block_m == 1:
         _linear[grid](*args, **constants)
     else:
@@ -255,7 +276,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def block_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  packed: bool = False, tile: tuple[int, ...] | None = None,
                  supers: tuple[torch.Tensor, torch.Tensor | None] | None = None, high: torch.Tensor | None = None,
-                 offset: int = 0) -> torch.Tensor:
+                 offset: int = 0, act: int = 0) -> torch.Tensor:
     """x `[rows, in]` times the weights `d * codes + m` (`codes` `[out, in]` int8 or uint8, `d` and `m`
     `[out, groups]` float32, runtime.model.gguf_blocks.Blocks), transposed; dequantized in registers.
     `packed`: `codes` `[out, in / 2]` holds two 4-bit codes a byte (`pack_nibbles`). `supers`: a
@@ -263,7 +284,9 @@ def block_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch
     (d's, m's) float32 super-block scales `[out, in / 256]` that multiply them, in the kernel, to gguf's
     float32 products (exactly: an 11-bit float16 value times a 6-bit integer). `high` `[out, in / 4]`:
     with `packed`, each code's two high bits four a byte (`pack_pairs`: 6-bit codes), and `offset` what
-    the stored codes are less (a signed code stored unsigned)."""
+    the stored codes are less (a signed code stored unsigned). `act` (1 SiLU, 2 GELU's tanh form): `x`
+    is a fused gate/up output `[rows, 2 * in]` and the layer's inputs are act(gate) * up, computed as
+    it loads them (one launch fewer than elementwise.act_mul's, the same bits)."""
     width = codes.shape[1] * (2 if packed else 1)
     assert width % d.shape[1] == 0 and (m is None or m.shape == d.shape)
     if supers is None:
@@ -271,7 +294,8 @@ def block_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch
     else:
         assert d.dtype == torch.int8 and (m is None or m.dtype == torch.int8)
         supers = tuple(None if t is None else t.float().contiguous() for t in supers)
-    return _launch(x, codes, d.contiguous(), None if m is None else m.contiguous(), packed, tile, supers, high, offset)
+    return _launch(x, codes, d.contiguous(), None if m is None else m.contiguous(), packed, tile, supers, high, offset,
+                   act)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

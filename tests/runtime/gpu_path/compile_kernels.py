@@ -56,13 +56,14 @@ def cases():
             HAS_RES=True, HAS_PRE=gemma, OFFSET=gemma, BLOCK=4096)
         yield f"act_mul gelu={gemma}", elementwise._act_mul, dict(x_ptr=P16, out_ptr=P16, n=I32, x_stride=I32), dict(
             GELU=gemma, BLOCK=1024)
-    for splits, per_super, high in ((1, 0, False), (4, 8, False), (1, 16, True)):  # (the last: Q6_K's 6-bit codes)
+    # (the last: Q6_K's 6-bit codes, the inputs SiLU(gate) * up as loaded: a down projection's)
+    for splits, per_super, high in ((1, 0, False), (4, 8, False), (1, 16, True)):
         yield f"linear splits={splits} super={per_super} high={high}", linear._linear, dict(
             x_ptr=P16, w_ptr="*u8", h_ptr="*u8", d_ptr=P8 if per_super else P32, m_ptr=P8 if per_super else P32,
             ds_ptr=P32, ms_ptr=P32, out_ptr=P32 if splits > 1 else P16, outs=I32, rows=I32, x_stride=I32, w_stride=I32,
             h_stride=I32, d_stride=I32, ds_stride=I32, out_stride=I32), dict(
             INS=4096, GROUP=16 if high else 32, BLOCKS=True, HAS_M=not high, SUPER=per_super, PACKED=True, HIGH=high,
-            OFFSET=32 if high else 0, BLOCK_N=8, BLOCK_K=512, SPLITS=splits, CHUNK=4096 // splits)
+            OFFSET=32 if high else 0, BLOCK_N=8, BLOCK_K=512, SPLITS=splits, CHUNK=4096 // splits, ACT=int(high))
     # the tensor-core tile: Q4_K's packed codes and compact scales, Q6_K's 6-bit codes, Q8_0's bytes, bf16 weights
     for name, packed, high, per_super, codes in (("q4_k", True, False, 8, "*u8"), ("q6_k", True, True, 16, "*u8"),
                                                  ("q8_0", False, False, 0, P8), ("bf16", False, False, 0, P16)):
@@ -73,8 +74,8 @@ def cases():
             w_stride=I32, h_stride=I32, d_stride=I32, ds_stride=I32, out_stride=I32), dict(
             INS=4096, GROUP=(16 if high else 32) if blocks else 1, BLOCKS=blocks, HAS_M=name == "q4_k",
             SUPER=per_super, PACKED=packed, HIGH=high, OFFSET=32 if high else 0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-            SPLITS=2 if name == "q4_k" else 1, CHUNK=2048 if name == "q4_k" else 4096, DOT=triton.language.bfloat16,
-            IEEE=False)
+            SPLITS=2 if name == "q4_k" else 1, CHUNK=2048 if name == "q4_k" else 4096, ACT=2 if name == "q6_k" else 0,
+            DOT=triton.language.bfloat16, IEEE=False)
     blocks = dict(w_ptr="*u8", t_ptr="*u8", d_ptr=P8, m_ptr=P8, ds_ptr=P32, ms_ptr=P32, w_expert=I32, t_expert=I32,
                   d_expert=I32, ds_expert=I32, w_stride=I32, t_stride=I32, d_stride=I32,
                   ds_stride=I32)  # (a Q5_K's experts: 6-bit codes, compact scales)

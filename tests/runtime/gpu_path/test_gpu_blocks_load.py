@@ -145,3 +145,24 @@ def test_served_with_the_tensor_core_tile_for_every_layer_from_the_graphs_static
     assert engine.runner.use_graphs(capture=False, max_rows=4) and engine.runner.padding.max_rows
     assert run(engine, requests) == expected
     assert run(engine, requests[:1])["a"]["choices"] == expected["a"]["choices"]  # (its prompt cached now)
+
+
+def test_a_block_model_s_down_projection_takes_the_gate_up_output_one_launch_fewer(tmp_path, monkeypatch):
+    """A decode layer of block layers in the Triton loop: no SiLU * mul launch (the down projection's GEMM
+    computes it as it loads), the file's dequantized tokens."""
+    from runtime.kernels.gpu import linear
+    from tests.runtime.gpu_path.test_gpu_layers import decode_launches
+
+    path = write_tiny_gguf(tmp_path, "Q4_1")
+    asked = [request("greedy", [1, 5, 6, 7, 8], max_tokens=3)]
+    expected = run(engine_for(path, quantize="none", num_blocks=32), asked)
+    monkeypatch.setattr("runtime.bootstrap.load_quantized_model", functools.partial(load_quantized_model, gpu_blocks=True))
+    engine = engine_for(path, num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    steps = decode_launches(engine, monkeypatch, asked, functions=((linear, "block_linear"),))
+    layer = ["rms_norm", "block_linear", "attention_inputs", "decode_attention", "block_linear", "rms_norm",
+             "block_linear", "block_linear"]
+    assert steps[-1] == ["aten.zeros.default"] + layer * len(engine.runner.decoder.layers) + ["rms_norm"]
+    engine = engine_for(path, num_blocks=32)
+    engine.runner.use_gpu_kernels()
+    assert run(engine, asked)["greedy"]["choices"] == expected["greedy"]["choices"]

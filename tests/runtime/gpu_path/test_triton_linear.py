@@ -195,3 +195,22 @@ def test_a_tensor_core_tile_over_float_weights_matches_torch():
     x, w = torch.randn(18, 96, generator=gen), torch.randn(40, 96, generator=gen)
     out = assert_rows_are_their_own(lambda rows: _launch(rows, w, None, None, tile=(16, 32, 4, 2, 16)), x)
     torch.testing.assert_close(out, x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tile", [None, (16, 32, 4, 1, 16)])
+def test_a_down_projection_computes_act_of_gate_times_up_as_it_loads_them(dtype, tile):
+    """`act`: the block GEMM reads a fused gate/up output and computes SiLU(gate) * up (GELU's tanh form:
+    Gemma's) as it loads its inputs: the same bits as elementwise.act_mul's launch and then the GEMM."""
+    from runtime.kernels.gpu.elementwise import act_mul
+
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 16, (24, 96), generator=gen, dtype=torch.uint8)
+    d = torch.rand(24, 3, generator=gen) * 0.01
+    m = -7.5 * d
+    gate_up = (torch.randn(18, 192, generator=gen) * 2).to(dtype)
+    for act, gelu in ((1, False), (2, True)):
+        apart = block_linear(act_mul(gate_up, 96, gelu=gelu), pack_nibbles(codes), d, m, packed=True, tile=tile)
+        fused = assert_rows_are_their_own(lambda rows: block_linear(rows, pack_nibbles(codes), d, m, packed=True,
+                                                                    tile=tile, act=act), gate_up)
+        assert torch.equal(fused, apart)
