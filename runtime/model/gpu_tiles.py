@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+import triton
 from torch import nn
 
 from runtime.kernels.gpu import linear
@@ -87,8 +88,9 @@ def gpu_time_ms(fn: Callable[[], object]) -> float:
 def rank_tiles(layer: GpuBlockLinear, dtype: torch.dtype, tiles: Iterable[tuple[int, ...]] = linear.TILES,
                rows: tuple[int, ...] = ROWS, timer: Callable[[Callable[[], object]], float] = gpu_time_ms,
                seed: int = 0) -> dict[tuple[int, ...], dict]:
-    """Each tile that fits the layer: whether a row keeps its bits alone and among `max(rows)` (and the
-    first three among them), and its milliseconds at each of `rows`."""
+    """Each tile that fits the layer and runs here: whether a row keeps its bits alone and among `max(rows)`
+    (and the first three among them), and its milliseconds at each of `rows`; a tile that fails to
+    compile or run is left out (logged), and the default tile stays where none runs."""
     device = layer.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
     batch = torch.randn(max(rows), layer.in_features, generator=gen, device=device).to(dtype)
@@ -98,7 +100,13 @@ def rank_tiles(layer: GpuBlockLinear, dtype: torch.dtype, tiles: Iterable[tuple[
         if len(tile) > 4 and tile[4] > 1 and min(tile[0], group) < 16:  # (a tensor-core tile's least sizes)
             continue
         call = _call(layer, tile)
-        whole = call(batch)
+        try:
+            whole = call(batch)
+        except Exception as error:  # noqa: BLE001 - a tile this GPU cannot compile (e.g. no bf16 tensor cores)
+            log.warning("block GEMM tile %s does not run here for %dx%d (%s: %s); left out",
+                        "x".join(map(str, tile)), layer.out_features, layer.in_features, type(error).__name__,
+                        str(error)[:200])
+            continue
         kept = all(torch.equal(call(batch[part].contiguous()), whole[part]) for part in (slice(5, 6), slice(0, 3))) \
             if max(rows) > 5 else True
         ms = {count: timer(lambda x=batch[:count].contiguous(): call(x)) for count in rows}
@@ -129,7 +137,8 @@ def tune(model: nn.Module, decoder, dtype: torch.dtype, timer: Callable = gpu_ti
     if not firsts:
         return {}
     device = next(iter(firsts.values())).weight.device
-    entry = Entry("gpu_tiles", {"device": _device_name(device), "dtype": str(dtype), "tiles": [list(t) for t in tiles],
+    entry = Entry("gpu_tiles", {"device": _device_name(device), "triton": triton.__version__, "dtype": str(dtype),
+                                "tiles": [list(t) for t in tiles],
                                 "shapes": sorted(list(key) for key in firsts),
                                 "sources": sources_hash(runtime_sources("kernels/gpu/linear.py", "model/gpu_tiles.py"))},
                   root)

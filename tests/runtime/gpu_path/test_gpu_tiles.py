@@ -129,3 +129,20 @@ def test_a_qwen3_5_file_s_launched_layers_are_its_fused_runs_too(tmp_path):
             continue
         assert id(projections.fused) in launched
         assert not {id(part) for part in projections.layers if part is not projections.fused} & launched
+
+
+def test_a_tile_that_does_not_run_here_is_left_out(tiny, monkeypatch, caplog):
+    _, model, _ = tiny
+    plain = gpu_tiles._call
+
+    def call(layer, tile):
+        if tile == TILES[1]:
+            def refused(x):
+                raise RuntimeError("no bf16 tensor cores on this GPU")
+            return refused
+        return plain(layer, tile)
+
+    monkeypatch.setattr(gpu_tiles, "_call", call)
+    ranked = gpu_tiles.rank_tiles(model.lm_head, torch.float32, TILES, timer=faster_second())
+    assert list(ranked) == [TILES[0]] and gpu_tiles.choose(ranked) == TILES[0]
+    assert "does not run here" in caplog.text
