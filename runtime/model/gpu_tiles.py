@@ -150,6 +150,11 @@ def tune(model: nn.Module, decoder, dtype: torch.dtype, timer: Callable = gpu_ti
             best = choose(ranked)
             if best is not None:
                 chosen[key] = best
+                default = ranked.get(tuple(linear.TILE))
+                log.info("block GEMM %dx%d: tile %s, %s ms at %s rows (the default tile %s)", key[0], key[1],
+                         "x".join(map(str, best)), " / ".join(f"{ms:.4f}" for ms in ranked[best]["ms"].values()),
+                         " / ".join(map(str, ranked[best]["ms"])),
+                         "not timed" if default is None else " / ".join(f"{ms:.4f}" for ms in default["ms"].values()))
             report["x".join(map(str, key[:2]))] = {"x".join(map(str, tile)): {"kept": e["kept"], "ms": e["ms"]}
                                                    for tile, e in ranked.items()}
         entry.write(lambda directory: _write_choices(directory, chosen, report))
