@@ -64,8 +64,8 @@ from bench.gpu_sweep import linear_sweep
 PROMPT_TOKENS = 64
 MAX_BATCHED_TOKENS, MAX_NUM_SEQS = 2048, 64  # the engine's defaults (runtime.engine.EngineConfig), probed as at start-up
 STREAMS = (1, 16)
-# a dry run's tile, split tile and tensor-core tile, for tiny layers' 64 to 256 inputs (TILES' suit an 8B's)
-DRY_RUN_TILES = ((8, 64, 4), (8, 32, 4, 2), (16, 32, 4, 1, 16))
+# a dry run's tile, split tile, tensor-core tile and int8 inputs' two, for tiny layers (TILES' suit an 8B's)
+DRY_RUN_TILES = ((8, 64, 4), (8, 32, 4, 2), (16, 32, 4, 1, 16), (8, 64, 4, 1, 1, 1), (16, 64, 4, 1, 16, 1))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -92,12 +92,12 @@ def embedded_blocks_model(device: torch.device, dtype: torch.dtype, report: dict
     report["embedded_blocks"] = quantized.describe()
     if device.type == "cuda":  # the block GEMM's tiles timed as a server's start-up times them (model.gpu_tiles)
         from runtime.model.decoders import build_decoder
-        from runtime.model.gpu_tiles import tune
+        from runtime.model.gpu_tiles import describe, tune
 
         started = time.perf_counter()
         chosen = tune(model, build_decoder(model), dtype)
         report["embedded_blocks_tiles"] = {"seconds": round(time.perf_counter() - started, 1), "chosen": {
-            f"{outs}x{ins}": "x".join(map(str, tile)) for (outs, ins, _), tile in chosen.items()}}
+            f"{outs}x{ins}": describe(steps) for (outs, ins, _), steps in chosen.items()}}
     return model
 
 

@@ -68,9 +68,10 @@ class ModelSettings(_Section):
     # On a CUDA GPU, pure decode steps replay a CUDA graph captured at start-up for each padded batch size
     # (runtime.model.graphs; needs batch invariance's row padding); false runs every step eagerly.
     cuda_graphs: bool = True
-    # On a CUDA GPU, a GGUF's block layers' GEMM tile for each layer shape: tune times the kernel's tiles
-    # there at start-up (at one row and sixteen, each checked to keep a row's bits) and keeps the fastest
-    # (runtime.model.gpu_tiles; cached, so a restart reads it); default keeps the kernel's default tile.
+    # On a CUDA GPU, a GGUF's block layers' GEMM tiles for each layer shape: tune times the kernel's tiles
+    # there at start-up (at 1, 4 and 16 rows, each checked to keep a row's bits; float or int8 inputs) and
+    # keeps the fastest, one tile or int8 tiles of the same bits a row count each (runtime.model.gpu_tiles;
+    # cached, so a restart reads it); default keeps the kernel's default tile.
     gpu_tiles: Literal["tune", "default"] = "tune"
     # auto: the sampling defaults of the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty where they differ from transformers' defaults) apply where a request leaves them

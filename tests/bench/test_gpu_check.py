@@ -148,17 +148,21 @@ def test_the_sweep_chooses_a_tile_that_keeps_a_row_s_bits(monkeypatch):
     from bench.gpu_models import TINY
     from bench.gpu_sweep import linear_sweep
     from runtime.kernels.gpu import linear
+    from runtime.model.gpu_tiles import describe
 
     monkeypatch.setattr(linear, "CHOSEN", {})
     report = {"errors": []}
     shapes = {**TINY, "vocab_size": 32, "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 2,
               "num_key_value_heads": 1}
-    linear_sweep(report, torch.device("cpu"), shapes, torch.float32, rows_set=(1, 6), tiles=((16, 64, 4), (32, 32, 4), (16, 32, 4, 1, 16)))
+    tiles = ((16, 64, 4), (32, 32, 4), (16, 32, 4, 1, 16), (16, 64, 4, 1, 1, 1), (16, 64, 4, 1, 16, 1))
+    linear_sweep(report, torch.device("cpu"), shapes, torch.float32, rows_set=(1, 6), tiles=tiles)
     sweep = report["linear_sweep"]
     assert set(sweep) == {"qkv", "o", "gate_up", "down", "head"} and report["errors"] == []
     for name, entry in sweep.items():
         assert all(entry["rows_keep_their_bits"].values())
-        assert tuple(map(int, entry["chosen_tile"].split("x"))) == linear.CHOSEN[(*entry["shape"], True)]
+        assert entry["chosen_tile"] == describe(linear.CHOSEN[(*entry["shape"], True)])
+        assert set(entry["q4_rows_1"]) == {"x".join(map(str, tile)) for tile in tiles}
+        assert set(entry["triton_float_rows_1"]) == {"x".join(map(str, tile)) for tile in tiles[:3]}  # (blocks only)
     # o and gate/up are both 64 x 64 here: one tile for the shape, the first layer's, whatever the timings
     assert sweep["o"]["shape"] == sweep["gate_up"]["shape"] and sweep["gate_up"]["chosen_by"] == "o"
     assert "chosen_by" not in sweep["o"]

@@ -54,8 +54,10 @@ def test_the_elementwise_kernels_stay_within_a_rounding_of_torch():
                                atol=0.03, rtol=0.016)
 
 
-# (the default tile; the inputs split four ways; tensor-core tiles of 16 rows, one split four ways)
-@pytest.mark.parametrize("tile", [None, (8, 128, 4, 4), (64, 128, 4, 1, 16), (32, 128, 4, 4, 16)])
+# (the default tile; the inputs split four ways; tensor-core tiles of 16 rows, one split four ways; int8
+# inputs' GEMV and tensor-core tile)
+@pytest.mark.parametrize("tile", [None, (8, 128, 4, 4), (64, 128, 4, 1, 16), (32, 128, 4, 4, 16), (16, 256, 4, 1, 1, 1),
+                                  (64, 128, 4, 1, 16, 1)])
 def test_the_block_gemm_keeps_each_row_s_bits(tile):
     from runtime.kernels.gpu.linear import block_linear, pack_nibbles
 
@@ -70,6 +72,25 @@ def test_the_block_gemm_keeps_each_row_s_bits(tile):
     assert torch.equal(block_linear(x, packed, d, m, packed=True, tile=tile), batch)
     dense = d.repeat_interleave(32, 1) * codes.float() + m.repeat_interleave(32, 1)
     torch.testing.assert_close(batch.float(), x.float() @ dense.T, atol=0.5, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_inputs_give_the_gemv_and_the_tensor_cores_the_same_bits(dtype):
+    """On the GPU's integer tensor cores as on its CUDA cores: the tiles of one sum order give a row the same
+    bits (so a stream alone may take the GEMV and a search's beams the tile), Q4_K's scales as held."""
+    from runtime.kernels.gpu.linear import TILES, block_linear, pack_nibbles, sum_order, unpack
+
+    gen = torch.Generator().manual_seed(5)
+    codes = pack_nibbles(torch.randint(0, 16, (160, 1024), generator=gen, dtype=torch.uint8)).to(DEVICE)
+    d = torch.randint(1, 64, (160, 32), generator=gen, dtype=torch.int8).to(DEVICE)
+    supers = (torch.rand(160, 4, generator=gen).to(DEVICE) * 1e-3, torch.rand(160, 4, generator=gen).to(DEVICE) * 1e-2)
+    x = torch.randn(40, 1024, generator=gen).to(DEVICE, dtype)
+    by_order = {}
+    for tile in [tile for tile in TILES if unpack(tile)[5]]:
+        out = block_linear(x, codes, d, -(d // 2), packed=True, tile=tile, supers=supers)
+        assert torch.equal(block_linear(x[:1], codes, d, -(d // 2), packed=True, tile=tile, supers=supers), out[:1])
+        assert torch.equal(by_order.setdefault(sum_order(tile, 1024), out), out), tile
+    assert len(by_order) == 2  # (no split; four of 256 inputs)
 
 
 @pytest.fixture
@@ -150,11 +171,12 @@ def test_start_up_times_the_block_tiles_and_each_chosen_one_keeps_a_row_s_bits(t
     source = resolve_model(str(write_tiny_gguf(tmp_path, "Q4_K", hidden=256, ffn=512)))
     model, _ = load_gguf_blocks(source, gguf_config(source), torch.bfloat16, "sdpa", device=DEVICE)
     decoder = build_decoder(model)
-    tiles = (linear.TILE, (8, 512, 4, 2), (64, 128, 4, 1, 16), (32, 256, 4, 4, 16))  # (each compiles a shape: few)
+    tiles = (linear.TILE, (8, 512, 4, 2), (64, 128, 4, 1, 16), (32, 256, 4, 4, 16), (16, 256, 4, 1, 1, 1),
+             (64, 128, 4, 1, 16, 1))  # (each compiles a shape: few)
     chosen = gpu_tiles.tune(model, decoder, torch.bfloat16, tiles=tiles, root=tmp_path / "cache")
     layers = gpu_tiles.launched_layers(model, decoder)
     assert set(chosen) == {gpu_tiles.key_of(layer) for layer in layers} and linear.CHOSEN == chosen
-    assert set(chosen.values()) <= set(tiles)
+    assert {tile for steps in chosen.values() for _, tile in steps} <= set(tiles)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     for layer in layers:
         if layer.in_features == 256:

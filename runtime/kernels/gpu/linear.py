@@ -23,8 +23,13 @@ but ran 2-5x slower at one row and gained under 2x at sixteen: removed.
 them all; a group's codes, small integers, multiply the rows in one `tl.dot` (bfloat16 or float16
 operands on a GPU, every product exact), and the group's sums are scaled in float32, d * sum(x q) +
 m * sum(x), a group at a time in order. The tile's shape and instructions never depend on the rows, and
-no product crosses rows, so a row keeps its bits in any batch too; a shape takes one kind of tile for
+no product crosses rows, so a row keeps its bits in any batch too; a shape takes one float tile for
 every row count (its sums are not `_linear`'s bits). Not yet timed on a GPU.
+
+A tile's sixth number quantizes a block layer's inputs to int8 instead (runtime/kernels/gpu/int8_linear.py,
+the CPU kernels' arithmetic): its group sums are exact integers, so its GEMV and its tensor-core tile give
+a row the same bits, and a shape may take one at some row counts and the other at the rest (`CHOSEN`'s
+steps, `tile_for`; tiles of one `sum_order`). Not yet timed on a GPU either.
 
 A GGUF's linear layers on a GPU with `quantize = "auto"` call it (runtime.model.gpu_blocks, loaded by
 runtime.model.gguf_load); float weights still go through torch's matmuls (row padding keeps their rows
@@ -37,62 +42,26 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.gpu.block_codes import _codes, _inputs, _scales
+from runtime.kernels.gpu.int8_linear import _int8_linear
+
 TILE = (8, 512, 4)  # (outputs, inputs a chunk, warps) a program: from the shapes alone, never the rows
 # Tiles the device check times (bench/gpu.py, `linear_sweep`); on an H200 (bench/results/gpu-nvidia-h200.json)
 # TILE was within 20 % of the fastest at one row for every matmul of an 8B-shaped llama. A fourth number
 # splits the inputs among that many programs a row and outputs (float32 sums, added up in order by a
 # second launch): more programs in flight for a narrow layer, not yet timed on a GPU. A fifth, over 1, is
 # the rows a program of `_tile_linear` (every row count padded to whole tiles of them): not yet timed either.
+# A sixth, 1, quantizes a block layer's inputs to int8 (runtime/kernels/gpu/int8_linear.py: a row alone on
+# the CUDA cores or sixteen on the tensor cores, the same bits in one sum order): not yet timed either.
 TILES = ((32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (8, 256, 2), (4, 1024, 4),
          (8, 512, 4, 2), (8, 512, 4, 4), (16, 256, 4, 8), (4, 1024, 4, 4),
-         (64, 128, 4, 1, 16), (32, 128, 4, 1, 16), (32, 256, 4, 4, 16), (64, 256, 8, 2, 16))
-# A layer shape's tile where one was chosen for it, (outputs, inputs, packed) -> tile: keyed on the shape
-# alone, so every row count of that shape still sums in one order (the device check fills it from its sweep)
-CHOSEN: dict[tuple[int, int, bool], tuple[int, ...]] = {}
-
-
-@triton.jit
-def _codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS: tl.constexpr, PACKED: tl.constexpr,
-           HIGH: tl.constexpr, OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Outputs `rn`'s codes (or float weights) of inputs `k0` to `k0 + BLOCK_K`, `[BLOCK_N, BLOCK_K]` float32.
-    A packed code is its low nibble (two a byte at `w_ptr`), with `HIGH` its two high bits (four a byte at
-    `h_ptr`), less `OFFSET` (a signed code stored unsigned), in integers before it becomes a float."""
-    if PACKED:  # two 4-bit codes a byte, input 2i in the low half, 2i + 1 in the high: one load a byte
-        rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        byte = tl.load(w_ptr + rn[:, None] * w_stride + rb[None, :],
-                       mask=out_ok[:, None] & (rb[None, :] < INS // 2), other=0)
-        w = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_N, BLOCK_K)).to(tl.int32)
-        if HIGH:  # input 4i's two high bits in bits 0-1 of byte i, 4i + 1's in 2-3, ...
-            rh = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-            top = tl.load(h_ptr + rn[:, None] * h_stride + rh[None, :],
-                          mask=out_ok[:, None] & (rh[None, :] < INS // 4), other=0)
-            # (join's pairs inside pairs: a, c, b, d in order)
-            top = tl.join(tl.join(top & 3, (top >> 4) & 3), tl.join((top >> 2) & 3, top >> 6))
-            w = w | (tl.reshape(top, (BLOCK_N, BLOCK_K)).to(tl.int32) << 4)
-        w = (w - OFFSET).to(tl.float32)
-    else:
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * w_stride + rk[None, :], mask=out_ok[:, None] & (rk[None, :] < INS),
-                    other=0).to(tl.float32)
-    return w
-
-
-@triton.jit
-def _inputs(x_row, rk, mask, INS: tl.constexpr, ACT: tl.constexpr):
-    """The row's inputs `rk` in its dtype: with `ACT` (1 SiLU, 2 GELU's tanh form) the row is a fused gate/up
-    output, gate then up, `INS` each, and the inputs are act(gate) * up, rounded where
-    runtime/kernels/gpu/elementwise.py's `_act_mul` rounds (the same bits as its launch)."""
-    x = tl.load(x_row + rk, mask=mask, other=0.0)
-    if ACT:
-        up = tl.load(x_row + INS + rk, mask=mask, other=0.0)
-        wide = x.to(tl.float32)
-        if ACT == 2:
-            inner = 0.7978845608028654 * (wide + 0.044715 * wide * wide * wide)
-            act = (0.5 * wide * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))).to(x.dtype)
-        else:
-            act = (wide / (1.0 + tl.exp(-wide))).to(x.dtype)
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-    return x
+         (64, 128, 4, 1, 16), (32, 128, 4, 1, 16), (32, 256, 4, 4, 16), (64, 256, 8, 2, 16),
+         (16, 256, 4, 1, 1, 1), (32, 128, 4, 1, 1, 1), (8, 512, 4, 1, 1, 1), (16, 256, 4, 4, 1, 1),
+         (64, 128, 4, 1, 16, 1), (32, 256, 4, 1, 16, 1), (64, 256, 8, 4, 16, 1), (32, 256, 4, 4, 16, 1))
+# A layer shape's tiles where they were chosen for it, (outputs, inputs, packed) -> ((rows from, tile), ...)
+# in rising rows: one tile, or int8 inputs' tiles of one sum order (`sum_order`), so every row count of that
+# shape still gives a row the same bits (runtime.model.gpu_tiles fills it at start-up; the device check too)
+CHOSEN: dict[tuple[int, int, bool], tuple[tuple[int, tuple[int, ...]], ...]] = {}
 
 
 @triton.jit
@@ -178,17 +147,10 @@ def _tile_linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, out
             else:
                 part = tl.dot(x, w)
             if BLOCKS:
-                group = rn * d_stride + k0 // GROUP
-                group_ok = out_ok & (k0 < INS)
-                d = tl.load(d_ptr + group, mask=group_ok, other=0).to(tl.float32)
-                if SUPER:
-                    supers = rn * ds_stride + k0 // GROUP // SUPER
-                    d = tl.load(ds_ptr + supers, mask=group_ok, other=0.0) * d
+                d, m = _scales(d_ptr, m_ptr, ds_ptr, ms_ptr, rn, out_ok, k0 // GROUP, d_stride, ds_stride,
+                               INS // GROUP, HAS_M, SUPER)
                 acc += part * d[None, :]
                 if HAS_M:
-                    m = tl.load(m_ptr + group, mask=group_ok, other=0).to(tl.float32)
-                    if SUPER:
-                        m = tl.load(ms_ptr + supers, mask=group_ok, other=0.0) * m
                     acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m[None, :]
             else:
                 acc += part
@@ -213,8 +175,9 @@ def _sum_splits(part_ptr, out_ptr, outs, rows, out_stride, SPLITS: tl.constexpr,
 def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.Tensor | None,
             packed: bool = False, tile: tuple[int, ...] | None = None, supers: tuple | None = None,
             high: torch.Tensor | None = None, offset: int = 0, act: int = 0) -> torch.Tensor:
-    """`tile` (outputs, inputs a chunk, warps[, splits[, rows]]): the sweep's; else the shape's, whatever
-    the rows; `rows` over 1 makes it `_tile_linear`'s (that many rows a program, on the tensor cores).
+    """`tile` (outputs, inputs a chunk, warps[, splits[, rows[, int8]]]): the sweep's; else the shape's at
+    these rows (`tile_for`); `rows` over 1 makes it `_tile_linear`'s (that many rows a program, on the
+    tensor cores), `int8` 1 `_int8_linear`'s (inputs quantized to int8, a GEMV at one row a program).
     `supers` (d's, m's or None): float32 super-block scales `[out, supers]` that `d` and `m`, integer
     sub-scales then, multiply. `high`, `offset`: packed codes' two high bits and what they are less.
     `act` (1 SiLU, 2 GELU's tanh form): `x` `[rows, 2 * in]` is a gate/up output, the inputs act(gate) * up."""
@@ -223,11 +186,13 @@ def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.T
     assert w.shape[1] * (2 if packed else 1) == ins and x.stride(1) == 1 and w.stride(1) == 1
     out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
     group = ins // d.shape[1] if d is not None else 1
-    block_n, block_k, warps, splits, block_m = (*(tile or CHOSEN.get((outs, ins, packed), TILE)), 1, 1)[:5]
+    block_n, block_k, warps, splits, block_m, ints = unpack(tile or tile_for((outs, ins, packed), rows))
     block_k = max(block_k, group)
     assert block_k % group == 0, f"a chunk of {block_k} inputs holds no whole number of groups of {group}"
     assert block_m == 1 or min(block_m, block_n, group if d is not None else block_k) >= 16, \
         "a tensor-core tile multiplies at least 16 rows, outputs and inputs at a time"
+    assert not ints or (d is not None and ins % 32 == 0 and block_k % 32 == 0), \
+        "int8 inputs are for blocks, a group of 32 inputs at a time"
     if not rows:
         return out
     chunk = triton.cdiv(ins, splits * block_k) * block_k  # (a split's inputs: whole chunks)
@@ -244,7 +209,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.T
     constants = dict(INS=ins, GROUP=group, BLOCKS=d is not None, HAS_M=m is not None, SUPER=per_super, PACKED=packed,
                      HIGH=high is not None, OFFSET=offset, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
                      CHUNK=chunk, ACT=act, num_warps=warps)
-    if block_m == 1:
+    if ints:
+        del constants["BLOCKS"]
+        _int8_linear[grid](*args, BLOCK_M=block_m, **constants)
+    elif block_m == 1:
         _linear[grid](*args, **constants)
     else:
         dot = dot_type(x, w)
@@ -253,6 +221,32 @@ def _launch(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor | None, m: torch.T
         block = min(1024, triton.next_power_of_2(outs))
         _sum_splits[(rows, triton.cdiv(outs, block))](parts, out, outs, rows, out.stride(0), SPLITS=splits, BLOCK=block)
     return out
+
+
+def unpack(tile: tuple[int, ...]) -> tuple[int, int, int, int, int, int]:
+    """A tile's (outputs, inputs a chunk, warps, splits, rows a program, int8 inputs), the last three 1, 1, 0
+    where it leaves them out."""
+    return (*tile, *(1, 1, 0)[len(tile) - 3:])
+
+
+def sum_order(tile: tuple[int, ...], ins: int) -> tuple:
+    """What decides the order of a row's sums over `ins` inputs with `tile`: tiles of one order give a row the
+    same bits (int8 inputs' tiles: their splits and a split's inputs; any other tile is its own order)."""
+    _, block_k, _, splits, _, ints = unpack(tile)
+    if not ints:
+        return tuple(tile)
+    return ("int8", splits, 0 if splits == 1 else triton.cdiv(ins, splits * block_k) * block_k)
+
+
+def tile_for(key: tuple[int, int, bool], rows: int) -> tuple[int, ...]:
+    """The tile a layer of shape `key` (outputs, inputs, packed) takes at `rows` rows: the last of its
+    `CHOSEN` steps that starts at or below `rows` (TILE where none was chosen)."""
+    tile = TILE
+    for start, step in CHOSEN.get(key, ()):
+        if start > rows:
+            break
+        tile = step
+    return tile
 
 
 _TRITON_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

@@ -48,10 +48,10 @@ class StackedBlocks:
 
     def launch_args(self) -> tuple[list, dict]:
         """The kernel's pointers and strides for these blocks, and its constants (`_dot`'s) with the tile
-        of an expert's layer shape (runtime.kernels.gpu.linear's CHOSEN or TILE; its splits and rows not taken)."""
+        of an expert's layer shape at one row (runtime.kernels.gpu.linear's `tile_for`; its sizes only)."""
         outs, ins = self.shape
         d, ds = self.d, self.d_super
-        block_n, block_k, warps, *_ = linear.CHOSEN.get((outs, ins, self.packed), linear.TILE)
+        block_n, block_k, warps, *_ = linear.tile_for((outs, ins, self.packed), 1)
         group = ins // d.shape[2]
         block_k = max(block_k, group)
         ms, high = self.m_super, self.high

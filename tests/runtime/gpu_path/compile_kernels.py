@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from runtime.kernels.gpu import elementwise, gated_delta, linear, paged, routed
+from runtime.kernels.gpu import elementwise, gated_delta, int8_linear, linear, paged, routed
 
 HOPPER = GPUTarget("cuda", 90, 32)
 P32, P16, P8, PI32, PI64, I32, F32 = "*fp32", "*bf16", "*i8", "*i32", "*i64", "i32", "fp32"
@@ -76,6 +76,18 @@ def cases():
             SUPER=per_super, PACKED=packed, HIGH=high, OFFSET=32 if high else 0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
             SPLITS=2 if name == "q4_k" else 1, CHUNK=2048 if name == "q4_k" else 4096, ACT=2 if name == "q6_k" else 0,
             DOT=triton.language.bfloat16, IEEE=False)
+    # int8 inputs: a GEMV (one row a program) and the integer tensor cores' tile over Q4_K's packed codes and
+    # compact scales (split in two), Q6_K's 6-bit codes in groups of 16 (inputs SiLU(gate) * up), Q8_0's bytes
+    for name, packed, high, per_super, codes in (("q4_k", True, False, 8, "*u8"), ("q6_k", True, True, 16, "*u8"),
+                                                 ("q8_0", False, False, 0, P8)):
+        for rows in (1, 16):
+            yield f"int8_linear {name} rows={rows}", int8_linear._int8_linear, dict(
+                x_ptr=P16, w_ptr=codes, h_ptr="*u8", d_ptr=P8 if per_super else P32, m_ptr=P8 if per_super else P32,
+                ds_ptr=P32, ms_ptr=P32, out_ptr=P32 if name == "q4_k" else P16, outs=I32, rows=I32, x_stride=I32,
+                w_stride=I32, h_stride=I32, d_stride=I32, ds_stride=I32, out_stride=I32), dict(
+                INS=4096, GROUP=16 if high else 32, HAS_M=name == "q4_k", SUPER=per_super, PACKED=packed, HIGH=high,
+                OFFSET=32 if high else 0, BLOCK_M=rows, BLOCK_N=64 if rows > 1 else 16, BLOCK_K=256,
+                SPLITS=2 if name == "q4_k" else 1, CHUNK=2048 if name == "q4_k" else 4096, ACT=1 if name == "q6_k" else 0)
     blocks = dict(w_ptr="*u8", t_ptr="*u8", d_ptr=P8, m_ptr=P8, ds_ptr=P32, ms_ptr=P32, w_expert=I32, t_expert=I32,
                   d_expert=I32, ds_expert=I32, w_stride=I32, t_stride=I32, d_stride=I32,
                   ds_stride=I32)  # (a Q5_K's experts: 6-bit codes, compact scales)

@@ -31,8 +31,8 @@ def tiny(tmp_path):
     return source, model, build_decoder(model)
 
 
-def faster_second(times=(2.0, 2.0, 1.0, 1.0)):
-    """A clock under which the second of two tiles is the faster at both row counts (calls in tile order)."""
+def faster_second(times=(2.0,) * len(gpu_tiles.ROWS) + (1.0,) * len(gpu_tiles.ROWS)):
+    """A clock under which the second of two tiles is the faster at every row count (calls in tile order)."""
     ticks = itertools.cycle(times)
     return lambda fn: (fn(), next(ticks))[1]
 
@@ -56,7 +56,7 @@ def test_the_tiles_chosen_are_set_cached_and_read_back_and_keep_the_logits(tiny,
     monkeypatch.setattr(linear, "CHOSEN", {})
     chosen = gpu_tiles.tune(model, decoder, torch.float32, timer=faster_second(), tiles=TILES, root=tmp_path / "cache")
     keys = {gpu_tiles.key_of(layer) for layer in gpu_tiles.launched_layers(model, decoder)}
-    assert set(chosen) == keys and set(chosen.values()) == {TILES[1]} and linear.CHOSEN == chosen
+    assert set(chosen) == keys and set(chosen.values()) == {((1, TILES[1]),)} and linear.CHOSEN == chosen
     [entry] = (tmp_path / "cache" / "gpu_tiles").iterdir()
     assert (entry / "tiles.json").exists()
 
@@ -86,8 +86,8 @@ def test_a_tile_that_changes_a_row_s_bits_in_a_batch_is_never_chosen(tiny, monke
     monkeypatch.setattr(gpu_tiles, "_call", call)
     ranked = gpu_tiles.rank_tiles(layer, torch.float32, TILES, timer=faster_second())
     assert [ranked[tile]["kept"] for tile in TILES] == [True, False]
-    assert ranked[TILES[1]]["ms"] == {1: 1.0, 16: 1.0}  # the faster, yet not chosen
-    assert gpu_tiles.choose(ranked) == TILES[0]
+    assert ranked[TILES[1]]["ms"] == {1: 1.0, 4: 1.0, 16: 1.0}  # the faster, yet not chosen
+    assert gpu_tiles.choose(ranked) == ((1, TILES[0]),)
     assert gpu_tiles.choose({TILES[1]: ranked[TILES[1]]}) is None
 
 
@@ -95,14 +95,58 @@ def test_the_tile_chosen_is_the_one_nearest_the_fastest_at_every_row_count():
     """A one-row tile 10 % faster alone but 8x slower at sixteen rows loses to the tile best at sixteen;
     one 3x slower alone loses to a tile within 1.5x at both."""
     ranked = lambda times: {tile: {"kept": True, "ms": {1: a, 16: b}} for tile, (a, b) in times.items()}  # noqa: E731
-    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 8.0), (64, 128, 4, 1, 16): (1.1, 1.0)})) == (64, 128, 4, 1, 16)
-    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 1.5), (64, 128, 4, 1, 16): (3.0, 1.0)})) == (8, 512, 4)
+    choose = lambda times: dict(gpu_tiles.choose(ranked(times)))  # noqa: E731 - (one tile: {1: it})
+    assert choose({(8, 512, 4): (1.0, 8.0), (64, 128, 4, 1, 16): (1.1, 1.0)}) == {1: (64, 128, 4, 1, 16)}
+    assert choose({(8, 512, 4): (1.0, 1.5), (64, 128, 4, 1, 16): (3.0, 1.0)}) == {1: (8, 512, 4)}
     # each of two tiles best at one row count, 2x off at the other: a third within 1.5x of both wins
-    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 3.0), (4, 1024, 4): (2.0, 1.5), (16, 256, 4): (1.5, 2.0)})) \
-        == (16, 256, 4)
+    assert choose({(8, 512, 4): (1.0, 3.0), (4, 1024, 4): (2.0, 1.5), (16, 256, 4): (1.5, 2.0)}) == {1: (16, 256, 4)}
     # equal worst ratios: the least summed time
-    assert gpu_tiles.choose(ranked({(8, 512, 4): (1.0, 3.0), (4, 1024, 4): (3.0, 1.0), (32, 128, 4): (2.0, 2.0),
-                                    (16, 256, 4): (2.0, 1.5)})) == (16, 256, 4)
+    assert choose({(8, 512, 4): (1.0, 3.0), (4, 1024, 4): (3.0, 1.0), (32, 128, 4): (2.0, 2.0),
+                   (16, 256, 4): (2.0, 1.5)}) == {1: (16, 256, 4)}
+
+
+GEMV8, TILE8, SPLIT8 = (16, 256, 4, 1, 1, 1), (64, 128, 4, 1, 16, 1), (64, 256, 8, 4, 16, 1)  # (int8 inputs)
+
+
+def test_int8_tiles_of_one_order_are_chosen_each_from_the_row_count_it_is_fastest_at():
+    """The same bits (one order) let a GEMV take a stream alone and the tensor cores a search's beams; tiles
+    of another order never join them, and a tile alone still wins where it is nearer the best everywhere."""
+    def ranked(times, orders):
+        return {tile: {"kept": True, "ms": dict(zip((1, 4, 16), ms)), "order": orders.get(tile, tile)}
+                for tile, ms in times.items()}
+    times = {(8, 512, 4): (1.2, 2.0, 4.0), GEMV8: (1.0, 2.0, 8.0), TILE8: (2.0, 2.0, 1.0)}
+    assert gpu_tiles.choose(ranked(times, {TILE8: GEMV8})) == ((1, GEMV8), (16, TILE8))
+    assert gpu_tiles.choose(ranked(times, {})) == ((1, TILE8),)  # (another order: no steps between them)
+    # a float tile within 1.25x everywhere beats the steps' worst of 1.6x (at four rows)
+    times = {(8, 512, 4): (1.2, 1.25, 1.25), GEMV8: (1.0, 2.0, 8.0), TILE8: (2.0, 2.0, 1.0)}
+    assert gpu_tiles.choose(ranked(times, {TILE8: GEMV8})) == ((1, (8, 512, 4)),)
+
+
+def test_int8_tiles_are_grouped_by_the_bits_they_give_and_chosen_by_rows(tiny, tmp_path, monkeypatch):
+    """With int8 inputs a GEMV and a tensor-core tile give a row the same bits: measured on a real layer, so
+    they are one order, the steps set for the kernel take each at its rows, and every row keeps its bits."""
+    source, model, decoder = tiny
+    layer = model.model.layers[0].mlp.down_proj
+    ranked = gpu_tiles.rank_tiles(layer, torch.float32, (GEMV8, TILE8, SPLIT8), timer=lambda fn: 1.0)
+    assert [ranked[tile]["order"] for tile in (GEMV8, TILE8, SPLIT8)] == [GEMV8, GEMV8, SPLIT8]
+    assert all(entry["kept"] for entry in ranked.values())
+    clock = itertools.cycle((1.0, 1.0, 3.0, 2.0, 2.0, 1.0))  # (the GEMV at 1 and 4 rows, the tile at 16)
+    monkeypatch.setattr(linear, "CHOSEN", {})
+    chosen = gpu_tiles.tune(model, decoder, torch.float32, timer=lambda fn: next(clock), tiles=(GEMV8, TILE8),
+                            root=tmp_path / "cache")
+    assert set(chosen.values()) == {((1, GEMV8), (16, TILE8))}
+    key = gpu_tiles.key_of(layer)
+    assert [linear.tile_for(key, rows) for rows in (1, 15, 16, 40)] == [GEMV8, GEMV8, TILE8, TILE8]
+    x = torch.randn(17, layer.in_features)
+    whole = layer.rows(x)
+    assert all(torch.equal(layer.rows(x[i:i + 1]), whole[i:i + 1]) for i in (0, 16))
+    # int8 inputs as the CPU's block kernels quantize them: the CPU's logits within float32 rounding (the
+    # float weights' are up to 0.13 away here, the CPU's as far)
+    cpu, _ = load_gguf_blocks(source, gguf_config(source), torch.float32, "sdpa")
+    monkeypatch.setattr(linear, "TILE", GEMV8)  # (transformers' forward runs gate and up apart: not tuned)
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, cpu(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_qwen3_5_file_s_launched_layers_are_its_fused_runs_too(tmp_path):
@@ -144,5 +188,5 @@ def test_a_tile_that_does_not_run_here_is_left_out(tiny, monkeypatch, caplog):
 
     monkeypatch.setattr(gpu_tiles, "_call", call)
     ranked = gpu_tiles.rank_tiles(model.lm_head, torch.float32, TILES, timer=faster_second())
-    assert list(ranked) == [TILES[0]] and gpu_tiles.choose(ranked) == TILES[0]
+    assert list(ranked) == [TILES[0]] and gpu_tiles.choose(ranked) == ((1, TILES[0]),)
     assert "does not run here" in caplog.text

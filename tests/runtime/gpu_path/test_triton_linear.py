@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from runtime.kernels.gpu.linear import TILES, _launch, block_linear, linear, pack_nibbles
+from runtime.kernels.gpu.linear import TILES, _launch, block_linear, linear, pack_nibbles, sum_order, unpack
 from runtime.model.gguf_blocks import decode
 
 
@@ -131,7 +131,49 @@ def test_every_tile_the_sweep_times_computes_the_same_weights(tile):
     weights = (codes.float().reshape(24, -1, 32) * d[..., None] + m[..., None]).reshape(24, 1088)
     out = assert_rows_are_their_own(lambda rows: block_linear(rows, pack_nibbles(codes), d, m, packed=True,
                                                               tile=tile), x)
-    torch.testing.assert_close(out, x @ weights.T, atol=1e-4, rtol=1e-4)
+    if unpack(tile)[5]:  # (int8 inputs: the weights times the inputs as quantized)
+        expected = (int8_inputs(x) @ weights.double().T).float()
+    else:
+        expected = x @ weights.T
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def int8_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as the int8 kernels quantize them, a group of 32 at a time (s * q, float64): top = max |x|,
+    q = x * (127 / top) to the nearest integer, s = top / 127."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    top = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups * torch.where(top > 0, 127.0 / top, torch.zeros_like(top)))
+    return (q.double() * (top / 127.0).double()).reshape(x.shape)
+
+
+INT8_TILES = [tile for tile in TILES if unpack(tile)[5]]
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q3_K"])
+def test_int8_inputs_give_a_row_the_same_bits_in_every_tile_of_one_sum_order(kind):
+    """The int8 kernel over a layer's codes in the forms a GPU keeps them (packed, 6-bit, int8; groups of
+    32 and of 16): gguf's weights times the inputs as quantized, within float32's rounding; a row's bits
+    alone as in a batch; and the same bits from the GEMV and the tensor-core tile of one sum order, so a
+    layer may take either at any row count."""
+    from runtime.model.gpu_blocks import GpuBlockLinear
+    from tests.gguf_model import blocks_of
+
+    data = blocks_of(kind, 40, 512, seed=12)
+    layer = GpuBlockLinear.from_blocks(decode(kind, data))
+    dense = torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).copy())
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(13))
+    expected = int8_inputs(x) @ dense.double().T
+    by_order: dict[tuple, torch.Tensor] = {}
+    for tile in (INT8_TILES[0], INT8_TILES[4], (16, 64, 4, 3, 1, 1), (16, 64, 4, 3, 16, 1)):  # (GEMV, tile; split)
+        call = lambda rows: block_linear(rows, layer.weight, layer.d, layer.m, layer.packed, tile=tile,  # noqa: E731
+                                         high=layer.high, offset=layer.offset,
+                                         supers=None if layer.d_super is None else (layer.d_super, layer.m_super))
+        out = call(x)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5 * float(expected.abs().max()), rtol=1e-5)
+        assert torch.equal(call(x[16:17]), out[16:17]) and torch.equal(call(x[:3]), out[:3])
+        assert torch.equal(by_order.setdefault(sum_order(tile, 512), out), out), tile
+    assert len(by_order) == 2  # (one split; three of 192 inputs)
 
 
 @pytest.fixture
@@ -160,7 +202,7 @@ def bf16_products(monkeypatch):
     monkeypatch.setattr(linear_module, "dot_type", lambda x, w: x.dtype if x.dtype == torch.bfloat16 else torch.float32)
 
 
-TENSOR_TILES = [tile for tile in TILES if len(tile) == 5 and tile[4] > 1]
+TENSOR_TILES = [tile for tile in TILES if unpack(tile)[4] > 1 and not unpack(tile)[5]]
 
 
 @pytest.mark.parametrize("operands", ["float32", "bfloat16"])
@@ -198,7 +240,7 @@ def test_a_tensor_core_tile_over_float_weights_matches_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tile", [None, (16, 32, 4, 1, 16)])
+@pytest.mark.parametrize("tile", [None, (16, 32, 4, 1, 16), (8, 32, 4, 1, 1, 1), (16, 64, 4, 1, 16, 1)])
 def test_a_down_projection_computes_act_of_gate_times_up_as_it_loads_them(dtype, tile):
     """`act`: the block GEMM reads a fused gate/up output and computes SiLU(gate) * up (GELU's tanh form:
     Gemma's) as it loads its inputs: the same bits as elementwise.act_mul's launch and then the GEMM."""
