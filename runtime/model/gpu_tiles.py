@@ -14,7 +14,8 @@ changes while serving). The choices are kept in the start-up cache (runtime.star
 reads them.
 
 Only the layers the Triton loop launches are timed (fused qkv and gate/up, o, down, the head); a MoE's
-routed experts run their own kernels (runtime/kernels/gpu/routed.py) and keep the default tile.
+routed experts run their own kernels (runtime/kernels/gpu/routed.py), with the sizes of their shape's
+tile at one row (`linear.tile_for`: the default tile, unless a dense layer of that shape was timed).
 `model.gpu_tiles = "default"` skips this and keeps `linear.TILE` everywhere.
 """
 

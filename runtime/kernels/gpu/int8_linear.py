@@ -38,11 +38,10 @@ def _quantized(x):
 
 
 @triton.jit
-def _products(q, c, DOT: tl.constexpr):
-    """<q, c> over a group: q `[rows, 32]` and c `[outs, 32]` int32 -> `[rows, outs]` int32, exact."""
-    if DOT:
-        return tl.dot(q.to(tl.int8), tl.trans(c.to(tl.int8)), out_dtype=tl.int32)
-    return tl.sum(q[:, None, :] * c[None, :, :], axis=2)
+def _products(q, c):
+    """<q, c> over a group on the tensor cores: q `[rows, 32]` and c `[outs, 32]` int32 -> `[rows, outs]`
+    int32, exact."""
+    return tl.dot(q.to(tl.int8), tl.trans(c.to(tl.int8)), out_dtype=tl.int32)
 
 
 @triton.jit
@@ -118,12 +117,12 @@ def _int8_linear(x_ptr, w_ptr, h_ptr, d_ptr, m_ptr, ds_ptr, ms_ptr, out_ptr, out
                 c = _codes(w_ptr, h_ptr, rn, out_ok, k0, w_stride, h_stride, INS, PACKED, HIGH, OFFSET, BLOCK_N, 32,
                            True)
                 if HALVES:  # each half's products, from codes of the other half zeroed
-                    first = _products(q, tl.where(half, c, 0), True)
-                    second = _products(q, tl.where(half, 0, c), True)
+                    first = _products(q, tl.where(half, c, 0))
+                    second = _products(q, tl.where(half, 0, c))
                     low = tl.sum(tl.where(half, q, 0), axis=1)
                     high = tl.sum(tl.where(half, 0, q), axis=1)
                 else:
-                    first = _products(q, c, True)
+                    first = _products(q, c)
                     second = first
                     low = tl.sum(q, axis=1)
                     high = low
